@@ -183,15 +183,20 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         if size < 24:
             raise GGUFError(f"is {size} bytes, too small to be a GGUF file")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(mm)
     try:
-        return _parse(path, mm, size)
+        return _parse(path, mm, view, size)
     except GGUFError:
-        mm.close()
+        view.release()
+        try:
+            mm.close()
+        except BufferError:  # a temporary array still views it; the GC unmaps it later
+            pass
         raise
 
 
-def _parse(path: str, mm: mmap.mmap, size: int) -> GGUFFile:
-    cur = _Cursor(memoryview(mm), path)
+def _parse(path: str, mm: mmap.mmap, view: memoryview, size: int) -> GGUFFile:
+    cur = _Cursor(view, path)
     magic = bytes(mm[:4])
     if magic != GGUF_MAGIC:
         raise GGUFError(f"is not a GGUF file (magic {magic!r}, expected b'GGUF')")

@@ -1,0 +1,246 @@
+"""GGUF metadata -> a typed, validated `ModelConfig` for the architectures we run natively."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from gguf import LlamaFileType
+
+from edgeinfer.gguf_file import GGUFError, GGUFFile
+
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+class UnsupportedArchitecture(GGUFError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    name: str
+    n_layers: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rms_eps: float
+    rope_base: float
+    rope_neox: bool              # rotate halves (NeoX) rather than adjacent pairs (GPT-J/llama)
+    rope_scale: float = 1.0      # linear position scaling (positions divided by this)
+    rope_base_local: float = 0.0  # gemma3 sliding-window layers
+    sliding_window: int = 0      # 0 = every layer global
+    swa_pattern: int = 0         # gemma3: every swa_pattern-th layer is global
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    embed_scale: float = 1.0
+    tied_output: bool = False
+    post_norms: bool = False     # gemma3 post-attention / post-ffw norms
+    activation: str = "silu"     # silu (SwiGLU) or gelu_tanh (GeGLU)
+    has_rope_freqs: bool = False  # llama3 per-dimension rope factors tensor
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_head * self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window and self.swa_pattern and (layer + 1) % self.swa_pattern)
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """The DESIGN.md formula: 2 x layers x kv_heads x head_dim x bytes_per_value."""
+        return 2 * self.n_layers * self.n_kv_head * self.head_dim * bytes_per_value
+
+
+def _meta(f: GGUFFile, arch: str, key: str, default=None, kind=int):
+    full = f"{arch}.{key}"
+    v = f.metadata.get(full, default)
+    if v is None:
+        raise GGUFError(f"is missing the required metadata key {full!r}")
+    if hasattr(v, "shape") and getattr(v, "ndim", 0):   # per-layer arrays: need a uniform value
+        if len(v) == 0 or (v != v[0]).any():
+            raise GGUFError(f"metadata {full!r} varies per layer, which is not supported")
+        v = v[0]
+    try:
+        v = kind(v)
+    except (TypeError, ValueError):
+        raise GGUFError(f"metadata {full!r} has an invalid value {v!r}") from None
+    return v
+
+
+def _positive(name: str, v: int, limit: int) -> int:
+    if not 0 < v <= limit:
+        raise GGUFError(f"has an implausible {name} of {v}")
+    return v
+
+
+def load_model_config(f: GGUFFile) -> ModelConfig:
+    """Build and check the config; verify required tensors and their shapes."""
+    arch = f.metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError("has no general.architecture metadata")
+    if arch not in NATIVE_ARCHS:
+        raise UnsupportedArchitecture(
+            f"architecture {arch!r} is not supported by the native engine "
+            f"(supported: {', '.join(NATIVE_ARCHS)}); run it with --backend llamacpp")
+    n_embd = _positive("embedding length", _meta(f, arch, "embedding_length"), 1 << 16)
+    n_layers = _positive("block count", _meta(f, arch, "block_count"), 1024)
+    n_ff = _positive("feed-forward length", _meta(f, arch, "feed_forward_length"), 1 << 18)
+    n_head = _positive("head count", _meta(f, arch, "attention.head_count"), 1024)
+    n_kv = _positive("KV head count", _meta(f, arch, "attention.head_count_kv", n_head), n_head)
+    if n_head % n_kv:
+        raise GGUFError(f"has {n_head} heads, not a multiple of its {n_kv} KV heads")
+    head_dim = _positive("head dim", _meta(f, arch, "attention.key_length", n_embd // n_head), 4096)
+    v_dim = _meta(f, arch, "attention.value_length", head_dim)
+    if v_dim != head_dim:
+        raise GGUFError(f"has different key ({head_dim}) and value ({v_dim}) head sizes")
+    ctx = _positive("context length", _meta(f, arch, "context_length", 2048), 1 << 24)
+    eps = _meta(f, arch, "attention.layer_norm_rms_epsilon", 1e-5, float)
+    tokens = f.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise GGUFError("has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    vocab = len(tokens)
+    rope_base = _meta(f, arch, "rope.freq_base", 10000.0, float)
+    scaling = f.metadata.get(f"{arch}.rope.scaling.type", "none")
+    rope_scale = 1.0
+    if scaling == "linear":
+        rope_scale = _meta(f, arch, "rope.scaling.factor", 1.0, float)
+    elif scaling not in ("none", None):
+        raise GGUFError(f"uses rope scaling {scaling!r}, which the native engine does not support; "
+                        f"run it with --backend llamacpp")
+    if not (math.isfinite(eps) and 0 < eps < 1 and math.isfinite(rope_base) and rope_base > 0
+            and math.isfinite(rope_scale) and rope_scale > 0):
+        raise GGUFError("has invalid normalization or rope parameters")
+
+    tied = "output.weight" not in f.tensors
+    common = dict(arch=arch, name=str(f.metadata.get("general.name", arch)), n_layers=n_layers,
+                  n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_kv_head=n_kv, head_dim=head_dim,
+                  vocab_size=vocab, context_length=ctx, rms_eps=eps, rope_base=rope_base,
+                  rope_scale=rope_scale, tied_output=tied)
+    if arch == "gemma3":
+        cfg = ModelConfig(**common, rope_neox=True,
+                          rope_base_local=_meta(f, arch, "rope.freq_base_swa", 10000.0, float),
+                          sliding_window=_meta(f, arch, "attention.sliding_window", 0),
+                          swa_pattern=6, qk_norm=True, embed_scale=math.sqrt(n_embd),
+                          post_norms=True, activation="gelu_tanh")
+    elif arch == "qwen3":
+        cfg = ModelConfig(**common, rope_neox=True, qk_norm=True)
+    elif arch == "qwen2":
+        cfg = ModelConfig(**common, rope_neox=True, qkv_bias="blk.0.attn_q.bias" in f.tensors)
+    else:
+        cfg = ModelConfig(**common, rope_neox=False, has_rope_freqs="rope_freqs.weight" in f.tensors)
+    check_tensors(f, cfg)
+    return cfg
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward pass reads, with its ggml shape."""
+    e, q, kv, ff = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (e, cfg.vocab_size),
+        "output_norm.weight": (e,),
+    }
+    if not cfg.tied_output:
+        shapes["output.weight"] = (e, cfg.vocab_size)
+    if cfg.has_rope_freqs:
+        shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (e,), p + "attn_q.weight": (e, q), p + "attn_k.weight": (e, kv),
+            p + "attn_v.weight": (e, kv), p + "attn_output.weight": (q, e),
+            p + "ffn_norm.weight": (e,), p + "ffn_gate.weight": (e, ff),
+            p + "ffn_up.weight": (e, ff), p + "ffn_down.weight": (ff, e),
+        })
+        if cfg.qk_norm:
+            shapes[p + "attn_q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "attn_k_norm.weight"] = (cfg.head_dim,)
+        if cfg.post_norms:
+            shapes[p + "post_attention_norm.weight"] = (e,)
+            shapes[p + "post_ffw_norm.weight"] = (e,)
+        if cfg.qkv_bias:
+            shapes[p + "attn_q.bias"] = (q,)
+            shapes[p + "attn_k.bias"] = (kv,)
+            shapes[p + "attn_v.bias"] = (kv,)
+    return shapes
+
+
+def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
+    for name, shape in expected_tensors(cfg).items():
+        t = f.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"is missing tensor {name!r} required by the {cfg.arch} architecture")
+        if tuple(t.shape) != shape:
+            raise GGUFError(f"tensor {name!r} has shape {list(t.shape)}, expected {list(shape)} "
+                            f"from the model's hyper-parameters")
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What `edgeinfer show` and manifests print; works for any architecture."""
+    path: str
+    arch: str
+    name: str
+    n_params: int
+    file_type: str
+    quant_counts: dict[str, int]
+    context_length: int | None
+    n_layers: int | None
+    n_head: int | None
+    n_kv_head: int | None
+    head_dim: int | None
+    n_embd: int | None
+    vocab_size: int
+    tokenizer: str
+    has_chat_template: bool
+    file_size: int
+    native: bool
+
+    @property
+    def kv_bytes_per_token_f16(self) -> int | None:
+        if None in (self.n_layers, self.n_kv_head, self.head_dim):
+            return None
+        return 2 * self.n_layers * self.n_kv_head * self.head_dim * 2
+
+
+def file_type_name(ft) -> str:
+    try:
+        return LlamaFileType(int(ft)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return "unknown"
+
+
+def summarize(f: GGUFFile) -> ModelSummary:
+    md = f.metadata
+    arch = str(md.get("general.architecture", "unknown"))
+
+    def opt(key):
+        v = md.get(f"{arch}.{key}")
+        if hasattr(v, "__len__") and not isinstance(v, str):
+            v = v[0] if len(v) else None
+        return int(v) if v is not None else None
+
+    n_head = opt("attention.head_count")
+    n_embd = opt("embedding_length")
+    head_dim = opt("attention.key_length") or (n_embd // n_head if n_embd and n_head else None)
+    counts = Counter(t.type_name for t in f.tensors.values())
+    ft = md.get("general.file_type")
+    tokens = md.get("tokenizer.ggml.tokens")
+    return ModelSummary(
+        path=f.path, arch=arch, name=str(md.get("general.name", "")),
+        n_params=sum(t.n_elements for t in f.tensors.values()),
+        file_type=file_type_name(ft) if ft is not None else "unknown",
+        quant_counts=dict(counts.most_common()),
+        context_length=opt("context_length"), n_layers=opt("block_count"), n_head=n_head,
+        n_kv_head=opt("attention.head_count_kv") or n_head, head_dim=head_dim, n_embd=n_embd,
+        vocab_size=len(tokens) if isinstance(tokens, list) else 0,
+        tokenizer=str(md.get("tokenizer.ggml.model", "none")),
+        has_chat_template=isinstance(md.get("tokenizer.chat_template"), str),
+        file_size=f.file_size, native=arch in NATIVE_ARCHS)

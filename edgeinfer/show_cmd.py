@@ -1,0 +1,81 @@
+"""`edgeinfer show MODEL`: what a GGUF file holds, validated, without loading weights."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from edgeinfer.gguf_file import GGUFError, read_gguf
+from edgeinfer.model_config import ModelSummary, load_model_config, summarize
+
+
+def resolve_model_file(model: str) -> str:
+    """A store name (`gemma3:270m`) or a path to a .gguf file -> the file's path."""
+    if model.endswith(".gguf") or os.sep in model or os.path.exists(model):
+        if not os.path.exists(model):
+            raise GGUFError(f"{model}: file not found")
+        return model
+    from edgeinfer.store import Store
+    return str(Store().resolve(model).path)
+
+
+def load_summary(path: str) -> ModelSummary:
+    try:
+        f = read_gguf(path)
+        summary = summarize(f)
+        if summary.native:
+            load_model_config(f)   # full tensor/shape validation for the archs we run
+        f.close()
+        return summary
+    except GGUFError as e:
+        raise GGUFError(f"{path}: {e}") from None
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _human_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def format_summary(s: ModelSummary, model: str) -> str:
+    kv = s.kv_bytes_per_token_f16
+    rows = [
+        ("architecture", s.arch + ("" if s.native else "  (not native: use --backend llamacpp)")),
+        ("name", s.name or "-"),
+        ("parameters", f"{_human_count(s.n_params)} ({s.n_params:,})"),
+        ("file type", s.file_type),
+        ("quantization", ", ".join(f"{k} x{v}" for k, v in s.quant_counts.items())),
+        ("context length", str(s.context_length or "-")),
+        ("embedding length", str(s.n_embd or "-")),
+        ("layers", str(s.n_layers or "-")),
+        ("heads / KV heads", f"{s.n_head or '-'} / {s.n_kv_head or '-'}"),
+        ("head dim", str(s.head_dim or "-")),
+        ("vocabulary", f"{s.vocab_size:,} ({s.tokenizer} tokenizer)"),
+        ("chat template", "yes" if s.has_chat_template else "no (built-in template for the architecture)"),
+        ("KV cache (f16)", f"{kv:,} bytes/token = 2 x {s.n_layers} layers x {s.n_kv_head} KV heads "
+                           f"x {s.head_dim} head dim x 2 bytes" if kv else "-"),
+        ("file size", f"{_human_bytes(s.file_size)} ({s.file_size:,} bytes)"),
+        ("file", s.path),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"  Model {model}"] + [f"    {k:<{width}}  {v}" for k, v in rows])
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    path = resolve_model_file(args.model)
+    print(format_summary(load_summary(path), args.model))
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser("show", help="show a model's architecture, quantization and sizes")
+    p.add_argument("model", help="a store name (gemma3:270m) or a path to a .gguf file")
+    p.set_defaults(func=cmd_show)

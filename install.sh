@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One set-up command: a virtual environment in .venv, edgeinfer installed editable with its
+# dependencies, the bundled default model registered as gemma3:270m, and the numba kernel cache
+# warmed. `--dev` adds the test dependencies and test data. Safe to run again: a second run only
+# re-checks what changed.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+dev=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) dev=1 ;;
+    -h|--help) echo "usage: ./install.sh [--dev]"; exit 0 ;;
+    *) echo "install.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+
+py=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$py" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+
+# torch before anything that depends on it: 2.13.0 is the CPU build on this machine's disk; a
+# bare `torch` requirement would otherwise pull a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "==> installing torch 2.13.0"
+  "${pip[@]}" torch==2.13.0
+fi
+
+extras="torch,bundled"
+[ "$dev" = 1 ] && extras="$extras,test"
+stamp=".venv/.edgeinfer-install-$extras"
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "==> installing edgeinfer[$extras] (llama-cpp-python builds from source the first time: ~6 min)"
+  "${pip[@]}" -e ".[$extras]"
+  echo "$want" > "$stamp"
+fi
+
+echo "==> registering the bundled model as gemma3:270m"
+.venv/bin/python -m edgeinfer.setup_tasks register-bundled
+
+echo "==> warming the kernel cache"
+.venv/bin/python -m edgeinfer.setup_tasks warm-kernels
+
+if [ "$dev" = 1 ]; then
+  echo "==> test data: llama.cpp vocabularies and chat templates (from the llama-cpp-python sdist)"
+  bash tests/data/fetch_llama_vocab.sh
+fi
+echo "==> done. Try: .venv/bin/edgeinfer run gemma3:270m \"Why is the sky blue?\""

@@ -1,0 +1,183 @@
+"""The GGUF loader: a valid file parses; truncated, empty, random or hostile files give one
+clear sentence (never a traceback, never a huge allocation)."""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from edgeinfer.gguf_file import GGUFError, read_gguf
+from edgeinfer.model_config import UnsupportedArchitecture, load_model_config, summarize
+
+HEADER = 4 + 4 + 8 + 8
+
+
+@pytest.fixture(scope="module")
+def head_bytes(gemma3_path) -> bytes:
+    """The real file's header (metadata + tensor table), where the parser's risk lives."""
+    f = read_gguf(gemma3_path)
+    n = f.data_offset
+    f.close()
+    with open(gemma3_path, "rb") as fh:
+        return fh.read(n)
+
+
+def test_real_model_config(gemma3_path):
+    f = read_gguf(gemma3_path)
+    cfg = load_model_config(f)
+    assert (cfg.arch, cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim) == \
+        ("gemma3", 18, 640, 4, 1, 256)
+    assert cfg.vocab_size == 262144 and cfg.sliding_window == 512 and cfg.tied_output
+    assert [cfg.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+    assert cfg.kv_bytes_per_token(2) == 2 * 18 * 1 * 256 * 2
+    s = summarize(f)
+    assert s.file_type == "Q4_K_M"
+    assert s.quant_counts == {"F32": 109, "Q5_0": 81, "Q4_K": 27, "Q8_0": 10, "Q6_K": 9}
+    assert s.n_params == sum(t.n_elements for t in f.tensors.values())
+    # Tensor data is a view into the map, not a copy.
+    raw = f.raw("output_norm.weight")
+    assert raw.nbytes == 640 * 4 and not raw.flags.owndata
+
+
+def _write(tmp_path: Path, data: bytes) -> Path:
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(data)
+    return p
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "too small"),
+    (b"GGUF", "too small"),
+    (b"NOPE" + bytes(40), "not a GGUF file"),
+    (b"GGUF" + struct.pack("<IQQ", 7, 0, 0), "version 7"),
+    (b"GGUF" + struct.pack("<IQQ", 3, 2**62, 0), "claims 4611686018427387904 tensors"),
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 2**62), "metadata entries"),
+    # a key whose length runs past the end
+    (b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2**40) + b"k" + bytes(64), "plausible"),
+    # an array of 2^62 uint32 items
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 4, 2**62) + bytes(64),
+     "more than the file can hold"),
+    # unknown value type
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<I", 99) + bytes(64),
+     "unknown value type"),
+])
+def test_hostile_headers(tmp_path, data, message):
+    with pytest.raises(GGUFError, match=message):
+        read_gguf(_write(tmp_path, data))
+
+
+def _tensor_table(name: bytes, dims: list[int], ttype: int, offset: int) -> bytes:
+    out = struct.pack("<Q", len(name)) + name + struct.pack("<I", len(dims))
+    out += b"".join(struct.pack("<Q", d) for d in dims)
+    return out + struct.pack("<IQ", ttype, offset)
+
+
+@pytest.mark.parametrize("dims, ttype, offset, message", [
+    ([4, 4], 0, 2**60, "extends past the end"),        # offset beyond the file (Bleeding Llama)
+    ([2**40, 2**40], 0, 0, "extends past the end"),     # 2^80 elements: no int64 wrap-around
+    ([2**41], 0, 0, "invalid shape"),
+    ([4, 4, 4, 4, 4], 0, 0, "5 dimensions"),
+    ([4], 12345, 0, "unknown type id"),
+    ([10], 8, 0, "not a multiple"),                     # Q8_0 row not a multiple of 32
+    ([4], 0, 3, "not aligned"),
+    ([0], 0, 0, "invalid shape"),
+])
+def test_hostile_tensor_table(tmp_path, dims, ttype, offset, message):
+    data = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + _tensor_table(b"t", dims, ttype, offset)
+    data += bytes(-len(data) % 32) + bytes(64)
+    with pytest.raises(GGUFError, match=message):
+        read_gguf(_write(tmp_path, data))
+
+
+def test_overlapping_tensors(tmp_path):
+    data = b"GGUF" + struct.pack("<IQQ", 3, 2, 0)
+    data += _tensor_table(b"a", [16], 0, 0) + _tensor_table(b"b", [16], 0, 32)
+    data += bytes(-len(data) % 32) + bytes(128)
+    with pytest.raises(GGUFError, match="overlap"):
+        read_gguf(_write(tmp_path, data))
+
+
+def test_truncated_real_file(tmp_path, gemma3_path, head_bytes):
+    for cut in (30, 1000, 100_000, len(head_bytes) - 3, len(head_bytes) + 1000):
+        with open(gemma3_path, "rb") as fh:
+            data = fh.read(cut)
+        with pytest.raises(GGUFError):
+            read_gguf(_write(tmp_path, data))
+
+
+def test_missing_tensor_and_bad_shape(tmp_path, head_bytes, gemma3_path):
+    # Rename one required tensor in place (same length) and check the config refuses it.
+    data = bytearray(open(gemma3_path, "rb").read())
+    i = data.find(b"blk.3.ffn_up.weight")
+    data[i:i + 19] = b"blk.3.ffn_XX.weight"
+    p = _write(tmp_path, bytes(data))
+    with pytest.raises(GGUFError, match="missing tensor 'blk.3.ffn_up.weight'"):
+        load_model_config(read_gguf(p))
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    p = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(p), "phi3")
+    w.add_tensor("x", np.zeros(32, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(UnsupportedArchitecture, match="'phi3'.*--backend llamacpp"):
+        load_model_config(read_gguf(p))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_mutated_header(tmp_path, head_bytes, data):
+    """Random byte edits, insertions and truncations of the real header: GGUFError or success,
+    nothing else (no IndexError, MemoryError, struct.error, OverflowError...)."""
+    buf = bytearray(head_bytes)
+    for _ in range(data.draw(st.integers(1, 8))):
+        op = data.draw(st.sampled_from(["flip", "u64", "cut", "insert"]))
+        pos = data.draw(st.integers(0, len(buf) - 1))
+        if op == "flip":
+            buf[pos] = data.draw(st.integers(0, 255))
+        elif op == "u64" and pos + 8 <= len(buf):
+            buf[pos:pos + 8] = struct.pack("<Q", data.draw(st.sampled_from(
+                [0, 1, 2**31, 2**32 - 1, 2**62, 2**63, 2**64 - 1, len(buf)])))
+        elif op == "cut":
+            del buf[pos:]
+            if not buf:
+                break
+        else:
+            buf[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+    try:
+        f = read_gguf(_write(tmp_path, bytes(buf)))
+    except GGUFError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    # If it parsed, every tensor lies inside the file.
+    for t in f.tensors.values():
+        assert t.offset + t.nbytes <= f.file_size
+
+
+def test_cli_show_bad_files_no_traceback(tmp_path):
+    for name, data in [("empty.gguf", b""), ("rand.gguf", np.random.default_rng(0).bytes(5000)),
+                       ("hostile.gguf", b"GGUF" + struct.pack("<IQQ", 3, 2**62, 2**62))]:
+        p = tmp_path / name
+        p.write_bytes(data)
+        r = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "show", str(p)],
+                           capture_output=True, text=True)
+        assert r.returncode == 1, r
+        assert "Traceback" not in r.stderr and str(p) in r.stderr
+        assert len(r.stderr.strip().splitlines()) <= 2
+    r = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "show", str(tmp_path / "nope.gguf")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "not found" in r.stderr
+
+
+def test_cli_show_real_model(gemma3_path):
+    r = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "show", str(gemma3_path)],
+                       capture_output=True, text=True, check=True)
+    for needle in ("gemma3", "Q4_K_M", "32768", "18", "4 / 1", "256", "262,144", "llama tokenizer",
+                   "18,432 bytes/token", "253,113,024"):
+        assert needle in r.stdout, needle
