@@ -1,0 +1,308 @@
+"""Sampler: greedy, seeds, truncation supports, penalties, bias, temperature, logprobs,
+validation. Distribution checks use fixed seeds, so they are deterministic."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgeinfer.sampling import (
+    SamplingParams, Sampler, SeqSamplingState, _categorical, process_logits, truncate,
+)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def draw(logits: np.ndarray, n: int, **kw) -> np.ndarray:
+    """n tokens from one sequence (no history effects: no penalties in these calls)."""
+    st = SeqSamplingState(SamplingParams(seed=kw.pop("seed", 0), **kw))
+    s = Sampler()
+    row = logits[None, :].astype(np.float32)
+    return np.array([s.sample(row, [st]).tokens[0] for _ in range(n)])
+
+
+def probs_logits(probs) -> np.ndarray:
+    return np.log(np.asarray(probs, dtype=np.float64)).astype(np.float32)
+
+
+# --- greedy and seeds --------------------------------------------------------------------
+
+def test_greedy_is_argmax_per_row():
+    logits = np.random.default_rng(1).standard_normal((4, 5000)).astype(np.float32)
+    states = [SeqSamplingState(SamplingParams(temperature=0.0)) for _ in range(4)]
+    res = Sampler().sample(logits, states)
+    assert res.tokens.tolist() == logits.argmax(axis=1).tolist()
+    assert np.isnan(res.logprobs).all() and res.top_logprobs is None
+
+
+def test_top_k_one_equals_greedy():
+    logits = np.random.default_rng(2).standard_normal((3, 3000)).astype(np.float32)
+    states = [SeqSamplingState(SamplingParams(temperature=1.5, top_k=1, seed=i)) for i in range(3)]
+    for _ in range(5):
+        assert Sampler().sample(logits, states).tokens.tolist() == logits.argmax(1).tolist()
+
+
+def _run(params: SamplingParams, steps: int, batch_with: list | None = None, seed_logits=3):
+    """Generate `steps` tokens; logits depend on the step so the sequence is non-trivial.
+    Optionally share each batch with unrelated sequences."""
+    rng = np.random.default_rng(seed_logits)
+    st = SeqSamplingState(params, prompt_ids=[1, 2, 3])
+    others = [SeqSamplingState(p) for p in (batch_with or [])]
+    out = []
+    for _ in range(steps):
+        row = (rng.standard_normal(2000) * 2).astype(np.float32)
+        rows = np.stack([row] + [np.roll(row, 7)] * len(others))
+        res = Sampler().sample(rows, [st] + others)
+        st.append(int(res.tokens[0]))
+        for o, t in zip(others, res.tokens[1:]):
+            o.append(int(t))
+        out.append(int(res.tokens[0]))
+    return out
+
+
+def test_same_seed_same_tokens_alone_or_batched():
+    p = SamplingParams(temperature=1.0, top_p=0.95, repeat_penalty=1.1, frequency_penalty=0.5,
+                       seed=1234)
+    alone = _run(p, 40)
+    assert alone == _run(p, 40)
+    batched = _run(p, 40, batch_with=[SamplingParams(temperature=1.2, seed=9),
+                                      SamplingParams(temperature=0.7)])
+    assert batched == alone
+    assert _run(SamplingParams(temperature=1.0, top_p=0.95, repeat_penalty=1.1,
+                               frequency_penalty=0.5, seed=1235), 40) != alone
+
+
+def test_seed_stream_matches_plain_pcg64_and_choices_differ():
+    p = SamplingParams(seed=77)
+    a = SeqSamplingState(p).rng.random(5)
+    assert np.array_equal(a, np.random.Generator(np.random.PCG64(77)).random(5))
+    b = SeqSamplingState(p, choice_index=1).rng.random(5)
+    assert not np.array_equal(a, b)
+    assert np.array_equal(b, SeqSamplingState(p, choice_index=1).rng.random(5))
+    # A request without a seed gets a random one, recorded for replay.
+    s1, s2 = SeqSamplingState(SamplingParams()), SeqSamplingState(SamplingParams())
+    assert s1.seed != s2.seed
+    assert SeqSamplingState(SamplingParams(seed=-1)).seed == -1  # negative seeds are fixed seeds
+
+
+# --- truncation supports -----------------------------------------------------------------
+
+PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02]
+
+
+def test_top_k_support():
+    toks = draw(probs_logits(PROBS), 3000, temperature=1.0, top_k=3)
+    assert set(toks.tolist()) == {0, 1, 2}
+
+
+def test_top_p_support():
+    # cumulative 0.4, 0.65, 0.80, 0.90: top_p 0.7 keeps the crossing token -> {0, 1, 2}
+    toks = draw(probs_logits(PROBS), 3000, temperature=1.0, top_p=0.7)
+    assert set(toks.tolist()) == {0, 1, 2}
+    toks = draw(probs_logits(PROBS), 3000, temperature=1.0, top_p=0.3)
+    assert set(toks.tolist()) == {0}
+
+
+def test_min_p_support():
+    # min_p 0.2 keeps p >= 0.08 -> {0, 1, 2, 3}
+    toks = draw(probs_logits(PROBS), 4000, temperature=1.0, min_p=0.2)
+    assert set(toks.tolist()) == {0, 1, 2, 3}
+
+
+def test_top_k_then_top_p_renormalizes_over_top_k():
+    # After top_k=2 the masses are 0.4/0.65 and 0.25/0.65: top_p 0.6 keeps only token 0.
+    toks = draw(probs_logits(PROBS), 1000, temperature=1.0, top_k=2, top_p=0.6)
+    assert set(toks.tolist()) == {0}
+
+
+def _reference_truncate(row: np.ndarray, p: SamplingParams) -> set[int]:
+    """The textbook chain with a full sort (slow, obviously right)."""
+    order = np.lexsort((np.arange(row.size), -row))
+    if p.top_k:
+        order = order[:p.top_k]
+    pr = softmax(row[order].astype(np.float64))
+    if p.top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(pr), p.top_p, side="left")) + 1
+        order, pr = order[:keep], pr[:keep]
+    if p.min_p > 0:
+        order = order[pr >= p.min_p * pr.max()]
+    return set(order.tolist())
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.99),
+                                dict(top_k=50, top_p=0.8), dict(min_p=0.05),
+                                dict(top_p=0.95, min_p=0.1), dict(top_k=200)])
+def test_truncate_matches_full_sort_on_large_vocab(scale, kw):
+    row = (np.random.default_rng(int(scale * 10)).standard_normal(262144) * scale).astype(np.float32)
+    p = SamplingParams(temperature=1.0, **kw)
+    idx, _ = truncate(row, p)
+    assert set(idx.tolist()) == _reference_truncate(row, p)
+
+
+# --- penalties and bias ------------------------------------------------------------------
+
+def test_repeat_penalty_divides_positive_multiplies_negative():
+    row = np.array([2.0, -2.0, 1.0, -1.0, 0.5, 3.0], dtype=np.float32)
+    # window of last 3 tokens of prompt+output: ids 0, 1, 4 (3 is outside the window)
+    st = SeqSamplingState(SamplingParams(repeat_penalty=2.0, repeat_last_n=3), prompt_ids=[3, 0, 1])
+    st.append(4)
+    out = process_logits(row, st)
+    np.testing.assert_allclose(out, [1.0, -4.0, 1.0, -1.0, 0.25, 3.0])
+    assert row[1] == -2.0  # input untouched
+    st_all = SeqSamplingState(SamplingParams(repeat_penalty=2.0, repeat_last_n=-1), prompt_ids=[3, 0, 1])
+    np.testing.assert_allclose(process_logits(row, st_all), [1.0, -4.0, 1.0, -2.0, 0.5, 3.0])
+
+
+def test_frequency_presence_count_generated_tokens_only():
+    row = np.zeros(6, dtype=np.float32)
+    st = SeqSamplingState(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+                          prompt_ids=[5, 5, 5])
+    for t in (1, 1, 1, 2):
+        st.append(t)
+    out = process_logits(row, st)
+    np.testing.assert_allclose(out, [0, -(3 * 0.5 + 0.25), -(0.5 + 0.25), 0, 0, 0])
+
+
+def test_bias_then_penalty_order():
+    row = np.array([1.0, 0.0, 0.0], dtype=np.float32)
+    st = SeqSamplingState(SamplingParams(logit_bias={0: 3.0, 1: -1.0}, repeat_penalty=2.0),
+                          prompt_ids=[0, 1])
+    # bias first (4, -1), then penalty (4/2, -1*2)
+    np.testing.assert_allclose(process_logits(row, st), [2.0, -2.0, 0.0])
+
+
+def test_no_processing_returns_input_without_copy():
+    row = np.arange(10, dtype=np.float32)
+    st = SeqSamplingState(SamplingParams(), prompt_ids=[1, 2])
+    assert process_logits(row, st) is row
+
+
+def test_logit_bias_ban_and_force():
+    logits = np.random.default_rng(5).standard_normal(1000).astype(np.float32)
+    best = int(logits.argmax())
+    toks = draw(logits, 50, temperature=0.0, logit_bias={best: -100})
+    assert best not in toks and (toks == np.argsort(logits)[-2]).all()
+    assert best not in draw(logits * 30, 300, temperature=2.0, logit_bias={best: -100})
+    assert (draw(logits, 50, temperature=1.0, logit_bias={"17": 100}) == 17).all()
+
+
+def test_ignore_eos_bans_eos():
+    logits = np.zeros((1, 10), dtype=np.float32)
+    logits[0, 2] = 50.0
+    st = SeqSamplingState(SamplingParams(temperature=0.0, ignore_eos=True), eos_token_ids=[2])
+    assert Sampler().sample(logits, [st]).tokens[0] != 2
+    st = SeqSamplingState(SamplingParams(temperature=0.0), eos_token_ids=[2])
+    assert Sampler().sample(logits, [st]).tokens[0] == 2
+
+
+def test_all_banned_falls_back_to_raw_argmax():
+    logits = np.array([[0.0, 5.0, 1.0]], dtype=np.float32)
+    st = SeqSamplingState(SamplingParams(logit_bias={0: -100, 1: -100, 2: -100}))
+    assert Sampler().sample(logits, [st]).tokens[0] == 1
+
+
+# --- temperature and the draw ------------------------------------------------------------
+
+@pytest.mark.parametrize("temp", [0.5, 1.0, 1.7])
+def test_temperature_scales_distribution(temp):
+    logits = np.array([0.0, 1.0, 2.0, 2.5, -1.0], dtype=np.float32)
+    n = 20000
+    toks = draw(logits, n, temperature=temp, seed=42)
+    freq = np.bincount(toks, minlength=5) / n
+    want = softmax(logits.astype(np.float64) / temp)
+    # 4.5 sigma of a binomial proportion: fails only on a real bias, not on noise
+    tol = 4.5 * np.sqrt(want * (1 - want) / n) + 1e-3
+    assert np.all(np.abs(freq - want) <= tol), (freq, want)
+
+
+def test_categorical_block_path_matches_plain_cumsum():
+    rng = np.random.default_rng(7)
+    w = rng.random(50_001).astype(np.float32) ** 4
+    w[rng.random(w.size) < 0.3] = 0.0
+    cum = np.cumsum(w, dtype=np.float64)
+    for u in rng.random(300):
+        want = min(int(np.searchsorted(cum, u * cum[-1], side="right")), w.size - 1)
+        got = _categorical(w, float(u))
+        # The two-level sum differs from the flat one only by rounding near an edge.
+        assert got == want or abs(cum[got] - cum[want]) <= 1e-6 * cum[-1]
+        assert w[got] > 0
+
+
+def test_large_vocab_sampling_without_truncation_follows_distribution():
+    rng = np.random.default_rng(8)
+    row = (rng.standard_normal(262144) * 0.5).astype(np.float32)
+    row[:3] = [9.0, 8.0, 7.0]  # three heavy tokens and a long light tail
+    n = 3000
+    toks = draw(row, n, temperature=1.0, seed=3)
+    pr = softmax(row.astype(np.float64))
+    for t in range(3):
+        tol = 4.5 * math.sqrt(pr[t] * (1 - pr[t]) / n)
+        assert abs((toks == t).mean() - pr[t]) <= tol
+    tail = pr[3:].sum()
+    assert abs((toks >= 3).mean() - tail) <= 4.5 * math.sqrt(tail * (1 - tail) / n)
+
+
+# --- logprobs -----------------------------------------------------------------------------
+
+def test_logprobs_after_penalties_before_temperature():
+    logits = np.random.default_rng(9).standard_normal((2, 500)).astype(np.float32)
+    p = SamplingParams(temperature=0.7, top_k=5, logprobs=3, logit_bias={4: 2.0}, seed=1)
+    states = [SeqSamplingState(p), SeqSamplingState(SamplingParams(temperature=0.0))]
+    res = Sampler().sample(logits, states)
+    processed = logits[0].astype(np.float64).copy()
+    processed[4] += 2.0
+    lp = np.log(softmax(processed))
+    assert res.logprobs[0] == pytest.approx(lp[res.tokens[0]], abs=1e-5)
+    assert np.isnan(res.logprobs[1]) and res.top_logprobs[1] == []
+    top = res.top_logprobs[0]
+    assert [t for t, _ in top] == np.argsort(-lp)[:3].tolist()
+    np.testing.assert_allclose([v for _, v in top], np.sort(lp)[::-1][:3], atol=1e-5)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(temperature=2.5), "temperature must be between 0 and 2"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_p=1.5), "top_p must be between 0 and 1"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(repeat_penalty=0.0), "repeat_penalty"),
+    (dict(repeat_last_n=-2), "repeat_last_n"),
+    (dict(frequency_penalty=2.1), "frequency_penalty must be between -2 and 2"),
+    (dict(presence_penalty=-3), "presence_penalty"),
+    (dict(logit_bias={5: 101}), "logit_bias values"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys"),
+    (dict(logit_bias={"x": 1.0}), "logit_bias keys"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed=True), "seed"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(stop=("ok", "")), "stop"),
+    (dict(stop=[1]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    (dict(n=0), "n must be between 1"),
+    (dict(logprobs=21), "logprobs must be between 0 and 20"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+])
+def test_validation_errors_name_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_validate_against_vocab_and_lenient_shapes():
+    p = SamplingParams(stop="###", stop_token_ids=[1, 2], logit_bias={"10": -5})
+    assert p.stop == ("###",) and p.stop_token_ids == (1, 2) and p.logit_bias == {10: -5}
+    p.validate(vocab_size=100)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        p.validate(vocab_size=10)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(50,)).validate(vocab_size=20)
+    with pytest.raises(Exception):
+        p.temperature = 1.0  # frozen
