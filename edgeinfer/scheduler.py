@@ -1,0 +1,401 @@
+"""Continuous batching: which tokens of which sequences run in the next forward pass.
+
+Each `schedule()` builds one batch under a token budget:
+  1. drop aborted sequences;
+  2. one decode token for every running sequence that has finished its prefill (oldest
+     first); if the pool cannot give one of them its next block, preempt the newest
+     running sequence (free its blocks, requeue it at the front, recompute later);
+  3. the next prefill chunk of running sequences still prefilling (chunked prefill);
+  4. admit waiting sequences in FIFO order while the budget, the running limit and the
+     pool allow, each with its first prefill chunk.
+`update()` then advances the counters from what the runner computed and sampled.
+
+Admission control: a waiting sequence is admitted when the pool can hold blocks for its
+prompt plus an output reserve of min(remaining max_tokens, output_reserve) tokens, after
+the reserves already promised to running sequences (counting unreferenced prefix-cache
+blocks as free). The reserve is a promise, not an allocation: blocks are taken as decode
+reaches them, and preemption covers the case where the promises were too small.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from edgeinfer.kv_manager import KVCacheManager, KVStats
+from edgeinfer.sequence import FINISH_REASONS, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_running_seqs: int = 16
+    max_tokens_per_step: int = 512  # token budget of one forward pass
+    max_model_len: int = 8192  # prompt + output, in tokens
+    output_reserve: int = 256  # output tokens whose blocks admission keeps room for
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        if self.max_running_seqs <= 0:
+            raise ValueError("max_running_seqs must be positive")
+        if self.max_tokens_per_step < self.max_running_seqs:
+            # every running sequence must be able to decode every step
+            raise ValueError("max_tokens_per_step must be >= max_running_seqs")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must allow a prompt token and an output token")
+        if self.output_reserve < 0:
+            raise ValueError("output_reserve must be >= 0")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute K/V of positions start..start+len(token_ids)-1 of `seq` into its block table,
+    attending over positions 0..start+len(token_ids)-1."""
+
+    seq: Sequence
+    start: int  # == seq.num_computed_tokens when scheduled
+    token_ids: list[int]
+    needs_logits: bool  # the chunk ends at the last known token: sample one token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.needs_logits and len(self.token_ids) == 1 and self.start > 0
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
+    # the runner copies block src -> dst in every layer before the forward pass
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # requeued; will recompute
+    aborted: list[Sequence] = field(default_factory=list)  # cancelled and released
+    finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (error/length)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv: KVStats
+
+    @property
+    def blocks_used(self) -> int:
+        return self.kv.blocks_used
+
+    @property
+    def blocks_free(self) -> int:
+        return self.kv.blocks_free
+
+    @property
+    def blocks_cached(self) -> int:
+        return self.kv.blocks_cached
+
+    @property
+    def prefix_hits(self) -> int:
+        return self.kv.prefix.hits if self.kv.prefix else 0
+
+    @property
+    def prefix_misses(self) -> int:
+        return self.kv.prefix.misses if self.kv.prefix else 0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.kv.prefix.hit_tokens if self.kv.prefix else 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        if kv.num_blocks != config.num_blocks or kv.block_size != config.block_size:
+            raise ValueError("SchedulerConfig and KVCacheManager disagree on the pool shape")
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is the newest
+        self._live: dict[int, Sequence] = {}  # seq_id -> waiting or running sequence
+        self._aborts: set[int] = set()
+        self._num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._live:
+            raise ValueError(f"sequence id {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"{seq!r} is not a fresh waiting sequence")
+        self._live[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a sequence; it leaves at the next schedule() (unknown ids: False)."""
+        if seq_id not in self._live:
+            return False
+        self._aborts.add(seq_id)
+        return True
+
+    def finish(self, seq_id: int, reason: str) -> bool:
+        """End a sequence now (the engine's stop tokens and strings) and free its blocks."""
+        seq = self._live.get(seq_id)
+        if seq is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._live.get(seq_id)
+
+    def fork(self, seq: Sequence, new_seq_id: int, last_token: int | None = None) -> Sequence:
+        """A running copy of `seq` sharing all its blocks (n > 1 sampling).
+
+        `last_token` replaces the copy's newest output token, which has no K/V yet, so
+        each copy can continue from its own sample of the same logits.
+        """
+        if self._live.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"can only fork a running sequence, not {seq!r}")
+        if new_seq_id in self._live:
+            raise ValueError(f"sequence id {new_seq_id} is already scheduled")
+        if seq.is_prefilling:
+            raise ValueError(f"fork {seq!r} after its prefill, not during it")
+        child = Sequence(new_seq_id, seq.prompt_token_ids, seq.params, seq.arrival_time)
+        for t in seq.output_token_ids:
+            child.append_token(t)
+        if last_token is not None:
+            if not child.output_token_ids:
+                raise ValueError("last_token needs a sequence that has sampled a token")
+            child.output_token_ids[-1] = last_token
+            child.token_ids[-1] = last_token
+        child.status = SequenceStatus.RUNNING
+        child.num_computed_tokens = seq.num_computed_tokens
+        child.num_cached_tokens = seq.num_cached_tokens
+        child.reserved_len = seq.reserved_len
+        self.kv.fork(seq, child)
+        self._live[new_seq_id] = child
+        self.running.append(child)
+        return child
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    # -- one step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._apply_aborts(out)
+        budget = self.config.max_tokens_per_step
+        scheduled: set[int] = set()
+
+        # 1. decodes, oldest first; victims come from the unscheduled newest end
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.is_prefilling:
+                i += 1
+                continue
+            start = seq.num_computed_tokens
+            copies = self.kv.prepare_write(seq, start, start + 1)
+            while copies is None:
+                if len(self.running) == 1:
+                    # it holds the whole pool and still needs more: the pool is its context
+                    self._finish(seq, "length")
+                    out.finished.append(seq)
+                    break
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.kv.prepare_write(seq, start, start + 1)
+            if copies is None:
+                continue  # seq left running; index i now names the next sequence
+            out.block_copies.extend(copies)
+            out.chunks.append(ScheduledChunk(seq, start, [seq.token_ids[start]], True))
+            scheduled.add(seq.seq_id)
+            budget -= 1
+            i += 1
+
+        # 2. running sequences still prefilling, in admission order
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.is_prefilling and seq.seq_id not in scheduled:
+                budget -= self._schedule_prefill(seq, budget, out)
+
+        # 3. admissions, strictly FIFO; none in a step that had to preempt
+        if not out.preempted:
+            self._admit(budget, out)
+        return out
+
+    def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        start = seq.num_computed_tokens
+        end = min(seq.num_tokens, start + budget)
+        copies = self.kv.prepare_write(seq, start, end)
+        if copies is None:  # only a forked table can need blocks here; retry next step
+            return 0
+        out.block_copies.extend(copies)
+        out.chunks.append(
+            ScheduledChunk(seq, start, seq.token_ids[start:end], end == seq.num_tokens)
+        )
+        return end - start
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        if budget <= 0 or not self.waiting or len(self.running) >= self.config.max_running_seqs:
+            return
+        kv = self.kv
+        # blocks promised to running sequences but not yet taken: O(running)
+        promised = sum(
+            max(0, kv.blocks_for(s.reserved_len) - len(s.block_table)) for s in self.running
+        )
+        headroom = kv.num_available - promised
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_seqs:
+            seq = self.waiting[0]
+            if seq.num_prompt_tokens >= self.config.max_model_len:
+                self.waiting.popleft()
+                seq.error = (
+                    f"prompt too long: {seq.num_prompt_tokens} tokens leave no room for output "
+                    f"within max_model_len {self.config.max_model_len}"
+                )
+                self._finish(seq, "error")
+                out.finished.append(seq)
+                continue
+            if kv.blocks_for(seq.num_tokens) > kv.num_blocks:
+                self.waiting.popleft()
+                if seq.num_output_tokens:  # a resumed sequence outgrew the pool
+                    self._finish(seq, "length")
+                else:
+                    seq.error = (
+                        f"prompt too long for the KV pool: {seq.num_tokens} tokens need "
+                        f"{kv.blocks_for(seq.num_tokens)} blocks of {kv.block_size}, "
+                        f"the pool has {kv.num_blocks}"
+                    )
+                    self._finish(seq, "error")
+                out.finished.append(seq)
+                continue
+            remaining = max(seq.max_tokens - seq.num_output_tokens, 0)
+            reserved_len = min(
+                seq.num_tokens + min(remaining, self.config.output_reserve),
+                self.config.max_model_len,
+            )
+            if not self.running:
+                # alone, it only has to fit its prompt: never starve a request whose
+                # prompt fits the pool because of the reserve
+                cost = kv.admit(seq, reserved_len, headroom=kv.num_available)
+                if cost is None:
+                    cost = kv.admit(seq, seq.num_tokens, headroom=kv.num_available)
+            else:
+                cost = kv.admit(seq, reserved_len, headroom)
+            if cost is None:
+                break  # FIFO: nobody overtakes the head of the queue
+            headroom -= cost
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= self._schedule_prefill(seq, budget, out)
+
+    def _apply_aborts(self, out: SchedulerOutput) -> None:
+        if not self._aborts:
+            return
+        aborts, self._aborts = self._aborts, set()
+        for seq_id in sorted(aborts):
+            seq = self._live.get(seq_id)
+            if seq is not None:
+                self._finish(seq, "abort")
+                out.aborted.append(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._remove_running(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        if self.running and self.running[-1] is seq:
+            self.running.pop()  # victims are the newest: O(1)
+        else:
+            self.running.remove(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish reason {reason!r}")
+        if seq.status is SequenceStatus.RUNNING:
+            self._remove_running(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass  # already popped by the caller
+        self.kv.free(seq)
+        seq.status = FINISH_REASONS[reason]
+        seq.finish_reason = reason
+        del self._live[seq.seq_id]
+        self._aborts.discard(seq.seq_id)
+
+    # -- after the forward pass ----------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance every computed chunk; append sampled tokens; finish by length.
+
+        Returns the sequences this call finished (max_tokens or max_model_len reached).
+        Sequences aborted or finished since schedule() are skipped.
+        """
+        finished: list[Sequence] = []
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._aborts:
+                continue
+            if chunk.start != seq.num_computed_tokens:
+                raise ValueError(f"chunk at {chunk.start} does not continue {seq!r}")
+            seq.num_computed_tokens += len(chunk.token_ids)
+            self.kv.on_computed(seq)
+            if not chunk.needs_logits:
+                continue
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                raise ValueError(f"no sampled token for {seq!r}, whose chunk needed logits")
+            seq.append_token(int(token))
+            if (
+                seq.num_output_tokens >= seq.max_tokens
+                or seq.num_tokens >= self.config.max_model_len
+            ):
+                self._finish(seq, "length")
+                finished.append(seq)
+        return finished
+
+    # -- reporting -------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self._num_preemptions,
+            kv=self.kv.stats(),
+        )
+
+    def live_sequences(self) -> list[Sequence]:
+        return list(self._live.values())
+
+    def check_invariants(self) -> None:
+        live = self.live_sequences()
+        self.kv.check_invariants(live)
+        for seq in self.waiting:
+            assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED), seq
+            assert not seq.block_table and seq.num_computed_tokens == 0, seq
+        for seq in self.running:
+            assert seq.status is SequenceStatus.RUNNING, seq
+            assert seq.num_computed_tokens < seq.num_tokens, seq
+            need = self.kv.blocks_for(seq.num_computed_tokens)
+            assert len(seq.block_table) >= need, seq
+        assert len(self.waiting) + len(self.running) == len(live)
+        assert len(self.running) <= self.config.max_running_seqs
