@@ -1,0 +1,394 @@
+"""The tokenizer built from a GGUF file's `tokenizer.ggml.*` metadata.
+
+Behaviour follows llama.cpp's llama_vocab (the oracle our tests compare against): special and
+user-defined tokens are cut out of the text first (longest first), the remaining fragments go
+through SentencePiece (`llama`) or byte-level BPE (`gpt2`), and BOS/EOS are added as the
+vocabulary asks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import regex
+
+from . import bpe, pretokenize, spm
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerError(ValueError):
+    """A vocabulary we cannot build a tokenizer from. One sentence for a person."""
+
+
+class TokenType(IntEnum):
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Token texts llama.cpp treats as ending generation (llama-vocab.cpp, special_eog_ids).
+_EOG_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+))
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+              "<end_of_utterance>")
+# gpt-oss: these are rendered as text by llama.cpp
+_USER_DEFINED_OVERRIDE = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+_SPECIAL_MASK = (1 << TokenType.CONTROL) | (1 << TokenType.USER_DEFINED) | (1 << TokenType.UNKNOWN)
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    bos: int | None
+    eos: int | None
+    unk: int | None
+    pad: int | None
+    eot: int | None
+    eom: int | None
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF vocabulary.
+
+    encode(text, add_special=True, parse_special=True) matches llama.cpp's
+    llama_tokenize(text, add_special, parse_special) id for id.
+    """
+
+    def __init__(self, *, model: str, pre: str, tokens: list[str], scores: np.ndarray,
+                 types: np.ndarray, merges: list[str], special: SpecialIds, add_bos: bool,
+                 add_eos: bool, add_space_prefix: bool, rstrip_specials: bool = False):
+        self.model = model
+        self.pre = pre
+        self.tokens = tokens
+        self.vocab_size = len(tokens)
+        self.special = special
+        self.bos_id = special.bos
+        self.eos_id = special.eos
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.add_space_prefix = add_space_prefix
+        # last one wins for duplicate texts, as in llama.cpp's token_to_id
+        self.token_to_id: dict[str, int] = dict(zip(tokens, range(len(tokens))))
+        types = types.astype(np.int32, copy=True)
+        self._fix_types(types)
+        self.types = types
+        self.eot_ids = self._eog_ids()
+        # Control / user-defined / unknown tokens, longest text first (llama.cpp's order).
+        is_sp = np.isin(types, (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN))
+        sp_ids = np.nonzero(is_sp)[0]
+        sp_ids = sorted(sp_ids.tolist(), key=lambda i: -len(tokens[i].encode("utf-8",
+                                                                            "surrogateescape")))
+        self._special_order = sp_ids
+        self._special_rank = {tid: r for r, tid in enumerate(sp_ids)}
+        self._special_ids_by_text: dict[str, list[int]] = {}
+        for i in sp_ids:
+            self._special_ids_by_text.setdefault(tokens[i], []).append(i)
+        self._special_lens = self._special_index(sp_ids)
+        self._special_first = regex.compile(
+            "[" + "".join(regex.escape(c) for c in self._special_lens) + "]") \
+            if self._special_lens else None
+        self._rstrip = rstrip_specials
+        self.token_bytes: list[bytes] = self._piece_bytes(render_special=False)
+        self._special_bytes: list[bytes] | None = None
+        if model == "llama":
+            byte_ids = [self.token_to_id.get(f"<0x{b:02X}>", self.token_to_id.get(chr(b)))
+                        if b < 0x80 else self.token_to_id.get(f"<0x{b:02X}>") for b in range(256)]
+            self._enc: Any = spm.SpmEncoder(self.token_to_id, scores.astype(np.float64).tolist(),
+                                            byte_ids, self.vocab_size)
+        else:
+            self._enc = bpe.BpeEncoder(self.token_to_id, merges, pre)
+
+    # --- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any]) -> "Tokenizer":
+        """Build from a GGUF metadata dict (edgeinfer.gguf_file.read_gguf(path).metadata)."""
+        model = metadata.get("tokenizer.ggml.model")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if model is None or tokens is None:
+            raise TokenizerError("the model file has no tokenizer vocabulary "
+                                 "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+        if model not in ("llama", "gpt2"):
+            raise TokenizerError(f"tokenizer type {model!r} is not supported "
+                                 f"(supported: llama/SentencePiece, gpt2/byte-level BPE)")
+        if not isinstance(tokens, list) or not tokens:
+            raise TokenizerError("tokenizer.ggml.tokens is not a non-empty list of strings")
+        n = len(tokens)
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        scores = np.asarray(metadata.get("tokenizer.ggml.scores", np.zeros(n, np.float32)))
+        types = np.asarray(metadata.get("tokenizer.ggml.token_type",
+                                        np.full(n, TokenType.NORMAL, np.int32)))
+        if len(scores) < n or len(types) < n:
+            raise TokenizerError(f"tokenizer has {n} tokens but only {len(scores)} scores and "
+                                 f"{len(types)} token types")
+        merges = metadata.get("tokenizer.ggml.merges") or []
+        if model == "gpt2" and not merges:
+            raise TokenizerError("a BPE tokenizer needs tokenizer.ggml.merges, which is missing")
+        pre = str(metadata.get("tokenizer.ggml.pre") or "default")
+        if model == "gpt2" and not pretokenize.is_known(pre):
+            log.warning("pre-tokenizer %r is not known here; using the gpt-2 split", pre)
+
+        def tid(key: str, default: int | None) -> int | None:
+            v = metadata.get(f"tokenizer.ggml.{key}")
+            if v is None:
+                return default if default is not None and default < n else None
+            v = int(v)
+            return v if 0 <= v < n else default
+
+        if model == "llama":
+            special = SpecialIds(bos=tid("bos_token_id", 1), eos=tid("eos_token_id", 2),
+                                 unk=tid("unknown_token_id", 0), pad=tid("padding_token_id", None),
+                                 eot=tid("eot_token_id", None), eom=tid("eom_token_id", None))
+            add_bos, add_eos, space = True, False, True
+        else:
+            special = SpecialIds(bos=tid("bos_token_id", 11), eos=tid("eos_token_id", 11),
+                                 unk=tid("unknown_token_id", None),
+                                 pad=tid("padding_token_id", None),
+                                 eot=tid("eot_token_id", None), eom=tid("eom_token_id", None))
+            add_bos = pre in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                              "midm-2.0", "lfm2", "jina-v5-nano", "tekken", "chameleon")
+            add_eos, space = False, False
+        if model == "gpt2" and pre in ("chatglm-bpe", "glm4", "glm5"):
+            special = SpecialIds(None, special.eos, special.unk, special.pad, special.eot,
+                                 special.eom)
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", add_eos))
+        if model == "llama":
+            space = bool(metadata.get("tokenizer.ggml.add_space_prefix", space))
+        name = str(metadata.get("general.name", "")).lower()
+        return cls(model=model, pre=pre, tokens=tokens, scores=scores[:n], types=types[:n],
+                   merges=list(merges), special=special, add_bos=add_bos, add_eos=add_eos,
+                   add_space_prefix=space,
+                   rstrip_specials=("phi-3" in name or "phi3" in name))
+
+    def _fix_types(self, types: np.ndarray) -> None:
+        """llama.cpp's text-based fix-ups: end-of-turn tokens are control tokens."""
+        t2i = self.token_to_id
+        for text in _EOG_TEXTS:
+            i = t2i.get(text)
+            if i is not None and types[i] not in (TokenType.CONTROL,):
+                # llama.cpp adds the CONTROL attribute; for us the type becomes CONTROL
+                # unless the token is a byte or unknown token.
+                if types[i] not in (TokenType.BYTE, TokenType.UNKNOWN):
+                    types[i] = TokenType.CONTROL
+        for text in _USER_DEFINED_OVERRIDE:
+            i = t2i.get(text)
+            if i is not None:
+                types[i] = TokenType.USER_DEFINED
+        sp = self.special
+        if sp.eot is None:
+            # llama.cpp's "find EOT token" guess, by text
+            for text in _EOT_TEXTS:
+                if text in t2i:
+                    self.special = sp = SpecialIds(sp.bos, sp.eos, sp.unk, sp.pad, t2i[text], sp.eom)
+                    break
+        if sp.eom is None and "<|eom_id|>" in t2i:
+            self.special = SpecialIds(sp.bos, sp.eos, sp.unk, sp.pad, sp.eot, t2i["<|eom_id|>"])
+
+    def _eog_ids(self) -> frozenset[int]:
+        t2i = self.token_to_id
+        ids = {t2i[t] for t in _EOG_TEXTS if t in t2i}
+        for i in (self.special.eos, self.special.eot, self.special.eom):
+            if i is not None:
+                ids.add(i)
+        return frozenset(ids)
+
+    def _special_index(self, sp_ids: list[int]) -> dict[str, tuple[int, ...]]:
+        """First character -> the distinct lengths of special texts starting with it."""
+        lens: dict[str, set[int]] = {}
+        for i in sp_ids:
+            t = self.tokens[i]
+            lens.setdefault(t[0], set()).add(len(t))
+        return {c: tuple(sorted(v)) for c, v in lens.items()}
+
+    def _piece_bytes(self, render_special: bool) -> list[bytes]:
+        """Bytes each id stands for, as llama.cpp's token_to_piece(id, special)."""
+        toks, types = self.tokens, self.types
+        n = len(toks)
+        if self.model == "llama":
+            joined = "\x00".join(toks)
+            pieces = joined.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape").split(b"\x00")
+            if len(pieces) != n:
+                pieces = [t.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape") for t in toks]
+        else:
+            pieces = self._bytelevel_pieces()
+        out = list(pieces)
+        for i in np.nonzero(types != TokenType.NORMAL)[0].tolist():
+            t = int(types[i])
+            if t == TokenType.BYTE:
+                out[i] = _byte_token_value(toks[i])
+            elif t in (TokenType.CONTROL, TokenType.UNKNOWN):
+                out[i] = toks[i].encode("utf-8", "surrogateescape") if render_special else b""
+            elif t == TokenType.USER_DEFINED:
+                out[i] = toks[i].encode("utf-8", "surrogateescape")
+            else:   # unused / undefined: llama.cpp prints nothing
+                out[i] = b""
+        return out
+
+    def _bytelevel_pieces(self) -> list[bytes]:
+        toks = self.tokens
+        joined = "\x00".join(toks)
+        table = {ord(c): b for c, b in bpe.CHAR_TO_BYTE.items()}
+        try:
+            pieces = joined.translate(table).encode("latin-1").split(b"\x00")
+            if len(pieces) == len(toks):
+                return pieces
+        except UnicodeEncodeError:
+            pass
+        out = []
+        for t in toks:
+            try:
+                out.append(t.translate(table).encode("latin-1"))
+            except UnicodeEncodeError:
+                # characters outside the byte alphabet: llama.cpp writes a marker, we keep UTF-8
+                out.append(t.encode("utf-8", "surrogateescape"))
+        return out
+
+    # --- queries ---------------------------------------------------------------------------
+    def is_special(self, token_id: int) -> bool:
+        """Control or unknown token: not text, hidden when decoding."""
+        return int(self.types[token_id]) in (TokenType.CONTROL, TokenType.UNKNOWN)
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self.eot_ids
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokens[token_id]
+
+    def piece(self, token_id: int, render_special: bool = False) -> bytes:
+        if render_special:
+            if self._special_bytes is None:
+                self._special_bytes = self._piece_bytes(render_special=True)
+            return self._special_bytes[token_id]
+        return self.token_bytes[token_id]
+
+    # --- encode ----------------------------------------------------------------------------
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        text = _clean_surrogates(text)
+        out: list[int] = []
+        fragments = self._partition(text, parse_special) if text else []
+        if self.model == "llama":
+            if add_special and self.add_bos and self.bos_id is not None:
+                out.append(self.bos_id)
+            prev_special = True
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                    prev_special = True
+                    continue
+                if self.add_space_prefix and prev_special:
+                    frag = " " + frag
+                self._enc.encode(frag.replace(" ", spm.SPACE), out)
+                prev_special = False
+        else:
+            if add_special and self.add_bos and self.bos_id is not None:
+                out.append(self.bos_id)
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                else:
+                    self._enc.encode(frag, out)
+        if add_special and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Cut special tokens out of the text exactly as llama.cpp's tokenizer_st_partition."""
+        if self._special_first is None:
+            return [text]
+        cands = self._candidates(text)
+        if not cands:
+            return [text]
+        types = self.types
+        frags: list[str | int] = [text]
+        for tid in cands:
+            if not parse_special and int(types[tid]) in (TokenType.CONTROL, TokenType.UNKNOWN):
+                continue
+            ttext = self.tokens[tid]
+            new: list[str | int] = []
+            for frag in frags:
+                if isinstance(frag, int) or ttext not in frag:
+                    new.append(frag)
+                    continue
+                pos = 0
+                while True:
+                    m = frag.find(ttext, pos)
+                    if m < 0:
+                        if pos < len(frag):
+                            new.append(frag[pos:])
+                        break
+                    if m > pos:
+                        new.append(frag[pos:m])
+                    new.append(tid)
+                    pos = m + len(ttext)
+                    if self._rstrip:
+                        while pos < len(frag) and frag[pos] in " \t\n\v\f\r":
+                            pos += 1
+            frags = new
+        return frags
+
+    def _candidates(self, text: str) -> list[int]:
+        """Special tokens that occur in `text`, in llama.cpp's processing order."""
+        found: set[int] = set()
+        by_text = self._special_ids_by_text
+        lens = self._special_lens
+        for m in self._special_first.finditer(text):
+            p = m.start()
+            for k in lens[m.group()]:
+                ids = by_text.get(text[p:p + k])
+                if ids is not None:
+                    found.update(ids)
+        rank = self._special_rank
+        return sorted(found, key=rank.__getitem__)
+
+    # --- decode ----------------------------------------------------------------------------
+    def decode_bytes(self, ids: Iterable[int], render_special: bool = False) -> bytes:
+        if render_special:
+            self.piece(0, True)
+            table = self._special_bytes
+            assert table is not None
+        else:
+            table = self.token_bytes
+        return b"".join([table[i] for i in ids])
+
+    def decode(self, ids: Iterable[int], render_special: bool = False) -> str:
+        """Text of `ids`; special tokens hidden unless render_special; bad UTF-8 -> U+FFFD.
+
+        With a SentencePiece space prefix, the space encode() put before the first word is
+        taken off again, so decode(encode(t)) == t.
+        """
+        ids = list(ids)
+        data = self.decode_bytes(ids, render_special)
+        if self.add_space_prefix and data[:1] == b" ":
+            for i in ids:
+                if self.piece(i, render_special):
+                    if int(self.types[i]) == TokenType.NORMAL:
+                        data = data[1:]
+                    break
+        return data.decode("utf-8", "replace")
+
+
+def _byte_token_value(text: str) -> bytes:
+    # "<0xNN>"
+    try:
+        return bytes([int(text[3:5], 16)])
+    except ValueError:
+        return b""
+
+
+def _clean_surrogates(text: str) -> str:
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
