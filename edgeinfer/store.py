@@ -284,7 +284,7 @@ class Store:
             "size": self.blob_path(digest).stat().st_size,
             "source": source,
             "gguf": summary,
-            "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "pulled_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
         }
 
     def install_blob(self, tmp: Path, digest: str, name: str, source: str,
@@ -320,10 +320,10 @@ class Store:
         return self._ref(n, manifest)
 
     def register_file(self, path: Path | str, name: str | None, source: str | None = None,
-                      move: bool = False) -> ModelRef:
+                      move: bool = False, sha256: str | None = None) -> ModelRef:
         """Import a local GGUF file under `name` (default: from the file name). The file is
         validated first; it is hard-linked into blobs/ when possible, else copied (or
-        renamed when `move`)."""
+        renamed when `move`). With `sha256`, a file with another digest is refused."""
         path = Path(path).expanduser()
         n = parse_name(name) if name else name_from_filename(path.name)
         try:
@@ -348,6 +348,10 @@ class Store:
                 except OSError:                 # another filesystem, or links not allowed
                     shutil.copyfile(path, tmp)
             digest = sha256_file(tmp)
+            if sha256 and digest != sha256.lower().removeprefix("sha256:"):
+                if move:                        # give the user's file back
+                    os.replace(tmp, path)
+                raise StoreError(f"{path} has sha256 {digest}, expected {sha256}")
             return self.install_blob(tmp, digest, str(n), source, summary, readonly=not linked)
         finally:
             tmp.unlink(missing_ok=True)
@@ -361,7 +365,7 @@ class Store:
             m = dict(ref.manifest)
             m["name"] = str(n)
             m["copied_from"] = ref.full_name
-            m["pulled_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            m["pulled_at"] = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
             self._write_manifest(n, m)
         return self._ref(n, m)
 

@@ -60,7 +60,7 @@ class Route:
 class FaultServer:
     def __init__(self) -> None:
         self.routes: dict[str, Route] = {}
-        self.redirects: dict[str, str] = {}
+        self.redirects: dict[str, tuple[str, dict[str, str]]] = {}
         self.headers_seen: list[dict[str, str]] = []
         server = self
 
@@ -80,8 +80,11 @@ class FaultServer:
                 server.headers_seen.append(dict(self.headers))
                 path = self.path.split("?", 1)[0]
                 if path in server.redirects:
+                    location, extra = server.redirects[path]
                     self.send_response(302)
-                    self.send_header("Location", server.redirects[path])
+                    self.send_header("Location", location)
+                    for k, v in extra.items():
+                        self.send_header(k, v)
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -165,6 +168,11 @@ class FaultServer:
         route = Route(body=body, **faults)
         self.routes[path] = route
         return route
+
+    def redirect(self, path: str, location: str, **headers: str) -> None:
+        """Answer `path` with a 302 to `location` (HF resolve -> CDN), with extra headers
+        such as X_Linked_Etag='"<sha>"' (underscores become dashes)."""
+        self.redirects[path] = (location, {k.replace("_", "-"): v for k, v in headers.items()})
 
     def __enter__(self) -> "FaultServer":
         self.thread.start()
