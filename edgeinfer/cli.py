@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeinfer import show_cmd
     show_cmd.add_commands(subparsers)
     # --- subcommand registrations (one line per module) ---
+    from edgeinfer import store_cli; store_cli.add_commands(subparsers)  # pull list rm cp
     # --- end of registrations ---
     return parser
 
