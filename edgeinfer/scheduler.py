@@ -160,7 +160,8 @@ class Scheduler:
     def fork(self, seq: Sequence, new_seq_id: int, last_token: int | None = None) -> Sequence:
         """A running copy of `seq` sharing all its blocks (n > 1 sampling).
 
-        `last_token` replaces the copy's newest output token, which has no K/V yet, so
+        When all running slots are taken the copy waits at the head of the queue instead,
+        holding no blocks. `last_token` replaces the copy's newest output token, which has no K/V yet, so
         each copy can continue from its own sample of the same logits.
         """
         if self._live.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
@@ -177,12 +178,17 @@ class Scheduler:
                 raise ValueError("last_token needs a sequence that has sampled a token")
             child.output_token_ids[-1] = last_token
             child.token_ids[-1] = last_token
+        self._live[new_seq_id] = child
+        if len(self.running) >= self.config.max_running_seqs:
+            # no slot: queue it first in line; it recomputes from the prefix cache, which
+            # holds the parent's full blocks
+            self.waiting.appendleft(child)
+            return child
         child.status = SequenceStatus.RUNNING
         child.num_computed_tokens = seq.num_computed_tokens
         child.num_cached_tokens = seq.num_cached_tokens
         child.reserved_len = seq.reserved_len
         self.kv.fork(seq, child)
-        self._live[new_seq_id] = child
         self.running.append(child)
         return child
 
