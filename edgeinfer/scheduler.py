@@ -117,6 +117,25 @@ class SchedulerStats:
     def cached_tokens(self) -> int:
         return self.kv.prefix.hit_tokens if self.kv.prefix else 0
 
+    def to_dict(self) -> dict[str, float]:
+        """Flat numbers for /metrics and the TUI."""
+        prefix = self.kv.prefix
+        return {
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+            "preemptions": self.num_preemptions,
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_used": self.blocks_used,
+            "kv_blocks_free": self.blocks_free,
+            "kv_blocks_cached": self.blocks_cached,
+            "prefix_hits": self.prefix_hits,
+            "prefix_misses": self.prefix_misses,
+            "prefix_cached_tokens": self.cached_tokens,
+            "prefix_query_tokens": prefix.query_tokens if prefix else 0,
+            "prefix_hit_rate": prefix.hit_rate if prefix else 0.0,
+            "prefix_evicted_blocks": prefix.evicted_blocks if prefix else 0,
+        }
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -161,8 +180,8 @@ class Scheduler:
         """A running copy of `seq` sharing all its blocks (n > 1 sampling).
 
         When all running slots are taken the copy waits at the head of the queue instead,
-        holding no blocks. `last_token` replaces the copy's newest output token, which has no K/V yet, so
-        each copy can continue from its own sample of the same logits.
+        holding no blocks. `last_token` replaces the copy's newest output token, which has
+        no K/V yet, so each copy continues from its own sample of the same logits.
         """
         if self._live.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
             raise ValueError(f"can only fork a running sequence, not {seq!r}")
@@ -200,7 +219,6 @@ class Scheduler:
         out = SchedulerOutput()
         self._apply_aborts(out)
         budget = self.config.max_tokens_per_step
-        scheduled: set[int] = set()
 
         # 1. decodes, oldest first; victims come from the unscheduled newest end
         i = 0
@@ -226,7 +244,6 @@ class Scheduler:
                 continue  # seq left running; index i now names the next sequence
             out.block_copies.extend(copies)
             out.chunks.append(ScheduledChunk(seq, start, [seq.token_ids[start]], True))
-            scheduled.add(seq.seq_id)
             budget -= 1
             i += 1
 
@@ -234,7 +251,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.is_prefilling and seq.seq_id not in scheduled:
+            if seq.is_prefilling:
                 budget -= self._schedule_prefill(seq, budget, out)
 
         # 3. admissions, strictly FIFO; none in a step that had to preempt
