@@ -322,6 +322,7 @@ def test_abort_mid_prefill_and_mid_decode():
     assert not h.sched.abort(1)  # already gone
     h.run()
     h.assert_matches_reference(2)
+    assert c.finish_reason == "length" and c.num_output_tokens == 10
     assert h.kv.stats().blocks_used == 0
 
 
