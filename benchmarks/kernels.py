@@ -1,0 +1,125 @@
+"""Quantized CPU kernel throughput vs a streaming read, same process, same threads.
+
+    NUMBA_CACHE_DIR=/tmp/numba-cache .venv/bin/python benchmarks/kernels.py [--quick] [--types Q4_K,Q8_0]
+
+Prints, for each type:
+- matvec (M=1) effective GB/s = weight bytes / time, on a matrix too big for the caches,
+  next to a 2-thread streaming read of a buffer of the same size (ratio = kernel / stream);
+- the same on the real Gemma 3 270M shapes (mostly cache-resident, so ratios can pass 1);
+- multi-row throughput in GFLOP/s (2*M*N*K / time) for M=8 (batched decode, fused kernel)
+  and M=512 (prefill, tiled BLAS path), next to numpy's float32 GEMM on the same shape.
+Absolute numbers drift run to run on shared machines; the ratios are what to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from numba import njit, prange
+
+from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul, numba_threads
+from edgeinfer.backends.cpu.quants import random_quant_rows, row_bytes
+
+ALL = ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "F16", "BF16", "F32"]
+# Gemma 3 270M shapes (K, N) per type as they occur in the Q4_K_M file
+MODEL_SHAPES = {"Q8_0": (640, 262144), "Q5_0": (640, 2048), "Q4_K": (1024, 640), "Q6_K": (2048, 640)}
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _stream(buf):
+    """Sum of an int64 buffer with 8 independent lanes per thread chunk: a pure read."""
+    nch = 64
+    per = buf.shape[0] // nch // 8 * 8
+    tot = np.zeros(nch, np.int64)
+    for c in prange(nch):
+        acc = np.zeros(8, np.int64)
+        for i in range(c * per, (c + 1) * per, 8):
+            for j in range(8):
+                acc[j] += buf[i + j]
+        tot[c] = acc.sum()
+    return tot.sum()
+
+
+def best_time(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def stream_gbs(nbytes: int, reps: int) -> float:
+    buf = np.ones(nbytes // 8, np.int64)
+    return nbytes / best_time(lambda: _stream(buf), reps) / 1e9
+
+
+def matvec_gbs(qtype, K: int, N: int, reps: int, rng) -> tuple[float, float]:
+    w = QuantMatrix.from_bytes(random_quant_rows(qtype, N, K, rng), qtype, K, N)
+    x = rng.standard_normal(K).astype(np.float32)
+    out = np.empty((1, N), np.float32)
+    t = best_time(lambda: matmul(x[None], w, out), reps)
+    return w.nbytes / t / 1e9, t
+
+
+def multirow_gflops(qtype, K: int, N: int, M: int, reps: int, rng) -> float:
+    w = QuantMatrix.from_bytes(random_quant_rows(qtype, N, K, rng), qtype, K, N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    out = np.empty((M, N), np.float32)
+    t = best_time(lambda: matmul(x, w, out), reps)
+    return 2.0 * M * N * K / t / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller big matrices")
+    ap.add_argument("--types", default=",".join(ALL))
+    ap.add_argument("--big-mb", type=float, default=96.0, help="size of the out-of-cache matrix")
+    args = ap.parse_args()
+    types = [t.strip() for t in args.types.split(",") if t.strip()]
+    reps = 5 if args.quick else 15
+    rng = np.random.default_rng(0)
+    print(f"threads={numba_threads()}")
+
+    print("\nmatvec M=1, out-of-cache matrix")
+    print(f"{'type':6} {'K':>5} {'N':>7} {'MB':>7} {'ms':>8} {'GB/s':>7} {'stream':>7} {'ratio':>6}")
+    for name in types:
+        qt = T[name]
+        K = 640 if name == "Q8_0" else 2048
+        N = 262144 if name == "Q8_0" else int(args.big_mb * 1e6 / row_bytes(qt, K)) // 64 * 64
+        if args.quick:
+            N //= 4
+        gbs, t = matvec_gbs(qt, K, N, reps, rng)
+        s = stream_gbs(N * row_bytes(qt, K), reps)
+        print(f"{name:6} {K:5d} {N:7d} {N * row_bytes(qt, K) / 1e6:7.1f} {t * 1e3:8.3f} {gbs:7.2f} {s:7.2f} {gbs / s:6.2f}")
+
+    print("\nmatvec M=1, Gemma 3 270M shapes")
+    print(f"{'type':6} {'K':>5} {'N':>7} {'MB':>7} {'us':>8} {'GB/s':>7} {'stream':>7} {'ratio':>6}")
+    for name, (K, N) in MODEL_SHAPES.items():
+        if name not in types:
+            continue
+        qt = T[name]
+        gbs, t = matvec_gbs(qt, K, N, reps * 4, rng)
+        s = stream_gbs(N * row_bytes(qt, K), reps * 4)
+        print(f"{name:6} {K:5d} {N:7d} {N * row_bytes(qt, K) / 1e6:7.2f} {t * 1e6:8.1f} {gbs:7.2f} {s:7.2f} {gbs / s:6.2f}")
+
+    K, N = 2048, 2048
+    wf = rng.standard_normal((N, K), dtype=np.float32)
+    blas = {}
+    for M in (8, 512):
+        xf = rng.standard_normal((M, K)).astype(np.float32)
+        blas[M] = 2.0 * M * N * K / best_time(lambda: xf @ wf.T, reps) / 1e9
+    print(f"\nmulti-row GFLOP/s, K={K} N={N} (numpy f32 GEMM: M=8 {blas[8]:.1f}, M=512 {blas[512]:.1f})")
+    print(f"{'type':6} {'M=8':>8} {'M=512':>8}")
+    for name in types:
+        qt = T[name]
+        g8 = multirow_gflops(qt, K, N, 8, reps, rng)
+        g512 = multirow_gflops(qt, K, N, 512, max(3, reps // 3), rng)
+        print(f"{name:6} {g8:8.1f} {g512:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
