@@ -208,11 +208,12 @@ def pull(source: str, name: str | None = None, sha256: str | None = None,
     store = store or Store()
     policy = policy or DownloadPolicy()
     src = resolve_source(source, name, sha256, store)
+    store.clean_stale()
     _emit(progress, "pulling manifest")
 
     if src.kind == "file":
         assert src.path is not None
-        _emit(progress, f"importing {src.path.name}", total=src.path.stat().st_size)
+        _emit(progress, f"importing {src.path}")
         _emit(progress, "verifying sha256 digest")
         ref = store.register_file(src.path, str(src.name), source=src.source, sha256=src.sha256)
         return _finish(progress, ref)
@@ -221,7 +222,8 @@ def pull(source: str, name: str | None = None, sha256: str | None = None,
     if src.bundled and src.bundled_sha256 and (src.sha256 in (None, src.bundled_sha256)) \
             and bundled_available():
         digest = src.bundled_sha256
-        _emit(progress, f"pulling {digest[:12]}", digest)
+        if not store.has_blob(digest):
+            _emit(progress, "assembling the bundled model", digest)
         ref = store.ensure_bundled()
         if str(src.name) != f"{ref.name}:{ref.tag}":
             ref = store.tag_existing(ref.digest or digest, str(src.name), ref.manifest["source"],

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .gguf_file import GGUFError, read_gguf
-from .names import (DEFAULT_NAMESPACE, InvalidModelName, ModelName, ModelNotFound, StoreError,
+from .names import (InvalidModelName, ModelName, ModelNotFound, StoreError,
                     name_from_filename, parse_name)
 
 __all__ = ["Store", "ModelRef", "StoreError", "InvalidModelName", "ModelNotFound",
@@ -80,7 +80,7 @@ def default_home() -> Path:
     if env:
         return Path(env).expanduser()
     import platformdirs
-    return Path(platformdirs.user_data_dir("edgeinfer"))
+    return Path(platformdirs.user_data_dir("edgeinfer", appauthor=False))
 
 
 def sha256_file(path: Path) -> str:
@@ -191,6 +191,17 @@ class Store:
         self._ensure_dirs()
         return self.partial / f"{prefix}.{os.getpid()}.{time.monotonic_ns()}.tmp"
 
+    def clean_stale(self, max_age: float = 86400.0) -> None:
+        """Delete temp files a killed process left in partial/ (never *.partial: those are
+        kept for resuming)."""
+        if not self.partial.is_dir():
+            return
+        cutoff = time.time() - max_age
+        for p in self.partial.glob("*.tmp"):
+            with contextlib.suppress(OSError):
+                if p.stat().st_mtime < cutoff:
+                    p.unlink()
+
     # ----- reading ---------------------------------------------------------------------
 
     def _read_manifest(self, path: Path) -> dict[str, Any] | None:
@@ -275,6 +286,12 @@ class Store:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
+    def _check_space(self, needed: int) -> None:
+        free = shutil.disk_usage(self.partial).free
+        if needed > free:
+            raise StoreError(f"not enough disk space in {self.home}: the copy needs "
+                             f"{needed / 1e6:.1f} MB but only {free / 1e6:.1f} MB is free")
+
     def _manifest_for(self, n: ModelName, digest: str, source: str,
                       summary: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -339,6 +356,7 @@ class Store:
                 try:
                     os.replace(path, tmp)
                 except OSError:                 # another filesystem
+                    self._check_space(path.stat().st_size)
                     shutil.copyfile(path, tmp)
                     path.unlink()
             else:
@@ -346,6 +364,7 @@ class Store:
                     os.link(path, tmp)
                     linked = True
                 except OSError:                 # another filesystem, or links not allowed
+                    self._check_space(path.stat().st_size)
                     shutil.copyfile(path, tmp)
             digest = sha256_file(tmp)
             if sha256 and digest != sha256.lower().removeprefix("sha256:"):
@@ -423,5 +442,3 @@ def bundled_available() -> bool:
     import importlib.util
     return importlib.util.find_spec(BUNDLED_PACKAGE) is not None
 
-
-_ = DEFAULT_NAMESPACE  # re-exported for callers building names

@@ -390,3 +390,16 @@ def test_cli_pull_list_cp_rm(server, tmp_path, payload):
     assert r.returncode == 1 and "invalid model name" in r.stderr
     m = json.loads((home / "manifests" / "library" / "u" / "2.json").read_text())
     assert m["digest"] == f"sha256:{sha256(payload)}"
+
+
+def test_token_is_not_sent_to_another_origin(server, store, payload, monkeypatch):
+    """The hub redirects to a CDN on another host: HF_TOKEN must stay with the hub."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    with FaultServer() as cdn:
+        cdn.add("/blob", payload)
+        server.redirect("/acme/r/resolve/main/x.gguf", f"{cdn.url}/blob",
+                        X_Linked_Etag=f'"{sha256(payload)}"')
+        ref = pull("hf://acme/r/x.gguf", store=store, policy=FAST)
+        assert ref.digest == sha256(payload)
+        assert cdn.headers_seen and all("Authorization" not in h for h in cdn.headers_seen)
+    assert any(h.get("Authorization") == "Bearer hf_secret" for h in server.headers_seen)

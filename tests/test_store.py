@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from edgeinfer.names import NAME_RULE, name_from_filename, parse_name
 from edgeinfer.store import (InvalidModelName, ModelNotFound, ModelRef, Store, StoreError,
@@ -197,3 +198,17 @@ def test_bundled_gemma_resolves_on_first_use(store):
     assert partial_names(store) == []
     assert store.ensure_bundled() == ref
     assert [r.full_name for r in store.list()] == ["gemma3:270m"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="abcXYZ019._-/:\\ \x00~", max_size=24))
+def test_any_accepted_name_stays_inside_the_store(text):
+    store = Store(Path("/nonexistent/home"))
+    try:
+        n = parse_name(text)
+    except InvalidModelName:
+        return
+    path = store._manifest_path(n)
+    assert path.resolve().is_relative_to(store.manifests.resolve())
+    assert path.relative_to(store.manifests).parts == (n.namespace, n.model, f"{n.tag}.json")
+    assert parse_name(str(n)) == n
