@@ -1,6 +1,9 @@
 """Radix prefix cache and the KV manager's table operations (admit, publish, COW, evict)."""
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from edgeinfer.block_pool import BlockPool, BlockPoolError
 from edgeinfer.kv_manager import KVCacheManager
@@ -280,3 +283,83 @@ def test_without_prefix_cache_blocks_go_straight_back():
     _admit(kv, b)
     assert b.num_cached_tokens == 0
     kv.check_invariants([b])
+
+
+# -- stateful: random table operations against a fake KV store ----------------------------
+_PREFIXES = [[7] * 12, [7] * 8 + [3] * 4, [1, 2, 3, 4, 5, 6, 7, 8]]
+
+
+class KVTables(RuleBasedStateMachine):
+    """Admit, compute, fork, free and evict in any order; every computed position must read
+    back, through the block table, the token the sequence has there."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(10, BS)
+        self.store = [[None] * BS for _ in range(10)]
+        self.live: list[Sequence] = []
+        self.next_id = 0
+
+    @rule(prefix=st.sampled_from(_PREFIXES), tail=st.lists(st.integers(0, 9), max_size=9),
+          reserve=st.integers(0, 12))
+    def admit(self, prefix, tail, reserve):
+        seq = _seq(self.next_id, prefix + tail)
+        self.next_id += 1
+        if self.kv.admit(seq, seq.num_tokens + reserve, self.kv.num_available) is not None:
+            assert seq.num_computed_tokens < seq.num_tokens
+            self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50), n=st.integers(1, 9), token=st.integers(0, 9))
+    def compute(self, i, n, token):
+        seq = self.live[i % len(self.live)]
+        start = seq.num_computed_tokens
+        end = min(seq.num_tokens, start + n)
+        copies = self.kv.prepare_write(seq, start, end)
+        if copies is None:
+            return
+        for src, dst in copies:
+            self.store[dst] = list(self.store[src])
+        for p in range(start, end):
+            b = seq.block_table[p // BS]
+            assert self.kv.pool.ref_count(b) == 1 and not self.kv.pool.is_cached(b)
+            self.store[b][p % BS] = seq.token_ids[p]
+        seq.num_computed_tokens = end
+        self.kv.on_computed(seq)
+        if end == seq.num_tokens:
+            seq.append_token(token)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50))
+    def fork(self, i):
+        parent = self.live[i % len(self.live)]
+        child = _seq(self.next_id, parent.prompt_token_ids)
+        self.next_id += 1
+        for t in parent.output_token_ids:
+            child.append_token(t)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 50))
+    def free(self, i):
+        seq = self.live.pop(i % len(self.live))
+        self.kv.free(seq)
+
+    @rule(n=st.integers(1, 4))
+    def evict(self, n):
+        before = self.kv.pool.num_evictable
+        assert self.kv.prefix.evict(n) == min(n, before)
+
+    @invariant()
+    def tables_read_back_their_tokens(self):
+        self.kv.check_invariants(self.live)
+        for seq in self.live:
+            view = [self.store[seq.block_table[p // BS]][p % BS]
+                    for p in range(seq.num_computed_tokens)]
+            assert view == seq.token_ids[: seq.num_computed_tokens]
+
+
+KVTables.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestKVTables = KVTables.TestCase
