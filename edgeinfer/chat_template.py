@@ -1,0 +1,216 @@
+"""Chat templates: render a conversation into the prompt text a model was trained on.
+
+Templates come from the GGUF (`tokenizer.chat_template`, Hugging Face Jinja) and are untrusted:
+they run in Jinja's immutable sandbox, where reaching for Python internals (`__class__`,
+`__globals__`, ...) raises at once, string/list repetition and ranges are size-capped, and the
+output is capped. The environment mirrors Hugging Face's (trim_blocks, lstrip_blocks,
+loopcontrols, `raise_exception`, `strftime_now`, a non-HTML-escaping `tojson`) so real
+templates render the same text they render in `transformers`.
+
+GGUFs without a template get a built-in one per architecture (edgeinfer/templates/*.jinja).
+"""
+from __future__ import annotations
+
+import json
+import operator
+from datetime import datetime
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+MAX_OUTPUT_CHARS = 4_000_000     # a prompt far larger than any context window
+MAX_REPEAT = 1_000_000           # 'x' * n, [..] * n
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot be rendered; the message says why, for a person."""
+
+
+class ChatTemplateSecurityError(ChatTemplateError):
+    """A template that tried to escape the sandbox or exhaust resources."""
+
+
+class _TemplateRaised(Exception):
+    """raise_exception() called by the template itself."""
+
+
+class _GenerationTag(Extension):
+    """Hugging Face's {% generation %}...{% endgeneration %} marks assistant text for
+    training masks; for rendering it is a no-op around its body."""
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset(["*", "**"])
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        # Jinja returns a silent Undefined here; an untrusted template gets no second try.
+        raise SecurityError(f"access to attribute {attribute!r} of a "
+                            f"{type(obj).__name__!r} object is not allowed")
+
+    def call_binop(self, context: Any, operator_: str, left: Any, right: Any) -> Any:
+        if operator_ == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
+                        and len(seq) * n > MAX_REPEAT:
+                    raise SecurityError("the template builds a sequence that is too long")
+            return operator.mul(left, right)
+        if operator_ == "**":
+            if isinstance(right, (int, float)) and abs(right) > 64:
+                raise SecurityError("the template computes a power that is too large")
+            return operator.pow(left, right)
+        return super().call_binop(context, operator_, left, right)
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(str(message))
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    # Hugging Face's tojson: no HTML escaping, unicode kept as is
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
+                      ensure_ascii=ensure_ascii)
+
+
+@lru_cache(maxsize=1)
+def _env() -> _Sandbox:
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
+                   extensions=["jinja2.ext.loopcontrols", _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    try:
+        return _env().from_string(template)
+    except TemplateError as e:
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ChatTemplateError(f"the chat template does not parse{where}: {e.message}") from None
+
+
+def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI multi-part content [{"type": "text", "text": ...}] -> one string per message."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            text = "".join(p.get("text", "") for p in c
+                           if isinstance(p, dict) and p.get("type", "text") == "text")
+            m = {**m, "content": text}
+        out.append(m)
+    return out
+
+
+def render_chat(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                bos_token: str = "", eos_token: str = "", flatten_content: bool = True,
+                **extra: Any) -> str:
+    """Render `messages` with a Hugging Face chat template in the sandbox.
+
+    `extra` is passed to the template as variables (tools, documents, enable_thinking,
+    date_string, ...). Raises ChatTemplateError (ChatTemplateSecurityError for escapes).
+    """
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ChatTemplateError("messages must be a list of objects with a role and content")
+    tmpl = _compile(template)
+    ctx = dict(extra)
+    ctx.update(messages=_flatten(messages) if flatten_content else messages,
+               add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+               eos_token=eos_token)
+    try:
+        parts = []
+        size = 0
+        for chunk in tmpl.generate(**ctx):
+            size += len(chunk)
+            if size > MAX_OUTPUT_CHARS:
+                raise SecurityError("the template output is too large")
+            parts.append(chunk)
+        return "".join(parts)
+    except SecurityError as e:
+        raise ChatTemplateSecurityError(f"the chat template was stopped by the sandbox: {e}") \
+            from None
+    except _TemplateRaised as e:
+        raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from None
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template failed: {e}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError,
+            OverflowError, RecursionError) as e:
+        raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
+
+
+# --- built-in fallbacks -----------------------------------------------------------------------
+
+BUILTIN_NAMES = ("gemma", "llama2", "llama3", "chatml")
+
+
+def builtin_template(name: str) -> str:
+    """The text of a bundled template (one of BUILTIN_NAMES)."""
+    if name not in BUILTIN_NAMES:
+        raise ChatTemplateError(f"no built-in chat template named {name!r}")
+    return (resources.files("edgeinfer") / "templates" / f"{name}.jinja").read_text("utf-8")
+
+
+def builtin_name_for(metadata: dict[str, Any], arch: str | None = None) -> str:
+    """Which built-in template fits a model that ships none."""
+    arch = (arch or metadata.get("general.architecture") or "").lower()
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    vocab = set(tokens) if len(tokens) < 2_000_000 else set()
+    if arch.startswith("gemma"):
+        return "gemma"
+    if arch.startswith("qwen"):
+        return "chatml"
+    if "<|start_header_id|>" in vocab and "<|eot_id|>" in vocab:
+        return "llama3"
+    if "<|im_start|>" in vocab:
+        return "chatml"
+    if "<start_of_turn>" in vocab:
+        return "gemma"
+    if arch in ("llama", "mistral") or "[INST]" in vocab or "<s>" in vocab:
+        return "llama2"
+    return "chatml"
+
+
+def chat_template_for(metadata: dict[str, Any], arch: str | None = None) -> str:
+    """The model's own template (`tokenizer.chat_template`) or the built-in fallback."""
+    own = metadata.get("tokenizer.chat_template")
+    if isinstance(own, str) and own.strip():
+        return own
+    return builtin_template(builtin_name_for(metadata, arch))
+
+
+def special_token_strings(metadata: dict[str, Any]) -> dict[str, str]:
+    """bos_token / eos_token texts for render_chat from GGUF metadata."""
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    out = {}
+    for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")):
+        i = metadata.get(f"tokenizer.ggml.{name}")
+        out[key] = tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else ""
+    return out
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids for a rendered chat prompt: specials parsed, BOS added unless the template
+    already wrote it (llama.cpp would otherwise start the prompt with two BOS tokens)."""
+    ids = tokenizer.encode(prompt, add_special=True, parse_special=True)
+    bos = tokenizer.bos_id
+    if tokenizer.add_bos and bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    return ids
