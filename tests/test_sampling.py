@@ -133,15 +133,33 @@ def _reference_truncate(row: np.ndarray, p: SamplingParams) -> set[int]:
     return set(order.tolist())
 
 
-@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])
+def _row(shape: str) -> np.ndarray:
+    rng = np.random.default_rng(len(shape))
+    if shape == "peaked":  # few strong tokens over a heavy floor: near-max probe fails
+        x = (rng.standard_normal(262144) * 2.0).astype(np.float32)
+        x[rng.choice(262144, 8, replace=False)] += np.linspace(14, 8, 8, dtype=np.float32)
+        return x
+    scale = {"flat": 0.5, "normal": 3.0, "sharp": 12.0}[shape]
+    return (rng.standard_normal(262144) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", ["flat", "normal", "sharp", "peaked"])
 @pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_p=0.5), dict(top_p=0.99),
-                                dict(top_k=50, top_p=0.8), dict(min_p=0.05),
+                                dict(top_k=50, top_p=0.8), dict(min_p=0.05), dict(min_p=0.5),
                                 dict(top_p=0.95, min_p=0.1), dict(top_k=200)])
-def test_truncate_matches_full_sort_on_large_vocab(scale, kw):
-    row = (np.random.default_rng(int(scale * 10)).standard_normal(262144) * scale).astype(np.float32)
+def test_truncate_matches_full_sort_on_large_vocab(shape, kw):
+    row = _row(shape)
     p = SamplingParams(temperature=1.0, **kw)
-    idx, _ = truncate(row, p)
-    assert set(idx.tolist()) == _reference_truncate(row, p)
+    assert set(truncate(row, p).tolist()) == _reference_truncate(row, p)
+
+
+def test_large_nucleus_sampling_stays_in_support():
+    row = _row("peaked")
+    p = SamplingParams(temperature=0.9, top_p=0.95, min_p=1e-6)
+    support = _reference_truncate(row, p)
+    assert len(support) > 5000  # the bucketed path, not the near-max probe
+    toks = draw(row, 300, temperature=0.9, top_p=0.95, min_p=1e-6, seed=4)
+    assert set(toks.tolist()) <= support
 
 
 # --- penalties and bias ------------------------------------------------------------------
