@@ -1,0 +1,16 @@
+"""Architectures, one file each, written against the backend ops interface."""
+from __future__ import annotations
+
+from edgeinfer.model_config import ModelConfig
+
+
+def build_model(cfg: ModelConfig, ops, gguf_file):
+    """Instantiate the forward pass for cfg.arch with weights from the GGUF file."""
+    if cfg.arch == "gemma3":
+        from edgeinfer.models.gemma3 import Gemma3Model
+        return Gemma3Model(cfg, ops, gguf_file)
+    if cfg.arch in ("qwen2", "qwen3"):
+        from edgeinfer.models.qwen2 import Qwen2Model
+        return Qwen2Model(cfg, ops, gguf_file)
+    from edgeinfer.models.llama import LlamaModel
+    return LlamaModel(cfg, ops, gguf_file)

@@ -1,0 +1,169 @@
+"""Element-wise and attention kernels for the CPU backend (numba, GIL released).
+
+The quantized matmuls live in matmul.py; these are the small ops between them. Each kernel
+takes preallocated float32 arrays and works over a whole batch of tokens per call, so the
+per-token Python cost is a fixed number of calls per layer, independent of hidden size.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+_JIT = dict(nogil=True, cache=True, fastmath=False)
+_PJIT = dict(nogil=True, cache=True, parallel=True, fastmath=False)
+
+
+@njit(**_PJIT)
+def rms_norm(x, w, eps, out):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for each row r of a 2-D array."""
+    rows, n = x.shape
+    for r in prange(rows):
+        acc = 0.0  # float64 sum, as ggml does, so long rows don't lose precision
+        for i in range(n):
+            v = x[r, i]
+            acc += v * v
+        scale = np.float32(1.0 / math.sqrt(acc / n + eps))
+        for i in range(n):
+            out[r, i] = x[r, i] * scale * w[i]
+    return out
+
+
+@njit(**_PJIT)
+def rope_inplace(x, cos, sin, neox):
+    """Rotary embedding in place on x[T, H, D] with per-token tables cos/sin[T, D/2].
+
+    neox=True rotates (x[i], x[i + D/2]) pairs (NeoX/HF order); False rotates adjacent pairs
+    (x[2i], x[2i+1]), the original llama layout that GGUF llama weights are permuted for.
+    """
+    T, H, D = x.shape
+    half = D // 2
+    for th in prange(T * H):
+        t = th // H
+        h = th % H
+        if neox:
+            for i in range(half):
+                a = x[t, h, i]
+                b = x[t, h, i + half]
+                c = cos[t, i]
+                s = sin[t, i]
+                x[t, h, i] = a * c - b * s
+                x[t, h, i + half] = b * c + a * s
+        else:
+            for i in range(half):
+                a = x[t, h, 2 * i]
+                b = x[t, h, 2 * i + 1]
+                c = cos[t, i]
+                s = sin[t, i]
+                x[t, h, 2 * i] = a * c - b * s
+                x[t, h, 2 * i + 1] = b * c + a * s
+
+
+@njit(**_PJIT)
+def gelu_tanh_mul(gate, up, out):
+    """GeGLU: gelu_tanh(gate) * up (Gemma's feed-forward)."""
+    rows, n = gate.shape
+    k = np.float32(math.sqrt(2.0 / math.pi))
+    for r in prange(rows):
+        for i in range(n):
+            g = gate[r, i]
+            out[r, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(k * (g + np.float32(0.044715) * g * g * g))) * up[r, i]
+    return out
+
+
+@njit(**_PJIT)
+def silu_mul(gate, up, out):
+    """SwiGLU: silu(gate) * up (llama / qwen feed-forward)."""
+    rows, n = gate.shape
+    for r in prange(rows):
+        for i in range(n):
+            g = gate[r, i]
+            out[r, i] = g / (np.float32(1.0) + np.exp(-g)) * up[r, i]
+    return out
+
+
+@njit(**_JIT)
+def kv_write(k_cache, v_cache, k, v, slots):
+    """Store K/V rows [T, KVH, D] at flat slots (block * block_size + offset)."""
+    T = k.shape[0]
+    bs = k_cache.shape[1]
+    for t in range(T):
+        blk = slots[t] // bs
+        off = slots[t] % bs
+        for h in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                k_cache[blk, off, h, d] = k[t, h, d]
+                v_cache[blk, off, h, d] = v[t, h, d]
+
+
+@njit(**_JIT)
+def copy_blocks(k_cache, v_cache, src, dst):
+    for i in range(src.shape[0]):
+        k_cache[dst[i]] = k_cache[src[i]]
+        v_cache[dst[i]] = v_cache[src[i]]
+
+
+@njit(**_PJIT)
+def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale, out):
+    """Causal attention for a flat batch of query tokens, reading K/V through block tables.
+
+    q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
+    row token_seq[t] of block_tables[S, max_blocks] and sits at positions[t]; it attends to
+    that sequence's positions [pos - window + 1, pos] (window <= 0: all of [0, pos]).
+    Mixed prefill chunks and decode tokens of many sequences go in one call.
+    """
+    T, H, D = q.shape
+    bs = k_cache.shape[1]
+    group = H // k_cache.shape[2]
+    for th in prange(T * H):
+        t = th // H
+        h = th % H
+        kvh = h // group
+        s = token_seq[t]
+        pos = positions[t]
+        start = 0
+        if window > 0 and pos - window + 1 > 0:
+            start = pos - window + 1
+        n = pos - start + 1
+        scores = np.empty(n, np.float32)
+        qv = q[t, h]
+        m = -np.inf
+        for j in range(n):
+            p = start + j
+            blk = block_tables[s, p // bs]
+            kv = k_cache[blk, p % bs, kvh]
+            acc = np.float32(0.0)
+            for d in range(D):
+                acc += qv[d] * kv[d]
+            acc *= scale
+            scores[j] = acc
+            if acc > m:
+                m = acc
+        total = np.float32(0.0)
+        for j in range(n):
+            e = np.exp(scores[j] - m)
+            scores[j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        o = out[t, h]
+        for d in range(D):
+            o[d] = 0.0
+        for j in range(n):
+            p = start + j
+            blk = block_tables[s, p // bs]
+            vv = v_cache[blk, p % bs, kvh]
+            w = scores[j] * inv
+            for d in range(D):
+                o[d] += w * vv[d]
+    return out
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, base: float, scale: float = 1.0,
+                freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin[T, head_dim/2] for the given positions (numpy: T x D/2 work per forward)."""
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)
+    ang = np.outer(positions.astype(np.float64) / scale, inv)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)

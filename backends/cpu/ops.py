@@ -1,0 +1,123 @@
+"""The numba CPU backend: the `Ops` interface on numpy arrays with quantized weights."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.backends.cpu import kernels as K
+from edgeinfer.backends.cpu.matmul import QuantMatrix, get_rows, matmul
+
+
+@dataclass
+class CpuKVCache:
+    """Per layer K and V pools [num_blocks, block_size, KVH, D], float32."""
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+    block_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+
+class CpuOps:
+    name = "cpu"
+    kv_bytes_per_value = 4
+
+    def __init__(self, kv_f16_rounding: bool = True):
+        # llama.cpp keeps K/V in f16; rounding ours the same way keeps the engines comparable.
+        self.kv_f16_rounding = kv_f16_rounding
+        self._rope_cache: dict = {}
+
+    # -- weights ---------------------------------------------------------------------------
+    def matrix(self, gguf_file, name: str) -> QuantMatrix:
+        t = gguf_file.tensors[name]
+        k, n = t.shape[0], (t.shape[1] if len(t.shape) > 1 else 1)
+        return QuantMatrix.from_raw(gguf_file.raw(name), t.ggml_type, k, n)
+
+    def vector(self, gguf_file, name: str) -> np.ndarray:
+        t = gguf_file.tensors[name]
+        raw = gguf_file.raw(name)
+        if t.ggml_type == GGMLQuantizationType.F32:
+            return np.frombuffer(raw, dtype=np.float32).copy()
+        return dequantize(raw, t.ggml_type).reshape(-1).astype(np.float32)
+
+    # -- element-wise ----------------------------------------------------------------------
+    def embed(self, table: QuantMatrix, ids: np.ndarray) -> np.ndarray:
+        return get_rows(table, ids)
+
+    def matmul(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+        return matmul(x, w)
+
+    def add_bias(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
+        x += b
+        return x
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """Normalizes over the last axis (rows of hidden states, or heads of q/k)."""
+        flat = x.reshape(-1, x.shape[-1])
+        return K.rms_norm(flat, w, eps, np.empty_like(flat)).reshape(x.shape)
+
+    def rope(self, x: np.ndarray, batch: ForwardBatch, base: float, scale: float, neox: bool,
+             freq_factors=None) -> np.ndarray:
+        key = (id(batch), base, scale, x.shape[-1])
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            # One table per (batch, base): computed by the first layer, reused by the rest.
+            self._rope_cache = {k: v for k, v in self._rope_cache.items() if k[0] == id(batch)}
+            tables = K.rope_tables(batch.positions, x.shape[-1], base, scale, freq_factors)
+            self._rope_cache[key] = tables
+        K.rope_inplace(x, tables[0], tables[1], neox)
+        return x
+
+    def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return K.gelu_tanh_mul(gate, up, gate)
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return K.silu_mul(gate, up, gate)
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        x += y
+        return x
+
+    def scale(self, x: np.ndarray, s: float) -> np.ndarray:
+        x *= np.float32(s)
+        return x
+
+    def take_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        if rows.shape[0] == x.shape[0]:
+            return x
+        return np.ascontiguousarray(x[rows])
+
+    def to_numpy(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    # -- paged KV cache --------------------------------------------------------------------
+    def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
+                     head_dim: int) -> CpuKVCache:
+        shape = (num_blocks, block_size, n_kv_head, head_dim)
+        return CpuKVCache([np.zeros(shape, np.float32) for _ in range(n_layers)],
+                          [np.zeros(shape, np.float32) for _ in range(n_layers)], block_size)
+
+    def attention(self, q, k, v, cache: CpuKVCache, layer: int, batch: ForwardBatch,
+                  scale: float, window: int) -> np.ndarray:
+        """Write this step's K/V into the cache, then attend through the block tables."""
+        if self.kv_f16_rounding:
+            k = k.astype(np.float16).astype(np.float32)
+            v = v.astype(np.float16).astype(np.float32)
+        K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slot_mapping)
+        out = np.empty_like(q)
+        return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
+                                 batch.token_seq, batch.positions, window, np.float32(scale), out)
+
+    def copy_blocks(self, cache: CpuKVCache, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = np.array([p[0] for p in pairs], np.int64)
+        dst = np.array([p[1] for p in pairs], np.int64)
+        for layer in range(len(cache.k)):
+            K.copy_blocks(cache.k[layer], cache.v[layer], src, dst)

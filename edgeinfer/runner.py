@@ -1,0 +1,109 @@
+"""The model runner: owns the weights and the KV pool on one backend and executes one step.
+
+A step is the scheduler's list of chunks (decode tokens and prefill chunks of many sequences);
+the runner flattens them into one `ForwardBatch`, runs the model once, and returns logits for
+the chunks that need a sample, in chunk order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.gguf_file import GGUFFile, read_gguf
+from edgeinfer.model_config import ModelConfig, load_model_config
+
+
+class Chunk(Protocol):
+    """What the runner needs of a scheduled chunk (edgeinfer.scheduler.ScheduledChunk)."""
+    start: int
+    token_ids: Sequence[int]
+    needs_logits: bool
+
+    @property
+    def block_table(self) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def plan_kv(cfg: ModelConfig, budget_bytes: int, bytes_per_value: int, block_size: int = 16,
+            min_tokens: int = 0) -> KVPlan:
+    """Size the pool from a memory budget with 2 x layers x kv_heads x head_dim x bytes."""
+    per_token = cfg.kv_bytes_per_token(bytes_per_value)
+    tokens = max(budget_bytes // per_token, min_tokens)
+    return KVPlan(max(1, tokens // block_size), block_size, per_token)
+
+
+def make_ops(backend: str):
+    if backend == "cpu":
+        from edgeinfer.backends.cpu.ops import CpuOps
+        return CpuOps()
+    if backend == "torch" or backend.startswith("torch:"):
+        from edgeinfer.backends.torch.ops import TorchOps
+        return TorchOps(device=backend.partition(":")[2] or None)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+class ModelRunner:
+    def __init__(self, gf: GGUFFile, cfg: ModelConfig, ops, plan: KVPlan):
+        from edgeinfer.models import build_model
+        self.gf, self.cfg, self.ops, self.plan = gf, cfg, ops, plan
+        self.model = build_model(cfg, ops, gf)
+        self.kv = ops.new_kv_cache(cfg.n_layers, plan.num_blocks, plan.block_size,
+                                   cfg.n_kv_head, cfg.head_dim)
+
+    @classmethod
+    def load(cls, path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
+             block_size: int = 16, min_kv_tokens: int = 0) -> "ModelRunner":
+        gf = read_gguf(path)
+        cfg = load_model_config(gf)
+        ops = make_ops(backend)
+        plan = plan_kv(cfg, kv_budget_bytes, ops.kv_bytes_per_value, block_size, min_kv_tokens)
+        return cls(gf, cfg, ops, plan)
+
+    def build_batch(self, chunks: Sequence[Chunk]) -> ForwardBatch:
+        bs = self.plan.block_size
+        n = sum(len(c.token_ids) for c in chunks)
+        token_ids = np.empty(n, np.int32)
+        positions = np.empty(n, np.int32)
+        token_seq = np.empty(n, np.int32)
+        max_blocks = max(len(c.block_table) for c in chunks)
+        tables = np.zeros((len(chunks), max_blocks), np.int32)
+        logits_rows = []
+        t = 0
+        for s, c in enumerate(chunks):
+            m = len(c.token_ids)
+            token_ids[t:t + m] = c.token_ids
+            positions[t:t + m] = np.arange(c.start, c.start + m, dtype=np.int32)
+            token_seq[t:t + m] = s
+            tables[s, :len(c.block_table)] = c.block_table
+            t += m
+            if c.needs_logits:
+                logits_rows.append(t - 1)
+        blocks = tables[token_seq, positions // bs].astype(np.int64)
+        slots = blocks * bs + positions % bs
+        return ForwardBatch(token_ids, positions, slots, token_seq, tables,
+                            np.array(logits_rows, np.int64))
+
+    def execute(self, chunks: Sequence[Chunk],
+                block_copies: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+        """Run one step; returns float32 logits [number of chunks needing logits, vocab]."""
+        if block_copies:
+            self.ops.copy_blocks(self.kv, list(block_copies))
+        batch = self.build_batch(chunks)
+        if not len(batch.logits_indices):
+            batch.logits_indices = np.array([batch.num_tokens - 1], np.int64)
+            self.model.forward(batch, self.kv)
+            return np.empty((0, self.cfg.vocab_size), np.float32)
+        return self.ops.to_numpy(self.model.forward(batch, self.kv))

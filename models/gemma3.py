@@ -1,0 +1,37 @@
+"""Gemma 3: interleaved sliding-window (local) and global attention layers, per-head QK-norm,
+embeddings scaled by sqrt(hidden), post-attention and post-FFN norms, GeGLU, tied output.
+
+Every `swa_pattern`-th layer (6th) is global with the long rope base; the others attend to the
+last `sliding_window` positions with the local rope base (10,000). GGUF norm weights already
+include Gemma's (1 + w) offset, so plain RMSNorm applies.
+"""
+from __future__ import annotations
+
+from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.model_config import ModelConfig
+from edgeinfer.models.llama import attention, load_layers
+
+
+class Gemma3Model:
+    def __init__(self, cfg: ModelConfig, ops, gf):
+        self.cfg, self.ops = cfg, ops
+        self.tok_embd = ops.matrix(gf, "token_embd.weight")
+        self.output_norm = ops.vector(gf, "output_norm.weight")
+        self.output = self.tok_embd if cfg.tied_output else ops.matrix(gf, "output.weight")
+        self.layers = load_layers(cfg, ops, gf)
+
+    def forward(self, batch: ForwardBatch, kv):
+        cfg, ops = self.cfg, self.ops
+        x = ops.scale(ops.embed(self.tok_embd, batch.token_ids), cfg.embed_scale)
+        for i, w in enumerate(self.layers):
+            local = cfg.is_sliding(i)
+            h = ops.rms_norm(x, w.attn_norm, cfg.rms_eps)
+            a = attention(cfg, ops, w, h, batch, kv, i,
+                          cfg.rope_base_local if local else cfg.rope_base,
+                          cfg.sliding_window if local else 0)
+            x = ops.add(x, ops.rms_norm(a, w.post_attn_norm, cfg.rms_eps))
+            h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
+            f = ops.matmul(ops.geglu(ops.matmul(h, w.w_gate), ops.matmul(h, w.w_up)), w.w_down)
+            x = ops.add(x, ops.rms_norm(f, w.post_ffw_norm, cfg.rms_eps))
+        x = ops.take_rows(x, batch.logits_indices)
+        return ops.matmul(ops.rms_norm(x, self.output_norm, cfg.rms_eps), self.output)

@@ -1,0 +1,95 @@
+"""Llama-family decoder: Llama 2/3, Mistral, TinyLlama, SmolLM; qwen2/qwen3 reuse it.
+
+Pre-norm blocks: x += attn(rms_norm(x)); x += swiglu_ffn(rms_norm(x)). Optional q/k/v biases
+(qwen2) and per-head q/k RMSNorm (qwen3) are switched on by the config.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.model_config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Any
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    ffn_norm: Any
+    w_gate: Any
+    w_up: Any
+    w_down: Any
+    q_norm: Any = None
+    k_norm: Any = None
+    bq: Any = None
+    bk: Any = None
+    bv: Any = None
+    post_attn_norm: Any = None
+    post_ffw_norm: Any = None
+
+
+def load_layers(cfg: ModelConfig, ops, gf) -> list[LayerWeights]:
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        opt = (lambda n: ops.vector(gf, p + n) if p + n in gf.tensors else None)
+        layers.append(LayerWeights(
+            attn_norm=ops.vector(gf, p + "attn_norm.weight"),
+            wq=ops.matrix(gf, p + "attn_q.weight"), wk=ops.matrix(gf, p + "attn_k.weight"),
+            wv=ops.matrix(gf, p + "attn_v.weight"), wo=ops.matrix(gf, p + "attn_output.weight"),
+            ffn_norm=ops.vector(gf, p + "ffn_norm.weight"),
+            w_gate=ops.matrix(gf, p + "ffn_gate.weight"), w_up=ops.matrix(gf, p + "ffn_up.weight"),
+            w_down=ops.matrix(gf, p + "ffn_down.weight"),
+            q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
+            bq=opt("attn_q.bias"), bk=opt("attn_k.bias"), bv=opt("attn_v.bias"),
+            post_attn_norm=opt("post_attention_norm.weight"),
+            post_ffw_norm=opt("post_ffw_norm.weight")))
+    return layers
+
+
+def attention(cfg: ModelConfig, ops, w: LayerWeights, h, batch: ForwardBatch, kv, layer: int,
+              rope_base: float, window: int = 0, rope_freqs=None):
+    """Projections, optional bias and QK-norm, rope, paged attention, output projection."""
+    T = batch.num_tokens
+    q, k, v = ops.matmul(h, w.wq), ops.matmul(h, w.wk), ops.matmul(h, w.wv)
+    if w.bq is not None:
+        q, k, v = ops.add_bias(q, w.bq), ops.add_bias(k, w.bk), ops.add_bias(v, w.bv)
+    q = q.reshape(T, cfg.n_head, cfg.head_dim)
+    k = k.reshape(T, cfg.n_kv_head, cfg.head_dim)
+    v = v.reshape(T, cfg.n_kv_head, cfg.head_dim)
+    if w.q_norm is not None:
+        q, k = ops.rms_norm(q, w.q_norm, cfg.rms_eps), ops.rms_norm(k, w.k_norm, cfg.rms_eps)
+    q = ops.rope(q, batch, rope_base, cfg.rope_scale, cfg.rope_neox, rope_freqs)
+    k = ops.rope(k, batch, rope_base, cfg.rope_scale, cfg.rope_neox, rope_freqs)
+    a = ops.attention(q, k, v, kv, layer, batch, 1.0 / math.sqrt(cfg.head_dim), window)
+    return ops.matmul(a.reshape(T, cfg.q_dim), w.wo)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, ops, gf):
+        self.cfg, self.ops = cfg, ops
+        self.tok_embd = ops.matrix(gf, "token_embd.weight")
+        self.output_norm = ops.vector(gf, "output_norm.weight")
+        self.output = self.tok_embd if cfg.tied_output else ops.matrix(gf, "output.weight")
+        self.rope_freqs = ops.vector(gf, "rope_freqs.weight") if cfg.has_rope_freqs else None
+        self.layers = load_layers(cfg, ops, gf)
+
+    def forward(self, batch: ForwardBatch, kv):
+        cfg, ops = self.cfg, self.ops
+        x = ops.embed(self.tok_embd, batch.token_ids)
+        for i, w in enumerate(self.layers):
+            h = ops.rms_norm(x, w.attn_norm, cfg.rms_eps)
+            x = ops.add(x, attention(cfg, ops, w, h, batch, kv, i, cfg.rope_base, 0, self.rope_freqs))
+            h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
+            x = ops.add(x, ops.matmul(ops.swiglu(ops.matmul(h, w.w_gate), ops.matmul(h, w.w_up)), w.w_down))
+        return self.logits(x, batch)
+
+    def logits(self, x, batch: ForwardBatch):
+        ops = self.ops
+        x = ops.take_rows(x, batch.logits_indices)
+        return ops.matmul(ops.rms_norm(x, self.output_norm, self.cfg.rms_eps), self.output)
