@@ -15,6 +15,15 @@ prompt plus an output reserve of min(remaining max_tokens, output_reserve) token
 the reserves already promised to running sequences (counting unreferenced prefix-cache
 blocks as free). The reserve is a promise, not an allocation: blocks are taken as decode
 reaches them, and preemption covers the case where the promises were too small.
+
+The engine thread owns the scheduler (nothing here is thread-safe); one step is:
+    out = sched.schedule()
+    runner: copy blocks out.block_copies (src -> dst, every layer), then forward out.chunks,
+            sample one token for each chunk with needs_logits -> sampled {seq_id: token}
+    done = sched.update(out, sampled)        # finished by length
+    engine: stop tokens/strings -> sched.finish(seq_id, "stop"); stream the new tokens;
+            report out.finished (errors, pool-length), out.aborted, and done.
+Cancellation from other threads goes through the engine's own queue to sched.abort().
 """
 
 from __future__ import annotations
