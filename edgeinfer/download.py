@@ -167,25 +167,42 @@ class _Retrier:
         self.sleep(min(p.backoff * 2 ** (self.failures - 1), p.backoff_max))
 
 
+def _same_origin(a: httpx.URL, b: httpx.URL) -> bool:
+    return (a.scheme, a.host, a.port) == (b.scheme, b.host, b.port)
+
+
 def probe(client: httpx.Client, url: str, headers: dict[str, str], policy: DownloadPolicy,
           sleep: Callable[[float], None] = time.sleep) -> RemoteInfo:
-    """HEAD the URL (following redirects) for size and sha256. Unreachable hosts, 404 and
-    auth failures raise; anything else odd returns what is known and lets GET decide."""
+    """HEAD the URL for size and sha256. Redirects are followed on the same host only: the
+    hub answers for an LFS file with a redirect that carries X-Linked-Etag/X-Linked-Size,
+    and the CDN's signed URL behind it may refuse HEAD. Unreachable hosts, 404 and auth
+    failures raise; anything else odd returns what is known and lets the GET decide."""
     retrier = _Retrier(url, policy, sleep)
+    current = httpx.URL(url)
+    history: list[httpx.Response] = []
     while True:
         try:
-            r = client.head(url, headers=headers, follow_redirects=True)
+            r = client.head(current, headers=headers, follow_redirects=False)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             retrier.failed(e, False)
             continue
         except httpx.TransportError:
-            return RemoteInfo(url, None, None, None, False)
+            return RemoteInfo(str(current), None, *etag_sha256(history), False)
+        if r.is_redirect and "location" in r.headers and len(history) < 10:
+            history.append(r)
+            nxt = current.join(r.headers["location"])
+            if not _same_origin(current, nxt):
+                size = r.headers.get("x-linked-size", "")
+                return RemoteInfo(str(nxt), int(size) if size.isdigit() else None,
+                                  *etag_sha256(history), False)
+            current = nxt
+            continue
         if r.status_code in (401, 403, 404):
             raise _status_error(r, url)
-        if r.status_code >= 400:
-            return RemoteInfo(url, None, None, None, False)
-        sha, etag = etag_sha256([*r.history, r])
-        return RemoteInfo(str(r.url), _total_from(r, 0), sha, etag,
+        if r.status_code >= 300:
+            return RemoteInfo(str(current), None, *etag_sha256(history), False)
+        sha, etag = etag_sha256([*history, r])
+        return RemoteInfo(str(current), _total_from(r, 0), sha, etag,
                           r.headers.get("accept-ranges", "").lower() == "bytes")
 
 

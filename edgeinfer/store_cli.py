@@ -52,16 +52,18 @@ class _ProgressView:
         self.tasks: dict[str, Any] = {}
 
     def __enter__(self) -> "_ProgressView":
-        self.progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
+        if self.tasks:
+            self.progress.stop()
 
     def __call__(self, ev: PullProgress) -> None:
         if ev.total is not None:
             task = self.tasks.get(ev.status)
             if task is None:
+                if not self.tasks:      # start the live display with the first bar only
+                    self.progress.start()
                 task = self.tasks[ev.status] = self.progress.add_task(ev.status, total=ev.total)
             self.progress.update(task, total=ev.total, completed=ev.completed or 0)
         elif ev.status != "success":

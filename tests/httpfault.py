@@ -53,6 +53,7 @@ class Route:
     stall_times: int = 0               # ...on this many GET requests
     content_length: int | None = None  # override the advertised length (disk-space tests)
     status: int = 200                  # e.g. 404
+    head_status: int | None = None     # e.g. 403: a CDN's GET-signed URL refusing HEAD
     gets: int = 0
     ranges: list[str | None] = field(default_factory=list)
 
@@ -94,6 +95,9 @@ class FaultServer:
                     return
                 if route.status != 200:
                     self._plain(route.status, b"error")
+                    return
+                if head and route.head_status:
+                    self._plain(route.head_status, b"")
                     return
                 if not head:
                     route.gets += 1

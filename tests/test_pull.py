@@ -393,10 +393,11 @@ def test_cli_pull_list_cp_rm(server, tmp_path, payload):
 
 
 def test_token_is_not_sent_to_another_origin(server, store, payload, monkeypatch):
-    """The hub redirects to a CDN on another host: HF_TOKEN must stay with the hub."""
+    """The hub redirects to a CDN on another host: HF_TOKEN must stay with the hub, and a
+    CDN that refuses HEAD (a GET-signed URL) must not fail the pull."""
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     with FaultServer() as cdn:
-        cdn.add("/blob", payload)
+        cdn.add("/blob", payload, head_status=403)
         server.redirect("/acme/r/resolve/main/x.gguf", f"{cdn.url}/blob",
                         X_Linked_Etag=f'"{sha256(payload)}"')
         ref = pull("hf://acme/r/x.gguf", store=store, policy=FAST)
