@@ -54,7 +54,9 @@ class Route:
     content_length: int | None = None  # override the advertised length (disk-space tests)
     status: int = 200                  # e.g. 404
     head_status: int | None = None     # e.g. 403: a CDN's GET-signed URL refusing HEAD
+    gate: threading.Event | None = None  # GET bodies wait for this (deterministic overlap)
     gets: int = 0
+    heads: int = 0
     ranges: list[str | None] = field(default_factory=list)
 
 
@@ -99,7 +101,9 @@ class FaultServer:
                 if head and route.head_status:
                     self._plain(route.head_status, b"")
                     return
-                if not head:
+                if head:
+                    route.heads += 1
+                else:
                     route.gets += 1
                     route.ranges.append(self.headers.get("Range"))
                     if route.fail_500 > 0:
@@ -135,6 +139,8 @@ class FaultServer:
                 if head:
                     return
                 part = body[start:]
+                if route.gate is not None:
+                    route.gate.wait(30)
                 if route.stall_times > 0:
                     route.stall_times -= 1
                     time.sleep(route.stall)

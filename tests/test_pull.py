@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -319,8 +320,19 @@ def test_offline_names_the_host_and_suggests_import(store):
     assert_clean_failure(store)
 
 
+def _wait_for(cond, what: str) -> None:
+    for _ in range(3000):
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
 def test_two_concurrent_pulls_download_once(server, store, payload):
-    route = server.add("/x.gguf", payload, trickle=0.01)
+    """Both pulls are in flight (both probed, one downloading, one waiting on the lock)
+    before the server sends a byte; the digest is not known in advance."""
+    gate = threading.Event()
+    route = server.add("/x.gguf", payload, gate=gate)
     errors: list[BaseException] = []
 
     def run(name: str) -> None:
@@ -330,8 +342,11 @@ def test_two_concurrent_pulls_download_once(server, store, payload):
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(n,)) for n in ("a:1", "b:1")]
-    for t in threads:
-        t.start()
+    threads[0].start()
+    _wait_for(lambda: route.gets == 1, "the first pull to start downloading")
+    threads[1].start()
+    _wait_for(lambda: route.heads == 2, "the second pull to probe")
+    gate.set()
     for t in threads:
         t.join(60)
     assert errors == []
@@ -367,6 +382,25 @@ def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, EDGEINFER_HOME=str(home), NO_COLOR="1")
     return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env,
                           timeout=120, cwd=REPO)
+
+
+def test_two_cli_processes_pull_one_blob_once(server, tmp_path, payload):
+    """Two terminals: two `edgeinfer pull` processes at once, digest given."""
+    home = tmp_path / "clihome"
+    route = server.add("/x.gguf", payload, trickle=0.005)
+    exe = Path(sys.executable).with_name("edgeinfer")
+    env = dict(os.environ, EDGEINFER_HOME=str(home), NO_COLOR="1")
+    procs = [subprocess.Popen([str(exe), "pull", f"{server.url}/x.gguf", "--name", n,
+                               "--sha256", sha256(payload)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in ("p:1", "q:1")]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert route.gets == 1
+    store = Store(home)
+    assert manifests(store) == ["p:1", "q:1"] and len(blobs(store)) == 1
+    assert partials(store) == []
 
 
 def test_cli_pull_list_cp_rm(server, tmp_path, payload):
