@@ -204,7 +204,7 @@ def pull(source: str, name: str | None = None, sha256: str | None = None,
          policy: DownloadPolicy | None = None) -> ModelRef:
     """Pull SOURCE into the store and return the registered model. `progress` receives
     PullProgress events; it may raise to cancel (the partial file is kept for resuming)."""
-    started = time.time()       # a concurrent pull of the same source that ends after this is reused
+    started = time.time()   # a concurrent pull of this source that ends later is reused
     store = store or Store()
     policy = policy or DownloadPolicy()
     src = resolve_source(source, name, sha256, store)
@@ -238,7 +238,7 @@ def pull(source: str, name: str | None = None, sha256: str | None = None,
     if expected and store.has_blob(expected):
         return _tag_known(store, src, expected, progress)
 
-    store._ensure_dirs()
+    store.ensure_dirs()
     with httpx.Client(timeout=policy.timeout(), follow_redirects=True,
                       headers={"User-Agent": "edgeinfer"}) as client:
         info = probe(client, src.url, headers, policy)

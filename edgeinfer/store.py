@@ -163,7 +163,7 @@ class Store:
 
     # ----- paths and locks -------------------------------------------------------------
 
-    def _ensure_dirs(self) -> None:
+    def ensure_dirs(self) -> None:
         for d in (self.blobs, self.manifests, self.partial, self.locks):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -183,12 +183,12 @@ class Store:
         """The store-wide lock (default) or a named one, e.g. per blob being downloaded."""
         if not key.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"bad lock key {key!r}")
-        self._ensure_dirs()
+        self.ensure_dirs()
         return file_lock(self.locks / f"{key}.lock")
 
     def new_temp(self, prefix: str) -> Path:
         """A unique temp path in partial/ (same filesystem as blobs/, so renames are atomic)."""
-        self._ensure_dirs()
+        self.ensure_dirs()
         return self.partial / f"{prefix}.{os.getpid()}.{time.monotonic_ns()}.tmp"
 
     def clean_stale(self, max_age: float = 86400.0) -> None:
@@ -348,7 +348,7 @@ class Store:
         except GGUFError as e:
             raise StoreError(f"{path} is not a usable GGUF model: {e}") from None
         source = source or str(path.resolve())
-        self._ensure_dirs()
+        self.ensure_dirs()
         tmp = self.new_temp("import")
         try:
             linked = False

@@ -203,7 +203,7 @@ def test_restarted_pull_resumes_the_kept_partial(server, store, payload):
 def test_complete_partial_answered_416_is_installed(server, store, payload):
     digest = sha256(payload)
     route = server.add("/x.gguf", payload)
-    store._ensure_dirs()
+    store.ensure_dirs()
     (store.partial / f"sha256-{digest}.partial").write_bytes(payload)
     ref = pull(f"{server.url}/x.gguf", sha256=digest, store=store, policy=FAST)
     assert ref.digest == digest and route.ranges == [f"bytes={len(payload)}-"]
