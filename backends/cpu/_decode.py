@@ -1,9 +1,9 @@
 """Block decoders: one quantized block of a weight row -> float32 values, bit-exact.
 
-Each `dec_*` decodes block `b` of row `n` of a uint8[N, n_blocks, block_bytes] weight array
-into `out[:block_size]`. Indexing through the 3-D view keeps every inner index provably
-non-negative with unit stride, so LLVM vectorizes the loops (no wraparound selects, no
-gathers). The float32 operations happen in exactly the order that
+Each `dec_*(w, n, b, o, out, oo)` decodes block `b` of row `n` of a uint8[N, n_blocks,
+block_bytes] weight array (flat byte offset `o` of that block) into the float32 array `out`
+at flat element offset `oo`. Scales are read as scalars; the values are decoded 16 lanes at
+a time with the `_simd` vectors. The float32 operations happen in exactly the order that
 `gguf.quants.dequantize` uses (e.g. Q4_K: `(d * sc) * q - (dmin * m)`), and these functions
 are compiled without fastmath, so results are equal bit for bit to the reference.
 Layouts follow ggml (ggml-common.h); float types use 32-element pseudo-blocks so every
@@ -15,7 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._bits import load_bf16, load_f16, load_f32, load_u32
+from ._bits import load_f16, load_u32
+from ._simd import (bload_bf16, bload_f16, bload_f32, iaddk, iand, ibits, iload_i8, iload_u8,
+                    ior, ishl, ishr, itof, vadd, vmul, vsplat, vstore, vsub)
 
 # ggml type codes (gguf.GGMLQuantizationType values)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -33,105 +35,118 @@ _i32 = np.int32
 
 
 @njit(inline="always", nogil=True)
-def dec_f32(w, n, b, out):
-    for i in range(32):
-        out[i] = load_f32(w, n, b, 4 * i)
+def dec_f32(w, n, b, o, out, oo):
+    vstore(out, oo, bload_f32(w, o))
+    vstore(out, oo + 16, bload_f32(w, o + 64))
 
 
 @njit(inline="always", nogil=True)
-def dec_f16(w, n, b, out):
-    for i in range(32):
-        out[i] = load_f16(w, n, b, 2 * i)
+def dec_f16(w, n, b, o, out, oo):
+    vstore(out, oo, bload_f16(w, o))
+    vstore(out, oo + 16, bload_f16(w, o + 32))
 
 
 @njit(inline="always", nogil=True)
-def dec_bf16(w, n, b, out):
-    for i in range(32):
-        out[i] = load_bf16(w, n, b, 2 * i)
+def dec_bf16(w, n, b, o, out, oo):
+    vstore(out, oo, bload_bf16(w, o))
+    vstore(out, oo + 16, bload_bf16(w, o + 32))
 
 
 @njit(inline="always", nogil=True)
-def dec_q4_0(w, n, b, out):
-    d = load_f16(w, n, b, 0)
-    for j in range(16):
-        v = _i32(w[n, b, 2 + j])
-        out[j] = d * _f32((v & 15) - 8)
-        out[j + 16] = d * _f32((v >> 4) - 8)
+def dec_q4_0(w, n, b, o, out, oo):
+    d = vsplat(load_f16(w, n, b, 0))
+    v = iload_u8(w, o + 2)
+    vstore(out, oo, vmul(d, itof(iaddk(iand(v, 15), -8))))
+    vstore(out, oo + 16, vmul(d, itof(iaddk(ishr(v, 4), -8))))
 
 
 @njit(inline="always", nogil=True)
-def dec_q4_1(w, n, b, out):
-    d = load_f16(w, n, b, 0)
-    m = load_f16(w, n, b, 2)
-    for j in range(16):
-        v = _i32(w[n, b, 4 + j])
-        out[j] = d * _f32(v & 15) + m
-        out[j + 16] = d * _f32(v >> 4) + m
+def dec_q4_1(w, n, b, o, out, oo):
+    d = vsplat(load_f16(w, n, b, 0))
+    m = vsplat(load_f16(w, n, b, 2))
+    v = iload_u8(w, o + 4)
+    vstore(out, oo, vadd(vmul(d, itof(iand(v, 15))), m))
+    vstore(out, oo + 16, vadd(vmul(d, itof(ishr(v, 4))), m))
 
 
 @njit(inline="always", nogil=True)
-def dec_q5_0(w, n, b, out):
-    d = load_f16(w, n, b, 0)
-    qh = _i32(load_u32(w, n, b, 2))
-    for j in range(16):
-        v = _i32(w[n, b, 6 + j])
-        out[j] = d * _f32(((v & 15) | (((qh >> j) & 1) << 4)) - 16)
-        out[j + 16] = d * _f32(((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16)
+def q5_lo(w, o, qh, qs):
+    """Q5_0/Q5_1 values 0..15 of a block: low nibbles plus bits 0..15 of qh."""
+    return ior(iand(iload_u8(w, o + qs), 15), ishl(ibits(qh, 0), 4))
 
 
 @njit(inline="always", nogil=True)
-def dec_q5_1(w, n, b, out):
-    d = load_f16(w, n, b, 0)
-    m = load_f16(w, n, b, 2)
-    qh = _i32(load_u32(w, n, b, 4))
-    for j in range(16):
-        v = _i32(w[n, b, 8 + j])
-        out[j] = d * _f32((v & 15) | (((qh >> j) & 1) << 4)) + m
-        out[j + 16] = d * _f32((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m
+def q5_hi(w, o, qh, qs):
+    """Q5_0/Q5_1 values 16..31: high nibbles plus bits 16..31 of qh."""
+    return ior(ishr(iload_u8(w, o + qs), 4), ishl(ibits(qh, 16), 4))
 
 
 @njit(inline="always", nogil=True)
-def dec_q8_0(w, n, b, out):
-    d = load_f16(w, n, b, 0)
-    for j in range(32):
-        out[j] = _f32(np.int8(w[n, b, 2 + j])) * d
+def dec_q5_0(w, n, b, o, out, oo):
+    d = vsplat(load_f16(w, n, b, 0))
+    qh = load_u32(w, n, b, 2)
+    vstore(out, oo, vmul(d, itof(iaddk(q5_lo(w, o, qh, 6), -16))))
+    vstore(out, oo + 16, vmul(d, itof(iaddk(q5_hi(w, o, qh, 6), -16))))
 
 
 @njit(inline="always", nogil=True)
-def dec_q2_k(w, n, b, out):
+def dec_q5_1(w, n, b, o, out, oo):
+    d = vsplat(load_f16(w, n, b, 0))
+    m = vsplat(load_f16(w, n, b, 2))
+    qh = load_u32(w, n, b, 4)
+    vstore(out, oo, vadd(vmul(d, itof(q5_lo(w, o, qh, 8))), m))
+    vstore(out, oo + 16, vadd(vmul(d, itof(q5_hi(w, o, qh, 8))), m))
+
+
+@njit(inline="always", nogil=True)
+def dec_q8_0(w, n, b, o, out, oo):
+    d = vsplat(load_f16(w, n, b, 0))
+    vstore(out, oo, vmul(itof(iload_i8(w, o + 2)), d))
+    vstore(out, oo + 16, vmul(itof(iload_i8(w, o + 18)), d))
+
+
+@njit(inline="always", nogil=True)
+def q2k_group(w, o, k):
+    """The 16 2-bit values of group k (elements 16k..16k+15) of a Q2_K block."""
+    src = 16 + (k >> 3) * 32 + (k & 1) * 16
+    return iand(ishr(iload_u8(w, o + src), 2 * ((k >> 1) & 3)), 3)
+
+
+@njit(inline="always", nogil=True)
+def dec_q2_k(w, n, b, o, out, oo):
     d = load_f16(w, n, b, 80)
     dmin = load_f16(w, n, b, 82)
-    for k in range(16):                  # 16-value group k: element i = 16k + l
+    for k in range(16):
         sc = _i32(w[n, b, k])
-        dl = d * _f32(sc & 15)
-        ml = dmin * _f32(sc >> 4)
-        src = 16 + (k >> 3) * 32 + (k & 1) * 16      # i = 128h + 32s + (i & 31)
-        sh = 2 * ((k >> 1) & 3)
-        for l in range(16):
-            q = (_i32(w[n, b, src + l]) >> sh) & 3
-            out[16 * k + l] = dl * _f32(q) - ml
+        dl = vsplat(d * _f32(sc & 15))
+        ml = vsplat(dmin * _f32(sc >> 4))
+        vstore(out, oo + 16 * k, vsub(vmul(dl, itof(q2k_group(w, o, k))), ml))
 
 
 @njit(inline="always", nogil=True)
-def _q3k_scale(w, n, b, k):
+def q3k_scale(w, n, b, k):
+    """Signed 6-bit scale of group k (0..15) of a Q3_K block."""
     lo = (_i32(w[n, b, 96 + (k & 7)]) >> (4 * (k >> 3))) & 15
     hi = (_i32(w[n, b, 104 + (k & 3)]) >> (2 * (k >> 2))) & 3
     return (lo | (hi << 4)) - 32
 
 
 @njit(inline="always", nogil=True)
-def dec_q3_k(w, n, b, out):
+def q3k_group(w, o, k):
+    """The 16 signed 3-bit values of group k; element i = 32s + l."""
+    s = k >> 1
+    l0 = (k & 1) * 16
+    hb = iand(ishr(iload_u8(w, o + l0), s), 1)
+    ql = iand(ishr(iload_u8(w, o + 32 + (s >> 2) * 32 + l0), 2 * (s & 3)), 3)
+    return iaddk(ior(ql, ishl(hb, 2)), -4)       # the offset 4 applies where the mask bit is 0
+
+
+@njit(inline="always", nogil=True)
+def dec_q3_k(w, n, b, o, out, oo):
     d = load_f16(w, n, b, 108)
-    for k in range(16):                  # 16-value group k; element i = 32s + l
-        dl = d * _f32(_q3k_scale(w, n, b, k))
-        s = k >> 1
-        l0 = (k & 1) * 16
-        src = 32 + (s >> 2) * 32 + l0
-        sh = 2 * (s & 3)
-        for l in range(16):
-            hbit = (_i32(w[n, b, l0 + l]) >> s) & 1
-            ql = (_i32(w[n, b, src + l]) >> sh) & 3
-            out[16 * k + l] = dl * _f32(ql - 4 + 4 * hbit)
+    for k in range(16):
+        dl = vsplat(d * _f32(q3k_scale(w, n, b, k)))
+        vstore(out, oo + 16 * k, vmul(dl, itof(q3k_group(w, o, k))))
 
 
 @njit(inline="always", nogil=True)
@@ -147,49 +162,57 @@ def kq_scale_min(w, n, b, j):
 
 
 @njit(inline="always", nogil=True)
-def dec_q4_k(w, n, b, out):
+def q4k_half(w, o, j, h):
+    """Lanes 16h..16h+15 of sub-block j of a Q4_K block (4-bit values)."""
+    return iand(ishr(iload_u8(w, o + 16 + (j >> 1) * 32 + 16 * h), 4 * (j & 1)), 15)
+
+
+@njit(inline="always", nogil=True)
+def q5k_half(w, o, j, h):
+    """Lanes 16h..16h+15 of sub-block j of a Q5_K block (5-bit values)."""
+    lo = iand(ishr(iload_u8(w, o + 48 + (j >> 1) * 32 + 16 * h), 4 * (j & 1)), 15)
+    return ior(lo, ishl(iand(ishr(iload_u8(w, o + 16 + 16 * h), j), 1), 4))
+
+
+@njit(inline="always", nogil=True)
+def dec_q4_k(w, n, b, o, out, oo):
     d = load_f16(w, n, b, 0)
     dmin = load_f16(w, n, b, 2)
     for j in range(8):
         sc, mn = kq_scale_min(w, n, b, j)
-        ds = d * _f32(sc)
-        dm = dmin * _f32(mn)
-        qb = 16 + (j >> 1) * 32
-        sh = 4 * (j & 1)
-        for l in range(32):
-            q = (_i32(w[n, b, qb + l]) >> sh) & 15
-            out[j * 32 + l] = ds * _f32(q) - dm
+        ds = vsplat(d * _f32(sc))
+        dm = vsplat(dmin * _f32(mn))
+        vstore(out, oo + 32 * j, vsub(vmul(ds, itof(q4k_half(w, o, j, 0))), dm))
+        vstore(out, oo + 32 * j + 16, vsub(vmul(ds, itof(q4k_half(w, o, j, 1))), dm))
 
 
 @njit(inline="always", nogil=True)
-def dec_q5_k(w, n, b, out):
+def dec_q5_k(w, n, b, o, out, oo):
     d = load_f16(w, n, b, 0)
     dmin = load_f16(w, n, b, 2)
     for j in range(8):
         sc, mn = kq_scale_min(w, n, b, j)
-        ds = d * _f32(sc)
-        dm = dmin * _f32(mn)
-        qb = 48 + (j >> 1) * 32
-        sh = 4 * (j & 1)
-        for l in range(32):
-            q = ((_i32(w[n, b, qb + l]) >> sh) & 15) | (((_i32(w[n, b, 16 + l]) >> j) & 1) << 4)
-            out[j * 32 + l] = ds * _f32(q) - dm
+        ds = vsplat(d * _f32(sc))
+        dm = vsplat(dmin * _f32(mn))
+        vstore(out, oo + 32 * j, vsub(vmul(ds, itof(q5k_half(w, o, j, 0))), dm))
+        vstore(out, oo + 32 * j + 16, vsub(vmul(ds, itof(q5k_half(w, o, j, 1))), dm))
 
 
 @njit(inline="always", nogil=True)
-def dec_q6_k(w, n, b, out):
+def q6k_group(w, o, k):
+    """The 16 signed 6-bit values of group k = 2c + half, chunk c = 4h + 2s + p."""
+    c = k >> 1
+    h = c >> 2
+    t = c & 3
+    l0 = (k & 1) * 16
+    lo = iand(ishr(iload_u8(w, o + h * 64 + (t & 1) * 32 + l0), 4 * (t >> 1)), 15)
+    hi = iand(ishr(iload_u8(w, o + 128 + h * 32 + l0), 2 * t), 3)
+    return iaddk(ior(lo, ishl(hi, 4)), -32)
+
+
+@njit(inline="always", nogil=True)
+def dec_q6_k(w, n, b, o, out, oo):
     d = load_f16(w, n, b, 208)
-    for k in range(16):                  # 16-value group k = 2c + half; chunk c = 4h + 2s + p
-        c = k >> 1
-        h = c >> 2
-        t = c & 3
-        l0 = (k & 1) * 16
-        lo_src = h * 64 + (t & 1) * 32 + l0
-        hi_src = 128 + h * 32 + l0
-        lsh = 4 * (t >> 1)
-        hsh = 2 * t
-        ds = d * _f32(np.int8(w[n, b, 192 + k]))
-        for l in range(16):
-            lo = (_i32(w[n, b, lo_src + l]) >> lsh) & 15
-            hi = (_i32(w[n, b, hi_src + l]) >> hsh) & 3
-            out[16 * k + l] = ds * _f32((lo | (hi << 4)) - 32)
+    for k in range(16):
+        ds = vsplat(d * _f32(np.int8(w[n, b, 192 + k])))
+        vstore(out, oo + 16 * k, vmul(ds, itof(q6k_group(w, o, k))))

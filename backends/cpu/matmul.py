@@ -64,10 +64,10 @@ def _tiled_blas(x: np.ndarray, w: QuantMatrix, out: np.ndarray) -> None:
     rows = KERNELS[int(w.qtype)][0]
     blocks = w.blocks
     T = min(_tile_rows(w.K), w.N)
-    tile = np.empty((T, blocks.shape[1], w.K // blocks.shape[1]), np.float32)
+    tile = np.empty((T, w.K), np.float32)
     ids = np.arange(w.N, dtype=np.int64)
     for n0 in range(0, w.N, T):
         n1 = min(w.N, n0 + T)
         t = tile[: n1 - n0]
         rows(blocks, ids[n0:n1], t)
-        np.matmul(x, t.reshape(n1 - n0, w.K).T, out=out[:, n0:n1])
+        np.matmul(x, t.T, out=out[:, n0:n1])

@@ -122,7 +122,7 @@ def dequantize(raw: np.ndarray, qtype, n_elements: int) -> np.ndarray:
     if raw.size < nb * ts:
         raise ValueError(f"buffer of {raw.size} bytes is too small for {n_elements} elements")
     blocks = _readonly(raw[: nb * ts].reshape(nb, 1, ts))
-    out = np.empty((nb, 1, bs), np.float32)
+    out = np.empty((nb, bs), np.float32)
     KERNELS[code][0](blocks, np.arange(nb, dtype=np.int64), out)
     return out.reshape(-1)
 
@@ -132,10 +132,9 @@ def get_rows(w: QuantMatrix, ids) -> np.ndarray:
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= w.N):
         raise IndexError(f"row id out of range [0, {w.N})")
-    bs = block_size(w.qtype)
-    out = np.empty((ids.size, w.K // bs, bs), np.float32)
+    out = np.empty((ids.size, w.K), np.float32)
     KERNELS[int(w.qtype)][0](w.blocks, ids, out)
-    return out.reshape(ids.size, w.K)
+    return out
 
 
 def random_quant_rows(qtype, N: int, K: int, rng: np.random.Generator) -> np.ndarray:
