@@ -8,7 +8,7 @@ vocabulary asks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Iterable, Sequence
 
@@ -43,9 +43,20 @@ _EOG_TEXTS = frozenset((
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
               "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>",
               "<end_of_utterance>")
+# llama.cpp's fill-in-the-middle guesses by text, per kind; a found token becomes a control token
+_FIM_TEXTS = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>",
+                "<PRE>", "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
+                "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
+                "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
 # gpt-oss: these are rendered as text by llama.cpp
 _USER_DEFINED_OVERRIDE = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
-_SPECIAL_MASK = (1 << TokenType.CONTROL) | (1 << TokenType.USER_DEFINED) | (1 << TokenType.UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,12 @@ class SpecialIds:
     pad: int | None
     eot: int | None
     eom: int | None
+    fim_pre: int | None = None
+    fim_suf: int | None = None
+    fim_mid: int | None = None
+    fim_pad: int | None = None
+    fim_rep: int | None = None
+    fim_sep: int | None = None
 
 
 class Tokenizer:
@@ -159,8 +176,17 @@ class Tokenizer:
                               "midm-2.0", "lfm2", "jina-v5-nano", "tekken", "chameleon")
             add_eos, space = False, False
         if model == "gpt2" and pre in ("chatglm-bpe", "glm4", "glm5"):
-            special = SpecialIds(None, special.eos, special.unk, special.pad, special.eot,
-                                 special.eom)
+            special = replace(special, bos=None)
+        def either(old: str, new: str) -> int | None:
+            v = tid(old, None)          # llama.cpp reads the deprecated key last
+            return v if v is not None else tid(new, None)
+
+        fim = {"fim_pre": either("prefix_token_id", "fim_pre_token_id"),
+               "fim_suf": either("suffix_token_id", "fim_suf_token_id"),
+               "fim_mid": either("middle_token_id", "fim_mid_token_id"),
+               "fim_pad": tid("fim_pad_token_id", None), "fim_rep": tid("fim_rep_token_id", None),
+               "fim_sep": tid("fim_sep_token_id", None)}
+        special = replace(special, **fim)
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", add_eos))
         if model == "llama":
@@ -172,33 +198,41 @@ class Tokenizer:
                    rstrip_specials=("phi-3" in name or "phi3" in name))
 
     def _fix_types(self, types: np.ndarray) -> None:
-        """llama.cpp's text-based fix-ups: end-of-turn tokens are control tokens."""
+        """llama.cpp's text-based fix-ups of token attributes (llama_vocab::load)."""
         t2i = self.token_to_id
+        sp = self.special
+        found: dict[str, int] = {}
+
+        def guess(kind: str, texts: tuple[str, ...]) -> None:
+            if getattr(sp, kind) is not None:
+                return
+            for text in texts:
+                i = t2i.get(text)
+                if i is not None:
+                    found[kind] = i
+                    _make_control(types, i)
+                    return
+
+        guess("eot", _EOT_TEXTS)
+        guess("eom", ("<|eom_id|>",))
+        for kind, texts in _FIM_TEXTS.items():
+            guess(kind, texts)
+        if found:
+            self.special = sp = replace(sp, **found)
         for text in _EOG_TEXTS:
             i = t2i.get(text)
-            if i is not None and types[i] not in (TokenType.CONTROL,):
-                # llama.cpp adds the CONTROL attribute; for us the type becomes CONTROL
-                # unless the token is a byte or unknown token.
-                if types[i] not in (TokenType.BYTE, TokenType.UNKNOWN):
-                    types[i] = TokenType.CONTROL
+            if i is not None:
+                _make_control(types, i)
         for text in _USER_DEFINED_OVERRIDE:
             i = t2i.get(text)
             if i is not None:
                 types[i] = TokenType.USER_DEFINED
-        sp = self.special
-        if sp.eot is None:
-            # llama.cpp's "find EOT token" guess, by text
-            for text in _EOT_TEXTS:
-                if text in t2i:
-                    self.special = sp = SpecialIds(sp.bos, sp.eos, sp.unk, sp.pad, t2i[text], sp.eom)
-                    break
-        if sp.eom is None and "<|eom_id|>" in t2i:
-            self.special = SpecialIds(sp.bos, sp.eos, sp.unk, sp.pad, sp.eot, t2i["<|eom_id|>"])
 
     def _eog_ids(self) -> frozenset[int]:
         t2i = self.token_to_id
+        sp = self.special
         ids = {t2i[t] for t in _EOG_TEXTS if t in t2i}
-        for i in (self.special.eos, self.special.eot, self.special.eom):
+        for i in (sp.eos, sp.eot, sp.eom, sp.fim_pad, sp.fim_rep, sp.fim_sep):
             if i is not None:
                 ids.add(i)
         return frozenset(ids)
@@ -376,6 +410,12 @@ class Tokenizer:
                         data = data[1:]
                     break
         return data.decode("utf-8", "replace")
+
+
+def _make_control(types: np.ndarray, i: int) -> None:
+    # llama.cpp ORs in the CONTROL attribute; byte and unknown tokens keep what they are
+    if types[i] not in (TokenType.BYTE, TokenType.UNKNOWN):
+        types[i] = TokenType.CONTROL
 
 
 def _byte_token_value(text: str) -> bytes:
