@@ -6,7 +6,7 @@ KVH key/value heads, D head dim, E hidden size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +26,8 @@ class ForwardBatch:
     token_seq: np.ndarray      # int32 [T]
     block_tables: np.ndarray   # int32 [S, max_blocks]
     logits_indices: np.ndarray  # int64 [L]
+    # Per-step values a backend derives once and reuses in every layer (rope tables...).
+    cache: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

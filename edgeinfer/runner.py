@@ -16,14 +16,16 @@ from edgeinfer.gguf_file import GGUFFile, read_gguf
 from edgeinfer.model_config import ModelConfig, load_model_config
 
 
+class _Seq(Protocol):
+    block_table: Sequence[int]
+
+
 class Chunk(Protocol):
     """What the runner needs of a scheduled chunk (edgeinfer.scheduler.ScheduledChunk)."""
+    seq: _Seq
     start: int
     token_ids: Sequence[int]
     needs_logits: bool
-
-    @property
-    def block_table(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ModelRunner:
         token_ids = np.empty(n, np.int32)
         positions = np.empty(n, np.int32)
         token_seq = np.empty(n, np.int32)
-        max_blocks = max(len(c.block_table) for c in chunks)
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
         tables = np.zeros((len(chunks), max_blocks), np.int32)
         logits_rows = []
         t = 0
@@ -87,7 +89,7 @@ class ModelRunner:
             token_ids[t:t + m] = c.token_ids
             positions[t:t + m] = np.arange(c.start, c.start + m, dtype=np.int32)
             token_seq[t:t + m] = s
-            tables[s, :len(c.block_table)] = c.block_table
+            tables[s, :len(c.seq.block_table)] = c.seq.block_table
             t += m
             if c.needs_logits:
                 logits_rows.append(t - 1)

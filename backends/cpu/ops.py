@@ -9,7 +9,8 @@ from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import kernels as K
-from edgeinfer.backends.cpu.matmul import QuantMatrix, get_rows, matmul
+from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
+from edgeinfer.backends.cpu.quants import get_rows
 
 
 @dataclass
@@ -31,13 +32,10 @@ class CpuOps:
     def __init__(self, kv_f16_rounding: bool = True):
         # llama.cpp keeps K/V in f16; rounding ours the same way keeps the engines comparable.
         self.kv_f16_rounding = kv_f16_rounding
-        self._rope_cache: dict = {}
 
     # -- weights ---------------------------------------------------------------------------
     def matrix(self, gguf_file, name: str) -> QuantMatrix:
-        t = gguf_file.tensors[name]
-        k, n = t.shape[0], (t.shape[1] if len(t.shape) > 1 else 1)
-        return QuantMatrix.from_raw(gguf_file.raw(name), t.ggml_type, k, n)
+        return QuantMatrix.from_gguf(gguf_file, name)
 
     def vector(self, gguf_file, name: str) -> np.ndarray:
         t = gguf_file.tensors[name]
@@ -64,13 +62,12 @@ class CpuOps:
 
     def rope(self, x: np.ndarray, batch: ForwardBatch, base: float, scale: float, neox: bool,
              freq_factors=None) -> np.ndarray:
-        key = (id(batch), base, scale, x.shape[-1])
-        tables = self._rope_cache.get(key)
+        key = ("rope", base, scale, x.shape[-1])
+        tables = batch.cache.get(key)
         if tables is None:
-            # One table per (batch, base): computed by the first layer, reused by the rest.
-            self._rope_cache = {k: v for k, v in self._rope_cache.items() if k[0] == id(batch)}
+            # One table per (step, base): computed by the first layer, reused by the rest.
             tables = K.rope_tables(batch.positions, x.shape[-1], base, scale, freq_factors)
-            self._rope_cache[key] = tables
+            batch.cache[key] = tables
         K.rope_inplace(x, tables[0], tables[1], neox)
         return x
 
