@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import operator
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from importlib import resources
@@ -214,3 +215,33 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     if tokenizer.add_bos and bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
         ids = ids[1:]
     return ids
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """Everything needed to turn messages into a prompt for one model."""
+    template: str
+    bos_token: str
+    eos_token: str
+    builtin: str | None          # the fallback's name when the GGUF has no template
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], arch: str | None = None) -> "ChatFormat":
+        own = metadata.get("tokenizer.chat_template")
+        has_own = isinstance(own, str) and bool(own.strip())
+        name = None if has_own else builtin_name_for(metadata, arch)
+        template = own if has_own else builtin_template(name)  # type: ignore[arg-type]
+        tokens = special_token_strings(metadata)
+        _compile(template)       # a broken template fails at load, not at the first request
+        return cls(template=template, bos_token=tokens["bos_token"],
+                   eos_token=tokens["eos_token"], builtin=name)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               **extra: Any) -> str:
+        return render_chat(self.template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+
+    def encode(self, tokenizer: Any, messages: list[dict[str, Any]],
+               add_generation_prompt: bool = True, **extra: Any) -> list[int]:
+        """Prompt token ids for `messages` (one BOS, special tokens parsed)."""
+        return encode_prompt(tokenizer, self.render(messages, add_generation_prompt, **extra))

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer.chat_template import (BUILTIN_NAMES, ChatTemplateError, ChatTemplateSecurityError,
+from edgeinfer.chat_template import (BUILTIN_NAMES, ChatFormat, ChatTemplateError,
+                                     ChatTemplateSecurityError,
                                      builtin_name_for, builtin_template, chat_template_for,
                                      encode_prompt, render_chat, special_token_strings)
 
@@ -91,6 +92,19 @@ def test_bundled_gemma3_gets_gemma_fallback_and_tokenizes_turns(gemma3_path):
     sot, eot = tok.token_to_id["<start_of_turn>"], tok.token_to_id["<end_of_turn>"]
     assert ids[:2] == [tok.bos_id, sot]               # one BOS, not two
     assert ids.count(sot) == 2 and ids.count(eot) == 1
+    fmt = ChatFormat.from_gguf(md, "gemma3")
+    assert fmt.builtin == "gemma" and fmt.render(CONV[1:2]) == prompt
+    assert fmt.encode(tok, CONV[1:2]) == ids
+
+
+def test_chat_format_uses_the_models_own_template_and_checks_it_early():
+    md = {"tokenizer.chat_template": "{{ bos_token }}{{ messages[0].content }}",
+          "tokenizer.ggml.tokens": ["<s>", "</s>"], "tokenizer.ggml.bos_token_id": 0,
+          "tokenizer.ggml.eos_token_id": 1}
+    fmt = ChatFormat.from_gguf(md, "llama")
+    assert fmt.builtin is None and fmt.render(CONV[1:2]) == "<s>Hi"
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        ChatFormat.from_gguf({**md, "tokenizer.chat_template": "{% if %}"}, "llama")
 
 
 # --- real templates (llama.cpp's models/templates) ---------------------------------------------

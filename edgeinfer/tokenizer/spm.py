@@ -16,6 +16,10 @@ import heapq
 import re
 
 SPACE = "\u2581"
+
+
+class TokenizerError(ValueError):
+    """A vocabulary we cannot build a tokenizer from, or text it cannot encode."""
 _CACHE_LIMIT = 200_000
 
 
@@ -122,7 +126,8 @@ class SpmEncoder:
                 for b in piece.encode("utf-8", "surrogatepass"):
                     bid = byte_ids[b]
                     if bid is None:
-                        raise KeyError(f"vocabulary has no token for byte 0x{b:02X}")
+                        raise TokenizerError(f"the vocabulary has no token for byte 0x{b:02X}, "
+                                             f"so this text cannot be encoded")
                     out.append(bid)
             i = nxt[i]
         return out

@@ -16,12 +16,9 @@ import numpy as np
 import regex
 
 from . import bpe, pretokenize, spm
+from .spm import TokenizerError
 
 log = logging.getLogger(__name__)
-
-
-class TokenizerError(ValueError):
-    """A vocabulary we cannot build a tokenizer from. One sentence for a person."""
 
 
 class TokenType(IntEnum):
