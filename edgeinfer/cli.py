@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     show_cmd.add_commands(subparsers)
     # --- subcommand registrations (one line per module) ---
     from edgeinfer import store_cli; store_cli.add_commands(subparsers)  # pull list rm cp
+    from edgeinfer import run_cmd; run_cmd.add_commands(subparsers)  # run
     # --- end of registrations ---
     return parser
 
