@@ -1,0 +1,120 @@
+"""Which hardware torch sees, how much memory it has, and what `--backend auto` picks.
+
+Everything device-specific for cuda and mps lives in this module (memory queries, compute
+dtype), so the rest of the torch backend is written once for any `torch.device`.
+torch is imported lazily: `choose_backend("auto")` works, and picks the numba CPU backend,
+on machines without torch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+class InsufficientMemory(RuntimeError):
+    """The model (or its KV cache) does not fit the device's free memory; numbers included."""
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str            # cuda | mps | cpu
+    name: str
+    total_bytes: int
+    free_bytes: int
+    threads: int         # CPU threads torch uses (compute threads on cpu, host side otherwise)
+
+    @property
+    def torch_device(self) -> str:
+        return "cuda:0" if self.kind == "cuda" else self.kind
+
+
+def _torch():
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
+def _cpu_info(threads: int) -> DeviceInfo:
+    import platform
+
+    import psutil
+    vm = psutil.virtual_memory()
+    name = platform.processor() or platform.machine() or "cpu"
+    try:  # the marketing name is only in /proc on Linux; fine to miss elsewhere
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return DeviceInfo("cpu", name, int(vm.total), int(vm.available), threads)
+
+
+def detect(kind: str | None = None) -> DeviceInfo:
+    """The best device torch can use (cuda, then mps, then cpu), or the one named by `kind`."""
+    torch = _torch()
+    threads = torch.get_num_threads() if torch else (os.cpu_count() or 1)
+    if torch is not None and kind in (None, "cuda") and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(0)
+        return DeviceInfo("cuda", torch.cuda.get_device_name(0), int(total), int(free), threads)
+    if torch is not None and kind in (None, "mps") and _mps_available(torch):
+        # MPS shares system memory; the recommended working-set size is its real budget.
+        total = int(torch.mps.recommended_max_memory())
+        used = int(torch.mps.driver_allocated_memory())
+        return DeviceInfo("mps", "Apple GPU (Metal)", total, max(0, total - used), threads)
+    if kind not in (None, "cpu"):
+        raise InsufficientMemory(f"torch cannot use a {kind!r} device on this machine")
+    return _cpu_info(threads)
+
+
+def _mps_available(torch) -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def compute_dtype(kind: str):
+    """Weights/activations dtype per device: bf16 on GPUs that have it (Gemma's activations
+    overflow fp16), fp16 otherwise, float32 on the CPU (torch's CPU half matmuls are slow)."""
+    import torch
+    if kind == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if kind == "mps":
+        try:
+            torch.ones(1, dtype=torch.bfloat16, device="mps")  # macOS >= 14
+            return torch.bfloat16
+        except (RuntimeError, TypeError):
+            return torch.float16
+    return torch.float32
+
+
+def choose_backend(backend: str = "auto", arch: str | None = None) -> str:
+    """Resolve "auto": torch on cuda, then torch on mps, then the native numba CPU backend;
+    llama.cpp for architectures the native models do not cover."""
+    if backend != "auto":
+        return backend
+    from edgeinfer.model_config import NATIVE_ARCHS
+    if arch is not None and arch not in NATIVE_ARCHS:
+        return "llamacpp"
+    torch = _torch()
+    if torch is not None and torch.cuda.is_available():
+        return "torch:cuda"
+    if torch is not None and _mps_available(torch):
+        return "torch:mps"
+    return "cpu"
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def check_fits(info: DeviceInfo, need_bytes: int, what: str, reserve: float = 0.1) -> None:
+    """Refuse clearly when `need_bytes` exceeds the free memory less a safety reserve."""
+    usable = int(info.free_bytes * (1 - reserve))
+    if need_bytes > usable:
+        raise InsufficientMemory(
+            f"{what} needs {gib(need_bytes)} but {info.kind} ({info.name}) has {gib(info.free_bytes)} "
+            f"free of {gib(info.total_bytes)} (keeping {reserve:.0%} in reserve); "
+            f"free memory, pick a smaller model or quantization, or use --backend cpu")

@@ -1,0 +1,165 @@
+"""The torch backend: the `Ops` interface on torch tensors, for cuda, mps or cpu.
+
+Weights are dequantized once at load to a dense dtype: bf16/fp16 on GPUs, float32 on the CPU
+(`weights_format` says which, for `show`/`ps`). Norms, rope and softmax run in float32 for
+accuracy whatever the weights' dtype. The KV cache is paged exactly like the CPU backend's
+([blocks, block_size, KVH, D] per layer), so the same scheduler, block tables and prefix cache
+drive it; K/V are stored in 16 bits (f16 on the CPU, as llama.cpp does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.backends.torch import device as dev
+from edgeinfer.backends.torch.attention import StepLayout, paged_attention, write_kv
+from edgeinfer.backends.torch.weights import dense_bytes, load_tensor
+
+
+@dataclass
+class TorchKVCache:
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    block_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class TorchOps:
+    name = "torch"
+    kv_bytes_per_value = 2
+
+    def __init__(self, device: str | None = None, check_memory: bool = True):
+        self.info = dev.detect(device.split(":")[0] if device else None)
+        self.device = torch.device(device if device and ":" in device else self.info.torch_device)
+        self.dtype = dev.compute_dtype(self.info.kind)
+        # CPU: compute in f32 but keep the cache in f16 (half the memory, llama.cpp's rounding).
+        self.kv_dtype = torch.float16 if self.info.kind == "cpu" else self.dtype
+        self.weights_format = str(self.dtype).removeprefix("torch.")
+        self.name = f"torch:{self.info.kind}"
+        self.check_memory = check_memory
+        self._checked = False
+
+    # -- weights ---------------------------------------------------------------------------
+    def _check_model_fits(self, gf) -> None:
+        if self._checked or not self.check_memory:
+            return
+        self._checked = True
+        dev.check_fits(self.info, dense_bytes(gf, self.dtype),
+                       f"the model as {self.weights_format} weights")
+
+    def matrix(self, gguf_file, name: str) -> torch.Tensor:
+        """[out, in] dense weight (ggml stores rows of `in` values)."""
+        self._check_model_fits(gguf_file)
+        return load_tensor(gguf_file, name, self.device, self.dtype)
+
+    def vector(self, gguf_file, name: str) -> torch.Tensor:
+        return load_tensor(gguf_file, name, self.device, torch.float32).reshape(-1)
+
+    # -- per-step tensors ------------------------------------------------------------------
+    def _ids(self, batch: ForwardBatch, key: str, arr: np.ndarray) -> torch.Tensor:
+        t = batch.cache.get(key)
+        if t is None:
+            t = batch.cache[key] = torch.from_numpy(arr.astype(np.int64)).to(self.device)
+        return t
+
+    def _layout(self, batch: ForwardBatch, block_size: int) -> StepLayout:
+        lay = batch.cache.get("torch_layout")
+        if lay is None:
+            lay = batch.cache["torch_layout"] = StepLayout.build(batch, block_size, self.device)
+        return lay
+
+    # -- element-wise ----------------------------------------------------------------------
+    def embed(self, table: torch.Tensor, ids) -> torch.Tensor:
+        if isinstance(ids, np.ndarray):
+            ids = torch.from_numpy(ids.astype(np.int64)).to(self.device)
+        return table[ids]
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(w.dtype), w)
+
+    def add_bias(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return x + b.to(x.dtype)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
+        return y.to(x.dtype)
+
+    def rope(self, x: torch.Tensor, batch: ForwardBatch, base: float, scale: float, neox: bool,
+             freq_factors=None) -> torch.Tensor:
+        D = x.shape[-1]
+        key = ("torch_rope", base, scale, D)
+        tables = batch.cache.get(key)
+        if tables is None:  # once per step and rope base, shared by every layer
+            inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64, device=self.device) / D)
+            if freq_factors is not None:
+                inv = inv / freq_factors.to(torch.float64)
+            pos = self._ids(batch, "torch_positions", batch.positions).to(torch.float64) / scale
+            ang = pos[:, None] * inv[None, :]
+            tables = batch.cache[key] = (ang.cos().float()[:, None, :], ang.sin().float()[:, None, :])
+        cos, sin = tables
+        xf = x.float()
+        if neox:
+            a, b = xf[..., :D // 2], xf[..., D // 2:]
+            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+        else:
+            a, b = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+        return out.to(x.dtype)
+
+    def geglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") * up
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.add_(y.to(x.dtype))
+
+    def scale(self, x: torch.Tensor, s: float) -> torch.Tensor:
+        return x.mul_(s)
+
+    def take_rows(self, x: torch.Tensor, rows) -> torch.Tensor:
+        if len(rows) == x.shape[0]:
+            return x
+        return x[self._ids_raw(rows)]
+
+    def _ids_raw(self, rows) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(rows, np.int64)).to(self.device)
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        return x.float().cpu().numpy()
+
+    # -- paged KV cache --------------------------------------------------------------------
+    def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
+                     head_dim: int) -> TorchKVCache:
+        shape = (num_blocks, block_size, n_kv_head, head_dim)
+        if self.check_memory:
+            need = 2 * n_layers * num_blocks * block_size * n_kv_head * head_dim * 2
+            dev.check_fits(dev.detect(self.info.kind), need, f"the KV cache ({num_blocks} blocks)")
+        mk = lambda: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # noqa: E731
+        return TorchKVCache([mk() for _ in range(n_layers)], [mk() for _ in range(n_layers)],
+                            block_size)
+
+    def attention(self, q, k, v, cache: TorchKVCache, layer: int, batch: ForwardBatch,
+                  scale: float, window: int) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend through the block tables."""
+        lay = self._layout(batch, cache.block_size)
+        write_kv(cache.k[layer], cache.v[layer], k, v, lay.slots)
+        return paged_attention(q, cache.k[layer], cache.v[layer], lay, scale, window)
+
+    def copy_blocks(self, cache: TorchKVCache, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = self._ids_raw([p[0] for p in pairs])
+        dst = self._ids_raw([p[1] for p in pairs])
+        for k, v in zip(cache.k, cache.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
