@@ -35,8 +35,12 @@ _LATIN1_TO_GPT2 = {b: c for b, c in enumerate(BYTE_TO_CHAR)}
 
 
 class BpeEncoder:
-    def __init__(self, token_to_id: dict[str, int], merges: list[str], pre: str):
+    def __init__(self, token_to_id: dict[str, int], merges: list[str], pre: str,
+                 byte_encode: bool = True):
         self._tok = token_to_id
+        # byte_encode=False: SentencePiece-style BPE (gemma4) merging raw characters, with
+        # <0xNN> byte tokens as fallback
+        self._byte_encode = byte_encode
         self._ranks: dict[str, int] = dict(zip(merges, range(len(merges))))
         # llama.cpp splits "a b" at the first space after position 0; a key built as
         # left + " " + right is only ambiguous when some merge holds two such spaces.
@@ -64,9 +68,13 @@ class BpeEncoder:
 
     def _encode_word(self, word: str) -> list[int]:
         tok = self._tok
-        # the word's UTF-8 bytes in the GPT-2 alphabet
-        w = word.encode("utf-8", "surrogatepass").decode("latin-1").translate(_LATIN1_TO_GPT2)
-        if self._ignore_merges:
+        if self._byte_encode:
+            # the word's UTF-8 bytes in the GPT-2 alphabet
+            w = word.encode("utf-8", "surrogatepass").decode("latin-1").translate(_LATIN1_TO_GPT2)
+        else:
+            w = word
+        if self._ignore_merges or (not self._byte_encode and not w.strip("\n")):
+            # llama.cpp: whole-word tokens skip the merges (and gemma4's newline runs)
             tid = tok.get(w)
             if tid is not None:
                 return [tid]
@@ -112,8 +120,11 @@ class BpeEncoder:
                 out.append(tid)
                 continue
             # llama.cpp: look up each UTF-8 byte of the symbol as a one-byte token, drop misses
-            for b in s.encode("utf-8"):
-                bid = tok.get(chr(b) if b < 0x80 else chr(0xDC00 + b))
+            for b in s.encode("utf-8", "surrogatepass"):
+                if self._byte_encode:
+                    bid = tok.get(chr(b) if b < 0x80 else chr(0xDC00 + b))
+                else:
+                    bid = tok.get(f"<0x{b:02X}>")
                 if bid is not None:
                     out.append(bid)
         return out

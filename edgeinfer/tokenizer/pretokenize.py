@@ -109,6 +109,7 @@ _reg(("ufakzeka",), ["[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+
 _reg(("minicpm5",), ["\\p{N}{1,3}", _CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+"
                      "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"])
 _reg(("laguna",), ["[^\\n]+|[\\n]+", _QWEN2])
+_reg(("gemma4", "granite-embed-multi-311m"), ["[^\\n]+|[\\n]+"])
 
 # llama.cpp turns these on per pre-tokenizer: a whole word that is a token skips the merges.
 IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",

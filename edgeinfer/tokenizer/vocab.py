@@ -121,7 +121,8 @@ class Tokenizer:
             self._enc: Any = spm.SpmEncoder(self.token_to_id, scores.astype(np.float64).tolist(),
                                             byte_ids, self.vocab_size)
         else:
-            self._enc = bpe.BpeEncoder(self.token_to_id, merges, pre)
+            self._enc = bpe.BpeEncoder(self.token_to_id, merges, pre,
+                                       byte_encode=(model == "gpt2"))
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
@@ -132,9 +133,9 @@ class Tokenizer:
         if model is None or tokens is None:
             raise TokenizerError("the model file has no tokenizer vocabulary "
                                  "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        if model not in ("llama", "gpt2"):
-            raise TokenizerError(f"tokenizer type {model!r} is not supported "
-                                 f"(supported: llama/SentencePiece, gpt2/byte-level BPE)")
+        if model not in ("llama", "gpt2", "gemma4"):
+            raise TokenizerError(f"tokenizer type {model!r} is not supported (supported: "
+                                 f"llama/SentencePiece, gpt2/byte-level BPE, gemma4)")
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError("tokenizer.ggml.tokens is not a non-empty list of strings")
         n = len(tokens)
@@ -146,9 +147,9 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer has {n} tokens but only {len(scores)} scores and "
                                  f"{len(types)} token types")
         merges = metadata.get("tokenizer.ggml.merges") or []
-        if model == "gpt2" and not merges:
+        if model != "llama" and not merges:
             raise TokenizerError("a BPE tokenizer needs tokenizer.ggml.merges, which is missing")
-        pre = str(metadata.get("tokenizer.ggml.pre") or "default")
+        pre = "gemma4" if model == "gemma4" else str(metadata.get("tokenizer.ggml.pre") or "default")
         if model == "gpt2" and not pretokenize.is_known(pre):
             log.warning("pre-tokenizer %r is not known here; using the gpt-2 split", pre)
 
@@ -165,7 +166,8 @@ class Tokenizer:
                                  eot=tid("eot_token_id", None), eom=tid("eom_token_id", None))
             add_bos, add_eos, space = True, False, True
         else:
-            special = SpecialIds(bos=tid("bos_token_id", 11), eos=tid("eos_token_id", 11),
+            dflt = 11 if model == "gpt2" else None
+            special = SpecialIds(bos=tid("bos_token_id", dflt), eos=tid("eos_token_id", dflt),
                                  unk=tid("unknown_token_id", None),
                                  pad=tid("padding_token_id", None),
                                  eot=tid("eot_token_id", None), eom=tid("eom_token_id", None))
@@ -186,6 +188,8 @@ class Tokenizer:
         special = replace(special, **fim)
         add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", add_eos))
+        if pre == "gemma4":
+            add_bos = True          # llama.cpp overrides it for Gemma 4
         if model == "llama":
             space = bool(metadata.get("tokenizer.ggml.add_space_prefix", space))
         name = str(metadata.get("general.name", "")).lower()
@@ -232,6 +236,17 @@ class Tokenizer:
         for i in (sp.eos, sp.eot, sp.eom, sp.fim_pad, sp.fim_rep, sp.fim_sep):
             if i is not None:
                 ids.add(i)
+        texts = {self.tokens[i]: i for i in ids}
+        # llama.cpp's workarounds: harmony / solar-open "<|end|>" and gemma4's "</s>" are text
+        if "<|end|>" in texts and (("<|return|>" in texts and ("<|call|>" in texts or
+                                                             "<|calls|>" in texts)) or
+                                   ("<|flush|>" in texts and ("<|call|>" in texts or
+                                                              "<|calls|>" in texts))):
+            ids.discard(texts["<|end|>"])
+            self.types[texts["<|end|>"]] = TokenType.USER_DEFINED
+        if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+            ids.discard(texts["</s>"])
+            self.types[texts["</s>"]] = TokenType.NORMAL
         return frozenset(ids)
 
     def _special_index(self, sp_ids: list[int]) -> dict[str, tuple[int, ...]]:
@@ -246,7 +261,7 @@ class Tokenizer:
         """Bytes each id stands for, as llama.cpp's token_to_piece(id, special)."""
         toks, types = self.tokens, self.types
         n = len(toks)
-        if self.model == "llama":
+        if self.model in ("llama", "gemma4"):
             joined = "\x00".join(toks)
             pieces = joined.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape").split(b"\x00")
             if len(pieces) != n:
@@ -324,11 +339,12 @@ class Tokenizer:
         else:
             if add_special and self.add_bos and self.bos_id is not None:
                 out.append(self.bos_id)
+            escape = self.model == "gemma4"        # SentencePiece-style BPE: spaces are U+2581
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
-                    self._enc.encode(frag, out)
+                    self._enc.encode(frag.replace(" ", spm.SPACE) if escape else frag, out)
         if add_special and self.add_eos and self.eos_id is not None:
             out.append(self.eos_id)
         return out
