@@ -21,7 +21,7 @@ import numpy as np
 from edgeinfer.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
 from edgeinfer.kv_manager import KVCacheManager
 from edgeinfer.model_config import ModelConfig
-from edgeinfer.runner import ModelRunner
+from edgeinfer.runner import make_runner
 from edgeinfer.sampling import Sampler, SamplingParams, SeqSamplingState
 from edgeinfer.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.sequence import Sequence
@@ -88,12 +88,15 @@ class Engine:
     def __init__(self, path: str, config: EngineConfig = EngineConfig()):
         self.path = path
         self.config = config
-        self.runner = ModelRunner.load(path, config.backend,
-                                       kv_budget_bytes=self._kv_budget(path, config),
-                                       block_size=config.block_size)
+        self.runner = make_runner(path, config.backend,
+                                  kv_budget_bytes=self._kv_budget(path, config),
+                                  block_size=config.block_size,
+                                  max_running_seqs=config.max_running_seqs,
+                                  max_tokens_per_step=config.max_tokens_per_step)
         self.cfg: ModelConfig = self.runner.cfg
         md = self.runner.gf.metadata
-        self.tokenizer = Tokenizer.from_gguf(md)
+        # the llama.cpp runner brings its own when our tokenizer cannot read the vocabulary
+        self.tokenizer = getattr(self.runner, "tokenizer", None) or Tokenizer.from_gguf(md)
         self.chat_template = chat_template_for(md, self.cfg.arch)
         self._specials = special_token_strings(md)
         self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)

@@ -109,3 +109,24 @@ class ModelRunner:
             self.model.forward(batch, self.kv)
             return np.empty((0, self.cfg.vocab_size), np.float32)
         return self.ops.to_numpy(self.model.forward(batch, self.kv))
+
+
+def make_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
+                block_size: int = 16, min_kv_tokens: int = 0, max_running_seqs: int = 16,
+                max_tokens_per_step: int = 512):
+    """A ModelRunner on a native backend, or the llama.cpp runner (same interface).
+    "auto" picks torch on cuda/mps, else the numba cpu backend, and llama.cpp for
+    architectures the native models do not cover."""
+    if backend == "auto":
+        from edgeinfer.backends.torch.device import choose_backend
+        gf = read_gguf(path)
+        arch = gf.metadata.get("general.architecture")
+        gf.close()
+        backend = choose_backend("auto", arch if isinstance(arch, str) else None)
+    if backend == "llamacpp":
+        from edgeinfer.backends.llamacpp.runner import LlamaCppRunner
+        return LlamaCppRunner.load(path, kv_budget_bytes, block_size, min_kv_tokens,
+                                   max_running_seqs=max_running_seqs,
+                                   max_tokens_per_step=max_tokens_per_step)
+    return ModelRunner.load(path, backend, kv_budget_bytes=kv_budget_bytes,
+                            block_size=block_size, min_kv_tokens=min_kv_tokens)

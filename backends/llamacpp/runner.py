@@ -1,0 +1,188 @@
+"""The llama.cpp runner: our scheduler drives one llama.cpp context holding many sequences.
+
+Same interface as `edgeinfer.runner.ModelRunner` (`cfg`, `plan`, `gf`, `execute`), so the
+engine, scheduler and sampler are unchanged. llama.cpp keeps its own KV cache, so our block
+tables are only used for admission control; what llama.cpp holds is tracked per *slot* (a
+llama seq id) as the list of tokens at positions 0..n-1:
+
+- a running scheduler sequence is bound to one slot for as long as it runs;
+- a chunk whose start is below what the slot holds (preemption, our prefix cache skipping
+  tokens the slot lacks) is reconciled: the slot's tail is removed (seq_rm) and whatever the
+  slot lacks before the chunk is recomputed with it;
+- a new sequence gets the free slot sharing the longest prefix with it, or a copy (seq_cp) of
+  a longer prefix held by any other slot: llama.cpp's own prefix reuse. Finished sequences'
+  slots keep their cells for that until the pool needs room (least recently used first).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from edgeinfer.backends.llamacpp.context import LlamaContext, LlamaError
+from edgeinfer.gguf_file import read_gguf
+from edgeinfer.model_config import ModelConfig, UnsupportedArchitecture, load_model_config, summarize
+from edgeinfer.runner import KVPlan
+
+RETAINED_SLOTS = 4   # finished sequences kept for prefix reuse beyond the running ones
+
+
+@dataclass
+class _Slot:
+    sid: int
+    tokens: list[int] = field(default_factory=list)   # what llama.cpp holds at 0..n-1
+    seq: Any = None                                   # the bound scheduler sequence
+    last_used: int = 0
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n and a[:n] == b[:n]:  # the common case: one is a prefix of the other
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _running(seq) -> bool:
+    status = getattr(seq, "status", None)
+    return getattr(status, "value", None) == "running"
+
+
+def _config(gf, ctx: LlamaContext) -> ModelConfig:
+    """Our config when the architecture is native; otherwise one filled from llama.cpp."""
+    try:
+        return load_model_config(gf)
+    except UnsupportedArchitecture:
+        s = summarize(gf)
+        n_head = s.n_head or ctx.model_int("llama_model_n_head")
+        n_embd = s.n_embd or ctx.model_int("llama_model_n_embd")
+        return ModelConfig(
+            arch=s.arch, name=s.name or s.arch, n_layers=s.n_layers or ctx.model_int("llama_model_n_layer"),
+            n_embd=n_embd, n_ff=0, n_head=n_head, n_kv_head=s.n_kv_head or n_head,
+            head_dim=s.head_dim or n_embd // n_head, vocab_size=ctx.n_vocab,
+            context_length=s.context_length or ctx.model_int("llama_model_n_ctx_train"),
+            rms_eps=1e-6, rope_base=10000.0, rope_neox=False)
+
+
+class LlamaCppRunner:
+    kind = "llamacpp"
+
+    def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
+                 min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,
+                 n_threads: int | None = None):
+        self.gf = read_gguf(path)
+        meta = summarize(self.gf)
+        per_token = meta.kv_bytes_per_token_f16 or 1
+        tokens = max(kv_budget_bytes // per_token, min_kv_tokens, block_size)
+        n_ctx = (tokens // block_size) * block_size
+        n_seq = min(max_running_seqs + RETAINED_SLOTS, 256)
+        self.ctx = LlamaContext(path, n_ctx, n_seq, max(512, max_tokens_per_step),
+                                n_threads or int(os.environ.get("EDGEINFER_THREADS", 0)) or None)
+        self.cfg = _config(self.gf, self.ctx)
+        # llama.cpp may round n_ctx up; the scheduler must never promise more than it holds
+        self.plan = KVPlan(self.ctx.n_ctx // block_size, block_size, per_token)
+        self.slots = [_Slot(i) for i in range(n_seq)]
+        self._clock = itertools.count(1)
+        self.weights_format = "gguf (llama.cpp)"
+        self.tokenizer = self._tokenizer()
+
+    @classmethod
+    def load(cls, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
+             min_kv_tokens: int = 0, **kw) -> "LlamaCppRunner":
+        return cls(str(path), kv_budget_bytes, block_size, min_kv_tokens, **kw)
+
+    def _tokenizer(self):
+        from edgeinfer.tokenizer import Tokenizer
+        try:
+            return Tokenizer.from_gguf(self.gf.metadata)
+        except Exception:  # a vocabulary our tokenizer does not know: llama.cpp's own
+            from edgeinfer.backends.llamacpp.tokenizer import LlamaTokenizer
+            return LlamaTokenizer(self.ctx, self.gf.metadata)
+
+    # -- slots -----------------------------------------------------------------------------
+    def _release_finished(self, live: set[int]) -> None:
+        for s in self.slots:
+            if s.seq is not None and id(s.seq) not in live and not _running(s.seq):
+                s.seq = None
+
+    def _bind(self, seq, target: list[int], committed: dict[int, int]) -> _Slot:
+        """The sequence's slot; a new one starts from the longest prefix any slot holds
+        (`committed`: cells each slot really has, before this step's pending rows)."""
+        for s in self.slots:
+            if s.seq is seq:
+                return s
+        free = [s for s in self.slots if s.seq is None]
+        if not free:
+            raise LlamaError("no llama.cpp sequence slot is free (more running sequences than "
+                             "n_seq_max)")
+        slot = max(free, key=lambda s: (_lcp(s.tokens, target), -s.last_used))
+        own = _lcp(slot.tokens, target)
+        donor = max(self.slots, key=lambda s: min(_lcp(s.tokens, target), committed[s.sid]))
+        shared = min(_lcp(donor.tokens, target), committed[donor.sid])
+        if donor is not slot and shared > own:
+            self.ctx.seq_rm(slot.sid)
+            self.ctx.seq_cp(donor.sid, slot.sid, 0, shared)
+            slot.tokens = donor.tokens[:shared]
+        slot.seq = seq
+        return slot
+
+    def _evict_for(self, need: int) -> None:
+        """Drop free slots' cells (least recently used first) until `need` more cells fit."""
+        held = sum(len(s.tokens) for s in self.slots)   # over-counts shared cells: safe
+        for s in sorted((s for s in self.slots if s.seq is None and s.tokens),
+                        key=lambda s: s.last_used):
+            if held + need <= self.ctx.n_ctx:
+                return
+            held -= len(s.tokens)
+            self.ctx.seq_rm(s.sid)
+            s.tokens = []
+
+    # -- one step --------------------------------------------------------------------------
+    def execute(self, chunks, block_copies=()) -> np.ndarray:
+        """Run one step; float32 logits [chunks needing logits, vocab] in chunk order.
+        block_copies are ignored: llama.cpp shares cells between sequences itself."""
+        self._release_finished({id(c.seq) for c in chunks})
+        rows: list[tuple[int, int, int, bool]] = []      # token, pos, seq id, wants logits
+        now = next(self._clock)
+        committed = {s.sid: len(s.tokens) for s in self.slots}
+        for c in chunks:
+            end = c.start + len(c.token_ids)
+            target = list(c.seq.token_ids[:end])
+            if target[c.start:] != list(c.token_ids):
+                raise LlamaError("a chunk's tokens disagree with its sequence")
+            slot = self._bind(c.seq, target, committed)
+            slot.last_used = now
+            keep = min(_lcp(slot.tokens, target), end - 1 if c.needs_logits else end)
+            if keep < len(slot.tokens):
+                if not self.ctx.seq_rm(slot.sid, keep, -1):
+                    self.ctx.seq_rm(slot.sid)
+                    keep = 0
+                slot.tokens = slot.tokens[:keep]
+            for p in range(keep, end):
+                rows.append((target[p], p, slot.sid, c.needs_logits and p == end - 1))
+            slot.tokens = target
+        self._evict_for(len(rows))
+        out = []
+        nb = self.ctx.n_batch
+        for i in range(0, len(rows), nb):
+            part = rows[i:i + nb]
+            tok, pos, sid, want = (list(x) for x in zip(*part))
+            rc = self.ctx.decode(tok, pos, sid, want)
+            if rc != 0:
+                for s in self.slots:  # state is unknown now: recompute from scratch next time
+                    self.ctx.seq_rm(s.sid)
+                    s.tokens = []
+                raise LlamaError(f"llama_decode failed with status {rc} (KV cache of "
+                                 f"{self.ctx.n_ctx} tokens full?)")
+            out += [self.ctx.logits(j) for j, w in enumerate(want) if w]
+        if not out:
+            return np.empty((0, self.ctx.n_vocab), np.float32)
+        return np.stack(out).astype(np.float32, copy=False)
+
+    def close(self) -> None:
+        self.ctx.close()
