@@ -40,7 +40,8 @@ CORPUS = [
     "if (a <= b && c != d) { return a->b; } // done",
     "SELECT * FROM t WHERE x = 'y';\n", "ÄÖÜäöüß ăâîșț ąćęłńóśźż", "😀😃😄😁😆😅😂🤣",
     "The quick brown fox jumps over the lazy dog. " * 5, "a\u2581b \u2581\u2581x\u2581",
-    ">\u2581</a> > </b>", "\ufeffBOM \u200bzero\u200dwidth", "x" * 500,
+    ">\u2581</a> > </b>", "<s>  hi</s>  x<|endoftext|>  y<|user|>  z<|end|>\n\n w",
+    "<|user|>\nhi<|end|>\n<|assistant|>\n", "a <unk>  b", "\ufeffBOM \u200bzero\u200dwidth", "x" * 500,
 ]
 # SentencePiece writes spaces as U+2581, so a literal U+2581 decodes as a space.
 NO_SPM_ROUND_TRIP = "\u2581"

@@ -112,12 +112,19 @@ class Tokenizer:
         self._special_first = regex.compile(
             "[" + "".join(regex.escape(c) for c in self._special_lens) + "]") \
             if self._special_lens else None
-        self._rstrip = rstrip_specials
+        # phi-3: llama.cpp strips whitespace after most special tokens
+        self._rstrip_ids = frozenset(i for i in sp_ids if tokens[i] not in
+                                     ("<unk>", "<s>", "<|endoftext|>")) if rstrip_specials \
+            else frozenset()
+        if rstrip_specials and "</s>" in self.token_to_id:
+            self._rstrip_ids |= {self.token_to_id["</s>"]}
         self.token_bytes: list[bytes] = self._piece_bytes(render_special=False)
         self._special_bytes: list[bytes] | None = None
         if model == "llama":
-            byte_ids = [self.token_to_id.get(f"<0x{b:02X}>", self.token_to_id.get(chr(b)))
-                        if b < 0x80 else self.token_to_id.get(f"<0x{b:02X}>") for b in range(256)]
+            # <0xNN>, else the one-byte token itself (llama.cpp's byte_to_token)
+            t2i = self.token_to_id
+            byte_ids = [t2i.get(f"<0x{b:02X}>", t2i.get(chr(b) if b < 0x80 else chr(0xDC00 + b)))
+                        for b in range(256)]
             self._enc: Any = spm.SpmEncoder(self.token_to_id, scores.astype(np.float64).tolist(),
                                             byte_ids, self.vocab_size)
         else:
@@ -378,7 +385,7 @@ class Tokenizer:
                         new.append(frag[pos:m])
                     new.append(tid)
                     pos = m + len(ttext)
-                    if self._rstrip:
+                    if tid in self._rstrip_ids:
                         while pos < len(frag) and frag[pos] in " \t\n\v\f\r":
                             pos += 1
             frags = new
