@@ -1,0 +1,206 @@
+"""The HTTP client CLI commands use to talk to the daemon.
+
+`connect()` finds the daemon at EDGEINFER_HOST (default 127.0.0.1:11435) and, for a loopback
+address, starts one in the background when none answers; the new daemon inherits this
+process's environment, so it uses the same store (EDGEINFER_HOME) and address. The API key
+comes from EDGEINFER_API_KEY.
+
+`stream_generate()` is what `edgeinfer run` uses: text chunks as they arrive, then one
+`GenerationStats`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import httpx
+
+from edgeinfer.server import daemon
+
+__all__ = ["Client", "ClientError", "GenerationStats", "connect", "daemon_pull",
+           "stream_generate"]
+
+
+class ClientError(Exception):
+    """The daemon refused a request (its one-sentence message) or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """The final line of a generation, in seconds (Ollama sends nanoseconds)."""
+    model: str
+    done_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    total_duration: float
+    load_duration: float
+    prompt_eval_duration: float
+    eval_duration: float
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prompt_eval_duration if self.prompt_eval_duration else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        # the first token comes from the prefill, so eval_duration covers count - 1 tokens
+        n = self.completion_tokens - 1
+        return n / self.eval_duration if n > 0 and self.eval_duration else 0.0
+
+    @classmethod
+    def from_ollama(cls, d: dict[str, Any]) -> "GenerationStats":
+        s = lambda k: (d.get(k) or 0) / 1e9  # noqa: E731
+        return cls(d.get("model", ""), d.get("done_reason", "stop"),
+                   int(d.get("prompt_eval_count") or 0), int(d.get("eval_count") or 0),
+                   s("total_duration"), s("load_duration"), s("prompt_eval_duration"),
+                   s("eval_duration"))
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return f"HTTP {r.status_code}: {r.text[:200]}"
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message"))
+    return str(err or f"HTTP {r.status_code}")
+
+
+class Client:
+    def __init__(self, base_url: str | None = None, api_key: str | None = None,
+                 timeout: float | None = None):
+        self.base_url = base_url or daemon.url_for(*daemon.env_address())
+        key = api_key if api_key is not None else os.environ.get("EDGEINFER_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # generations can run for minutes: no read timeout, a short connect timeout
+        self.http = httpx.Client(base_url=self.base_url, headers=headers,
+                                 timeout=httpx.Timeout(timeout, connect=5.0))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def health(self) -> dict | None:
+        try:
+            r = self.http.get("/health", timeout=2.0)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def request(self, method: str, path: str, body: dict | None = None) -> Any:
+        try:
+            r = self.http.request(method, path, json=body)
+        except httpx.HTTPError as e:
+            raise ClientError(f"cannot reach the daemon at {self.base_url}: {e}") from None
+        if r.status_code >= 400:
+            raise ClientError(_error_message(r), r.status_code)
+        return r.json() if r.content else None
+
+    def stream(self, path: str, body: dict) -> Iterator[dict]:
+        """POST and yield the NDJSON lines; an {"error"} line raises ClientError."""
+        try:
+            with self.http.stream("POST", path, json=body) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    raise ClientError(_error_message(r), r.status_code)
+                for line in r.iter_lines():
+                    if not line.strip():
+                        continue
+                    obj = json.loads(line)
+                    if "error" in obj:
+                        raise ClientError(str(obj["error"]))
+                    yield obj
+        except httpx.HTTPError as e:
+            raise ClientError(f"connection to the daemon at {self.base_url} failed: {e}") \
+                from None
+
+
+def connect(autostart: bool = True) -> Client:
+    """A client for a daemon that answers, starting one (loopback only) if needed."""
+    c = Client()
+    if c.health() is not None:
+        return c
+    host, port = daemon.env_address()
+    if not autostart or not daemon.is_loopback(host) and host not in ("0.0.0.0", "::"):
+        c.close()
+        raise ClientError(f"no edgeinfer daemon answers at {c.base_url}")
+    try:
+        daemon.start_background(host, port)
+    except daemon.DaemonError as e:
+        c.close()
+        raise ClientError(str(e)) from None
+    return c
+
+
+def daemon_pull(source: str, name: str | None, sha256: str | None,
+                progress: Callable[[Any], None]) -> bool:
+    """Pull through a running daemon (never starts one). False when none answers; the
+    store's own errors come back as StoreError so the CLI prints them as usual."""
+    from edgeinfer.pull import PullProgress
+    from edgeinfer.store import StoreError
+    with Client() as c:
+        if c.health() is None:
+            return False
+        body: dict[str, Any] = {"model": source, "stream": True}
+        if name:
+            body["as"] = name
+        if sha256:
+            body["sha256"] = sha256
+        try:
+            for ev in c.stream("/api/pull", body):
+                progress(PullProgress(ev.get("status", ""), ev.get("digest"), ev.get("total"),
+                                      ev.get("completed")))
+        except ClientError as e:
+            raise StoreError(str(e)) from None
+    return True
+
+
+def stream_generate(model: str, prompt: str | None = None,
+                    messages: list[dict[str, Any]] | None = None,
+                    options: dict[str, Any] | None = None, raw: bool = False,
+                    system: str | None = None, keep_alive: str | float | None = None,
+                    client: Client | None = None) -> Iterator[str | GenerationStats]:
+    """Generate through the daemon: yields text chunks (str), then one GenerationStats.
+    `messages` uses /api/chat, `prompt` /api/generate (`raw` skips the chat template).
+    `options` are Ollama's (num_predict, temperature, top_k, top_p, min_p, repeat_penalty,
+    seed, stop, num_ctx) plus `backend`. Errors raise ClientError."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("pass exactly one of prompt and messages")
+    own = client is None
+    c = client or connect()
+    body: dict[str, Any] = {"model": model, "stream": True, "options": options or {}}
+    if keep_alive is not None:
+        body["keep_alive"] = keep_alive
+    if messages is not None:
+        path = "/api/chat"
+        body["messages"] = ([{"role": "system", "content": system}] if system else []) + \
+            list(messages)
+    else:
+        path = "/api/generate"
+        body.update(prompt=prompt, raw=raw)
+        if system:
+            body["system"] = system
+    try:
+        for obj in c.stream(path, body):
+            text = obj.get("response") if messages is None else \
+                (obj.get("message") or {}).get("content")
+            if text:
+                yield text
+            if obj.get("done"):
+                yield GenerationStats.from_ollama(obj)
+                return
+    finally:
+        if own:
+            c.close()

@@ -1,0 +1,175 @@
+"""CLI commands for the daemon: `serve`, `daemon start|stop|status|logs`, `ps`, `stop MODEL`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime
+from typing import Any
+
+from edgeinfer.client import Client, ClientError, connect
+from edgeinfer.server import DEFAULT_PORT, daemon
+
+
+def add_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the API server in the foreground",
+        description=f"Serve the OpenAI (/v1) and Ollama (/api) APIs. Default address "
+                    f"127.0.0.1:{DEFAULT_PORT} (or EDGEINFER_HOST). Any address other than "
+                    "loopback needs an API key.")
+    _server_args(p)
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("daemon", help="start, stop or inspect the background daemon")
+    sub = p.add_subparsers(dest="daemon_cmd", metavar="ACTION", required=True)
+    s = sub.add_parser("start", help="start the daemon in the background")
+    _server_args(s)
+    s.set_defaults(func=cmd_daemon_start)
+    s = sub.add_parser("stop", help="stop the background daemon")
+    s.set_defaults(func=cmd_daemon_stop)
+    s = sub.add_parser("status", help="is the daemon running, where, with which models")
+    s.set_defaults(func=cmd_daemon_status)
+    s = sub.add_parser("logs", help="print the daemon's log")
+    s.add_argument("-n", "--lines", type=int, default=50)
+    s.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    s.set_defaults(func=cmd_daemon_logs)
+
+    p = subparsers.add_parser("ps", help="list the models loaded in the daemon")
+    p.set_defaults(func=cmd_ps)
+
+    p = subparsers.add_parser("stop", help="unload a model from the daemon")
+    p.add_argument("model", metavar="MODEL")
+    p.set_defaults(func=cmd_stop)
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", help="address to bind (default 127.0.0.1, or EDGEINFER_HOST)")
+    p.add_argument("--port", type=int, help=f"port (default {DEFAULT_PORT}, or EDGEINFER_HOST)")
+    p.add_argument("--api-key", help="require this bearer token (default EDGEINFER_API_KEY)")
+    p.add_argument("--backend", help="default backend for models: cpu, torch, llamacpp")
+
+
+def _user_error(msg: str) -> Exception:
+    from edgeinfer.cli import UserError
+    return UserError(msg)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        return daemon.serve(args.host, args.port, args.api_key, args.backend, args.log_level)
+    except daemon.DaemonError as e:
+        raise _user_error(str(e)) from None
+
+
+def cmd_daemon_start(args: argparse.Namespace) -> int:
+    try:
+        running = daemon.read_pid_file()
+        info = daemon.start_background(args.host, args.port, args.api_key, args.backend)
+    except daemon.DaemonError as e:
+        raise _user_error(str(e)) from None
+    word = "already running" if running else "started"
+    print(f"edgeinfer daemon {word}: pid {info.pid}, {info.url}, log {daemon.log_path()}")
+    return 0
+
+
+def cmd_daemon_stop(args: argparse.Namespace) -> int:
+    info = daemon.stop_background()
+    print(f"edgeinfer daemon stopped (pid {info.pid})" if info else "no edgeinfer daemon running")
+    return 0
+
+
+def _human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _until(expires_at: str | None) -> str:
+    if not expires_at or expires_at.startswith("2262"):
+        return "Forever"
+    try:
+        left = datetime.fromisoformat(expires_at.replace("Z", "+00:00")).timestamp() - time.time()
+    except ValueError:
+        return expires_at
+    if left <= 0:
+        return "Stopping..."
+    if left < 90:
+        return f"{left:.0f} seconds from now"
+    if left < 5400:
+        return f"{left / 60:.0f} minutes from now"
+    return f"{left / 3600:.0f} hours from now"
+
+
+def format_ps(models: list[dict]) -> str:
+    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
+    for m in models:
+        proc = "100% GPU" if m.get("backend") == "torch" else \
+            f"100% CPU ({m.get('backend', 'cpu')})"
+        rows.append((m["name"], (m.get("digest") or "")[:12], _human_size(m.get("size", 0)),
+                     proc, str(m.get("context_length", "")),
+                     "busy" if m.get("active_requests") else _until(m.get("expires_at"))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("    ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def cmd_daemon_status(args: argparse.Namespace) -> int:
+    info = daemon.read_pid_file()
+    if info is None:
+        print("edgeinfer daemon: not running")
+        return 1
+    up = time.time() - info.started_at
+    print(f"edgeinfer daemon: running, pid {info.pid}, {info.url}, up {up / 60:.1f} min")
+    print(f"  log: {daemon.log_path()}")
+    try:
+        with Client(info.url) as c:
+            models = c.request("GET", "/api/ps")["models"]
+    except ClientError as e:
+        print(f"  not answering: {e}")
+        return 1
+    print(format_ps(models) if models else "  no models loaded")
+    return 0
+
+
+def cmd_daemon_logs(args: argparse.Namespace) -> int:
+    text = daemon.tail_log(args.lines)
+    if text:
+        print(text)
+    if not args.follow:
+        return 0
+    path = daemon.log_path()
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            while True:
+                line = f.readline()
+                if line:
+                    sys.stdout.write(line.decode("utf-8", errors="replace"))
+                    sys.stdout.flush()
+                else:
+                    time.sleep(0.3)
+    except FileNotFoundError:
+        raise _user_error(f"no daemon log at {path}") from None
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    try:
+        with connect(autostart=False) as c:
+            models = c.request("GET", "/api/ps")["models"]
+    except ClientError as e:
+        raise _user_error(str(e)) from None
+    print(format_ps(models))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    try:
+        with connect(autostart=False) as c:
+            c.request("POST", "/api/generate", {"model": args.model, "keep_alive": 0})
+    except ClientError as e:
+        raise _user_error(str(e)) from None
+    return 0

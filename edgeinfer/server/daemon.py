@@ -1,0 +1,297 @@
+"""Running the server: `serve` in the foreground, and the background daemon (start, stop,
+status, logs) with its pid file and log.
+
+The background daemon is a new process (`python -m edgeinfer serve ...` through Popen), never
+an os.fork() of the CLI: numba's OpenMP runtime is not fork-safe once kernels have run.
+The pid file and log live in `$EDGEINFER_HOME/state/` when EDGEINFER_HOME is set (so a test
+or a second store gets its own daemon), else in the platform's user state directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from . import DEFAULT_HOST, DEFAULT_PORT
+
+log = logging.getLogger("edgeinfer.server")
+
+
+class DaemonError(Exception):
+    """A lifecycle failure with a one-sentence message for the user."""
+
+
+# ----- addresses and paths -------------------------------------------------------------------
+
+def parse_address(value: str | None) -> tuple[str, int]:
+    """EDGEINFER_HOST forms: "host:port", "host", ":port", "http://host:port"."""
+    if not value:
+        return DEFAULT_HOST, DEFAULT_PORT
+    v = value.strip()
+    for prefix in ("http://", "https://"):
+        if v.startswith(prefix):
+            v = v[len(prefix):]
+    v = v.rstrip("/")
+    host, port = v, DEFAULT_PORT
+    if v.startswith("["):                                   # [::1]:port
+        end = v.find("]")
+        host, rest = v[1:end], v[end + 1:]
+        if rest.startswith(":"):
+            port = _port(rest[1:], value)
+    elif v.count(":") == 1:
+        host, p = v.split(":")
+        port = _port(p, value)
+    return host or DEFAULT_HOST, port
+
+
+def _port(p: str, whole: str) -> int:
+    try:
+        n = int(p)
+    except ValueError:
+        raise DaemonError(f"bad address {whole!r}: port {p!r} is not a number") from None
+    if not 0 < n < 65536:
+        raise DaemonError(f"bad address {whole!r}: port {n} is out of range")
+    return n
+
+
+def env_address() -> tuple[str, int]:
+    return parse_address(os.environ.get("EDGEINFER_HOST"))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def url_for(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "", "::"):
+        host = "127.0.0.1"                  # a wildcard bind is reached through loopback
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def state_dir() -> Path:
+    home = os.environ.get("EDGEINFER_HOME")
+    if home:
+        return Path(home).expanduser() / "state"
+    import platformdirs
+    return Path(platformdirs.user_state_dir("edgeinfer", appauthor=False))
+
+
+def pid_path() -> Path:
+    return state_dir() / "daemon.json"
+
+
+def log_path() -> Path:
+    return state_dir() / "daemon.log"
+
+
+@dataclass(frozen=True)
+class DaemonInfo:
+    pid: int
+    host: str
+    port: int
+    started_at: float
+    version: str
+
+    @property
+    def url(self) -> str:
+        return url_for(self.host, self.port)
+
+
+def read_pid_file() -> DaemonInfo | None:
+    """The recorded daemon if its process still runs (a stale file is removed)."""
+    try:
+        info = DaemonInfo(**json.loads(pid_path().read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if not _is_our_process(info.pid):
+        with contextlib.suppress(OSError):
+            pid_path().unlink()
+        return None
+    return info
+
+
+def _is_our_process(pid: int) -> bool:
+    """Alive and an edgeinfer server (pids are reused: never signal a stranger)."""
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        cmd = " ".join(p.cmdline())
+    except (psutil.Error, OSError):
+        return False
+    return "edgeinfer" in cmd and "serve" in cmd
+
+
+def _write_pid_file(host: str, port: int) -> None:
+    from edgeinfer import __version__
+    d = state_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f"daemon.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(asdict(DaemonInfo(os.getpid(), host, port, time.time(),
+                                                 __version__))))
+    os.replace(tmp, pid_path())
+
+
+def _remove_pid_file() -> None:
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(pid_path().read_text()).get("pid") == os.getpid():
+            pid_path().unlink()
+
+
+# ----- foreground ------------------------------------------------------------------------------
+
+def check_bind(host: str, api_key: str | None) -> None:
+    if not is_loopback(host) and not api_key:
+        raise DaemonError(f"refusing to listen on {host}, which other machines can reach, "
+                          "without an API key: pass --api-key KEY or set EDGEINFER_API_KEY")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DaemonError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another "
+                          "server using the port? pick one with --port or EDGEINFER_HOST)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(host: str | None = None, port: int | None = None, api_key: str | None = None,
+          backend: str | None = None, log_level: str = "info") -> int:
+    """Run the server in this process until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from .app import create_app
+    from .model_manager import ServerConfig
+
+    env_host, env_port = env_address()
+    host = host or env_host
+    port = port or env_port
+    api_key = api_key or os.environ.get("EDGEINFER_API_KEY") or None
+    check_bind(host, api_key)
+    try:
+        config = ServerConfig.from_env(backend=backend)
+    except ValueError as e:
+        raise DaemonError(str(e)) from None
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = _bind(host, port)
+    app = create_app(config, api_key=api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=5))
+    _write_pid_file(host, port)
+    log.info("edgeinfer listening on %s (api key %s)", url_for(host, port),
+             "required" if api_key else "off")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        _remove_pid_file()
+        sock.close()
+    return 0
+
+
+# ----- background ------------------------------------------------------------------------------
+
+def health(url: str, timeout: float = 2.0) -> dict | None:
+    import httpx
+    try:
+        r = httpx.get(url + "/health", timeout=timeout)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def start_background(host: str | None = None, port: int | None = None,
+                     api_key: str | None = None, backend: str | None = None,
+                     wait_s: float = 120.0) -> DaemonInfo:
+    """Start `edgeinfer serve` as a detached process and wait until /health answers."""
+    env_host, env_port = env_address()
+    host, port = host or env_host, port or env_port
+    running = read_pid_file()
+    if running is not None:
+        return running
+    check_bind(host, api_key or os.environ.get("EDGEINFER_API_KEY"))
+    if health(url_for(host, port)) is not None:
+        raise DaemonError(f"another server already answers on {url_for(host, port)}")
+    d = state_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "edgeinfer", "serve", "--host", host, "--port", str(port)]
+    if backend:
+        cmd += ["--backend", backend]
+    env = dict(os.environ)
+    if api_key:
+        env["EDGEINFER_API_KEY"] = api_key       # not in argv, where `ps` would show it
+    kwargs: dict = {}
+    if os.name == "nt":
+        kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP | 0x00000008  # DETACHED
+    else:
+        kwargs["start_new_session"] = True       # Ctrl-C in the terminal must not reach it
+    with open(log_path(), "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf,
+                                stderr=subprocess.STDOUT, env=env, **kwargs)
+    deadline = time.monotonic() + wait_s
+    url = url_for(host, port)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DaemonError(f"the daemon exited at start (code {proc.returncode}); "
+                              f"last log lines:\n{tail_log(8)}")
+        if health(url, timeout=1.0) is not None:
+            info = read_pid_file()
+            return info or DaemonInfo(proc.pid, host, port, time.time(), "")
+        time.sleep(0.1)
+    raise DaemonError(f"the daemon did not answer on {url} within {wait_s:.0f}s; see {log_path()}")
+
+
+def stop_background(wait_s: float = 30.0) -> DaemonInfo | None:
+    """SIGTERM the recorded daemon (graceful: engines shut down), SIGKILL after wait_s."""
+    info = read_pid_file()
+    if info is None:
+        return None
+    import psutil
+    try:
+        p = psutil.Process(info.pid)
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(wait_s)
+        except psutil.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+    except psutil.NoSuchProcess:
+        pass
+    with contextlib.suppress(OSError):
+        if read_pid_file() is None:
+            pid_path().unlink(missing_ok=True)
+    return info
+
+
+def tail_log(lines: int = 50) -> str:
+    try:
+        with open(log_path(), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])

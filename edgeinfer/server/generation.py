@@ -1,0 +1,121 @@
+"""One API request's life in the engine, shared by both APIs.
+
+`run()` submits the n choices (choice=0..n-1: the prefix cache shares the prompt blocks),
+receives the engine thread's RequestOutput events through an asyncio queue
+(`call_soon_threadsafe`), and yields them. Whatever ends the iteration early (the client
+disconnects, the handler is cancelled, an error) aborts every unfinished choice in the
+engine, so its KV blocks are freed on the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+
+from edgeinfer.engine import RequestError, RequestOutput
+from edgeinfer.sampling import SamplingParams
+
+from .errors import APIError
+from .metrics import Metrics
+from .model_manager import LoadedModel, ModelManager
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    load_duration: float = 0.0
+    arrival: float = 0.0                # monotonic
+    first_token: float | None = None
+    finish: float | None = None
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+
+def params_or_400(**kw) -> SamplingParams:
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        msg = str(e)
+        param = msg.split(" ", 1)[0] if msg else None
+        raise APIError(400, msg, param=param, code="invalid_parameter") from None
+
+
+class Generation:
+    """Holds a model for one request; `events()` yields (choice, RequestOutput)."""
+
+    def __init__(self, manager: ManagerLike, metrics: Metrics, lm: LoadedModel,
+                 load_duration: float, n: int):
+        self.manager, self.metrics, self.lm, self.n = manager, metrics, lm, n
+        self.usage = Usage(load_duration=load_duration, arrival=time.monotonic())
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.manager.release(self.lm, self.n)
+
+    async def events(self, prompt_ids: list[int], params: SamplingParams,
+                     disconnected: Disconnected | None = None
+                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        engine = self.lm.engine
+        ids: list[int] = []
+        done: set[int] = set()
+        u = self.usage
+        try:
+            try:
+                for i in range(self.n):
+                    def sink(out: RequestOutput, i: int = i) -> None:
+                        loop.call_soon_threadsafe(q.put_nowait, (i, out))
+                    ids.append(engine.submit(prompt_ids, params, sink, choice=i))
+            except RequestError as e:
+                raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
+            u.prompt_tokens = len(prompt_ids)
+            while len(done) < self.n:
+                try:
+                    i, out = await asyncio.wait_for(q.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if disconnected is not None and await disconnected():
+                        raise ClientGone() from None
+                    continue
+                self.metrics.on_tokens(len(out.token_ids))
+                if out.first_token_time is not None and (
+                        u.first_token is None or out.first_token_time < u.first_token):
+                    u.first_token = out.first_token_time
+                if out.finished:
+                    done.add(i)
+                    u.completion_tokens += out.num_output_tokens
+                    u.cached_tokens = max(u.cached_tokens, out.num_cached_tokens)
+                    u.finish = out.finish_time or time.monotonic()
+                    u.finish_reasons[i] = out.finish_reason or "stop"
+                    self.metrics.on_finish(self.lm.name, out.finish_reason or "stop",
+                                           out.num_prompt_tokens, out.num_output_tokens,
+                                           out.num_cached_tokens, out.arrival_time,
+                                           out.first_token_time, out.finish_time)
+                    if out.finish_reason == "error":
+                        raise APIError(500, out.error or "generation failed", code="engine_error")
+                yield i, out
+        finally:
+            for i, rid in enumerate(ids):
+                if i not in done:
+                    engine.abort(rid)
+            self.release()
+
+
+class ManagerLike:  # for type hints only; ModelManager satisfies it
+    def release(self, lm: LoadedModel, sequences: int = 1) -> None: ...
+
+
+async def start(manager: ModelManager, metrics: Metrics, model: str, n: int,
+                backend: str | None = None, keep_alive: float | None = None) -> Generation:
+    lm, load = await manager.acquire(model, backend, sequences=n, keep_alive=keep_alive)
+    return Generation(manager, metrics, lm, load, n)

@@ -1,0 +1,278 @@
+"""Loaded models: one Engine per (model, backend), loaded on first use, unloaded after its
+keep_alive, several at once within a memory budget (least recently used idle model goes
+first). A load that would not fit in free memory is refused with the numbers.
+
+All methods run on the event loop; loads and unloads run in worker threads. A model with
+requests in flight is never unloaded: its expiry applies once the last request ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from edgeinfer.engine import Engine, EngineConfig
+from edgeinfer.store import ModelNotFound, Store, StoreError
+
+from .errors import APIError, not_found
+
+log = logging.getLogger("edgeinfer.server")
+
+DEFAULT_KEEP_ALIVE = 300.0
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: float | int | str | None, default: float) -> float:
+    """Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "0");
+    negative keeps the model loaded forever (math.inf here)."""
+    if value is None or value == "":
+        return default
+    if isinstance(value, bool):
+        raise APIError(400, "keep_alive must be a duration like \"5m\" or a number of seconds",
+                       param="keep_alive")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        s = value.strip()
+        neg = s.startswith("-")
+        s = s.lstrip("+-")
+        try:
+            seconds = float(s)
+        except ValueError:
+            parts = _DURATION.findall(s)
+            if not parts or "".join(a + b for a, b in parts) != s:
+                raise APIError(400, f"keep_alive {value!r} is not a duration like \"5m\", "
+                               "\"30s\" or \"1h\"", param="keep_alive") from None
+            seconds = sum(float(a) * _UNIT[b] for a, b in parts)
+        seconds = -seconds if neg else seconds
+    return float("inf") if seconds < 0 else seconds
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    backend: str = "cpu"
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    memory_budget_bytes: int = 0           # 0 = 75% of physical memory
+    max_loaded_models: int = 3
+    kv_budget_bytes: int = 1 << 30
+    max_running_seqs: int = 16
+    max_queue: int = 64                    # sequences waiting beyond the running ones
+    max_model_len: int | None = None
+
+    @classmethod
+    def from_env(cls, **overrides) -> "ServerConfig":
+        env = os.environ
+
+        def num(name: str, default, scale: int = 1):
+            v = env.get(name)
+            if v in (None, ""):
+                return default
+            try:
+                return type(default)(float(v) * scale) if default is not None else int(v)
+            except ValueError:
+                raise ValueError(f"{name}={v!r} is not a number") from None
+
+        cfg = cls(
+            backend=env.get("EDGEINFER_BACKEND", "cpu"),
+            keep_alive=parse_keep_alive(env.get("EDGEINFER_KEEP_ALIVE"), DEFAULT_KEEP_ALIVE),
+            memory_budget_bytes=num("EDGEINFER_MEMORY_BUDGET_MB", 0, 1 << 20),
+            max_loaded_models=num("EDGEINFER_MAX_LOADED_MODELS", 3),
+            kv_budget_bytes=num("EDGEINFER_KV_BUDGET_MB", 1 << 30, 1 << 20),
+            max_running_seqs=num("EDGEINFER_MAX_RUNNING_SEQS", 16),
+            max_queue=num("EDGEINFER_MAX_QUEUE", 64),
+            max_model_len=num("EDGEINFER_MAX_MODEL_LEN", None),
+        )
+        return cls(**{**cfg.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+
+    def budget(self) -> int:
+        return self.memory_budget_bytes or int(psutil.virtual_memory().total * 0.75)
+
+
+@dataclass
+class LoadedModel:
+    name: str                       # full name, e.g. gemma3:270m
+    backend: str
+    engine: Engine
+    digest: str | None
+    weights_bytes: int
+    kv_bytes: int
+    loaded_at: float                # wall clock
+    load_duration: float            # seconds
+    keep_alive: float
+    active: int = 0                 # requests in flight (choices count separately)
+    last_used: float = field(default_factory=time.monotonic)
+    expires_at: float = float("inf")  # wall clock; inf while busy or kept forever
+
+    @property
+    def size(self) -> int:
+        return self.weights_bytes + self.kv_bytes
+
+    def refresh_expiry(self) -> None:
+        self.last_used = time.monotonic()
+        self.expires_at = float("inf") if self.active else time.time() + self.keep_alive
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+class ModelManager:
+    def __init__(self, config: ServerConfig, store: Store | None = None):
+        self.config = config
+        self.store = store or Store()
+        self.models: dict[tuple[str, str], LoadedModel] = {}
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._global = asyncio.Lock()       # serializes budget decisions between loads
+        self._reaper: asyncio.Task | None = None
+
+    # ----- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for key in list(self.models):
+            await self._unload(key)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("unloading expired models failed")
+
+    async def reap(self) -> None:
+        now = time.time()
+        for key, lm in list(self.models.items()):
+            if lm.active == 0 and lm.expires_at <= now:
+                log.info("unloading %s (keep_alive expired)", lm.name)
+                await self._unload(key)
+
+    async def _unload(self, key: tuple[str, str]) -> None:
+        lm = self.models.pop(key, None)
+        if lm is not None:
+            await asyncio.to_thread(lm.engine.shutdown)
+
+    # ----- lookup ------------------------------------------------------------------------
+    def resolve(self, model: str):
+        """Store lookup with API errors (404 unknown, 400 malformed)."""
+        try:
+            return self.store.resolve(model)
+        except ModelNotFound as e:
+            raise not_found(model, str(e)) from None
+        except StoreError as e:        # InvalidModelName and friends
+            raise APIError(400, str(e), param="model", code="invalid_model_name") from None
+
+    def find_loaded(self, model: str) -> list[LoadedModel]:
+        try:
+            full = self.store.resolve(model).full_name if ":" not in model else model
+        except StoreError:
+            full = model
+        return [lm for (name, _), lm in self.models.items() if name in (model, full)]
+
+    # ----- acquire / release ---------------------------------------------------------------
+    async def acquire(self, model: str, backend: str | None = None, sequences: int = 1,
+                      keep_alive: float | None = None) -> tuple[LoadedModel, float]:
+        """The loaded model (loading it if needed) with `sequences` counted in flight.
+        Returns it and the seconds spent loading (0 when it was loaded already). The caller
+        must call release() exactly once."""
+        backend = backend or self.config.backend
+        ref = await asyncio.to_thread(self.resolve, model)
+        key = (ref.full_name, backend)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        load_time = 0.0
+        async with lock:
+            lm = self.models.get(key)
+            if lm is None:
+                t0 = time.monotonic()
+                lm = await self._load(key, ref)
+                load_time = time.monotonic() - t0
+            limit = self.config.max_running_seqs + self.config.max_queue
+            if lm.active + sequences > limit:
+                raise APIError(429, f"server busy: {lm.name} has {lm.active} sequences in "
+                               f"flight, this request adds {sequences}, the limit is {limit}; "
+                               "retry later", code="overloaded")
+            lm.active += sequences
+            if keep_alive is not None:
+                lm.keep_alive = keep_alive
+            lm.refresh_expiry()
+        return lm, load_time
+
+    def release(self, lm: LoadedModel, sequences: int = 1) -> None:
+        lm.active = max(0, lm.active - sequences)
+        lm.refresh_expiry()
+        if lm.active == 0 and lm.keep_alive == 0:
+            asyncio.get_running_loop().create_task(self.reap())
+
+    async def _load(self, key: tuple[str, str], ref) -> LoadedModel:
+        cfg = self.config
+        need = ref.size + cfg.kv_budget_bytes
+        async with self._global:
+            budget = cfg.budget()
+            # LRU: unload idle models until the new one fits the budget and the count.
+            while True:
+                used = sum(m.size for m in self.models.values())
+                if used + need <= budget and len(self.models) < cfg.max_loaded_models:
+                    break
+                idle = [k for k, m in self.models.items() if m.active == 0]
+                if not idle:
+                    raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} and "
+                                   f"the loaded models, all busy, use {_gib(used)} of the "
+                                   f"{_gib(budget)} budget ({len(self.models)} of "
+                                   f"{cfg.max_loaded_models} models)", code="insufficient_memory")
+                victim = min(idle, key=lambda k: self.models[k].last_used)
+                log.info("unloading %s to make room for %s", victim[0], ref.full_name)
+                await self._unload(victim)
+            if need > budget:
+                raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} "
+                               f"(weights {_gib(ref.size)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
+                               f"but the memory budget is {_gib(budget)}",
+                               code="insufficient_memory")
+            free = psutil.virtual_memory().available
+            if need > free:
+                raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} "
+                               f"(weights {_gib(ref.size)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
+                               f"but only {_gib(free)} of memory is free",
+                               code="insufficient_memory")
+            ecfg = EngineConfig(backend=key[1], max_model_len=cfg.max_model_len,
+                                kv_budget_bytes=cfg.kv_budget_bytes,
+                                max_running_seqs=cfg.max_running_seqs)
+            t0 = time.monotonic()
+            try:
+                engine = await asyncio.to_thread(lambda: Engine(str(ref.path), ecfg).start())
+            except (APIError, MemoryError):
+                raise
+            except Exception as e:      # a broken file or unsupported arch: one sentence
+                raise APIError(500, f"cannot load {ref.full_name}: {e}",
+                               code="load_failed") from None
+            plan = engine.runner.plan
+            lm = LoadedModel(
+                name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
+                weights_bytes=ref.size,
+                kv_bytes=plan.num_blocks * plan.block_size * plan.bytes_per_token,
+                loaded_at=time.time(), load_duration=time.monotonic() - t0,
+                keep_alive=cfg.keep_alive)
+            self.models[key] = lm
+            log.info("loaded %s on %s in %.1fs", lm.name, lm.backend, lm.load_duration)
+            return lm
+
+    async def unload(self, model: str) -> int:
+        """Unload now (Ollama's keep_alive 0 / `stop`): idle copies at once, busy ones when
+        their last request ends. Returns how many copies were found."""
+        found = self.find_loaded(model)
+        for lm in found:
+            lm.keep_alive = 0
+            lm.refresh_expiry()
+        await self.reap()
+        return len(found)

@@ -1,0 +1,388 @@
+"""Ollama-compatible routes under /api: generate, chat, tags, ps, show, pull, delete, copy,
+version. Streaming is NDJSON (one JSON object per line) unless `"stream": false`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from edgeinfer import __version__
+from edgeinfer.chat_template import ChatTemplateError, chat_template_for
+from edgeinfer.engine import RequestOutput
+from edgeinfer.gguf_file import GGUFError, read_gguf
+from edgeinfer.model_config import summarize
+from edgeinfer.store import ModelNotFound, StoreError
+
+from . import generation
+from .errors import APIError, bad_param, not_found
+from .generation import Generation, params_or_400
+from .metrics import iso
+from .model_manager import parse_keep_alive
+from .schemas import (ChatRequest, CopyRequest, GenerateRequest, ModelNameRequest,
+                      OllamaOptions, PullRequest, _OllamaBase)
+
+router = APIRouter(prefix="/api", tags=["ollama"])
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float | None) -> int:
+    return int(max(0.0, seconds or 0.0) * 1e9)
+
+
+def _sampling(opts: OllamaOptions | None, prompt_len: int, want_lp: bool, top_lp: int | None):
+    o = opts or OllamaOptions()
+    max_tokens = None
+    if o.num_predict is not None:
+        if o.num_predict == 0 or o.num_predict < -2:
+            raise bad_param("options.num_predict", "num_predict must be -1 (no limit), -2 "
+                            "(fill the context) or a positive number of tokens")
+        max_tokens = o.num_predict if o.num_predict > 0 else None
+    if o.num_ctx is not None:
+        if prompt_len >= o.num_ctx:
+            raise bad_param("options.num_ctx", f"the prompt is {prompt_len} tokens, but num_ctx "
+                            f"is {o.num_ctx} (leave room for at least one output token)")
+        room = o.num_ctx - prompt_len
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
+
+    def pick(v, default):
+        return default if v is None else v
+    # Ollama's defaults, not SamplingParams' own.
+    return params_or_400(
+        temperature=pick(o.temperature, 0.8), top_k=pick(o.top_k, 40),
+        top_p=pick(o.top_p, 0.9), min_p=pick(o.min_p, 0.0),
+        repeat_penalty=pick(o.repeat_penalty, 1.1), repeat_last_n=pick(o.repeat_last_n, 64),
+        presence_penalty=pick(o.presence_penalty, 0.0),
+        frequency_penalty=pick(o.frequency_penalty, 0.0),
+        seed=o.seed, max_tokens=max_tokens, stop=o.stop if o.stop is not None else (),
+        logprobs=(top_lp or 0) if want_lp else None)
+
+
+def _logprobs(out: RequestOutput, tok) -> list[dict]:
+    def s(t: int) -> str:
+        return tok.piece(int(t)).decode("utf-8", errors="replace")
+    res = []
+    for j, (tid, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        tops = out.top_logprobs[j] if j < len(out.top_logprobs) else []
+        res.append({"token": s(tid), "logprob": lp,
+                    "top_logprobs": [{"token": s(a), "logprob": l} for a, l in tops]})
+    return res
+
+
+def _timings(gen: Generation, t0: float) -> dict[str, Any]:
+    u = gen.usage
+    end = u.finish or time.monotonic()
+    first = u.first_token or end
+    return {"total_duration": _ns(time.monotonic() - t0), "load_duration": _ns(u.load_duration),
+            "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": _ns(first - u.arrival),
+            "eval_count": u.completion_tokens, "eval_duration": _ns(end - first)}
+
+
+def _ndjson(obj: Any) -> bytes:
+    return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+
+
+async def _load_or_unload(request: Request, body: _OllamaBase, keep_alive: float | None,
+                          extra: dict) -> dict:
+    """An empty prompt / message list: Ollama's way to load (or, keep_alive 0, unload)."""
+    manager = request.app.state.manager
+    if keep_alive == 0:
+        manager.resolve(body.model)              # 404 for unknown names
+        await manager.unload(body.model)
+        return {"model": body.model, "created_at": _now(), **extra, "done": True,
+                "done_reason": "unload"}
+    backend = body.options.backend if body.options else None
+    lm, _ = await manager.acquire(body.model, backend, sequences=0, keep_alive=keep_alive)
+    manager.release(lm, 0)
+    return {"model": body.model, "created_at": _now(), **extra, "done": True,
+            "done_reason": "load"}
+
+
+async def _run(request: Request, body: _OllamaBase, build_prompt, shape) -> Any:
+    """Shared body of generate and chat. `build_prompt(engine) -> ids`; `shape(text, lp)`
+    -> the per-chunk fields (`response` or `message`)."""
+    t0 = time.monotonic()
+    manager, metrics = request.app.state.manager, request.app.state.metrics
+    keep_alive = parse_keep_alive(body.keep_alive, None) if body.keep_alive is not None else None
+    backend = body.options.backend if body.options else None
+    gen = await generation.start(manager, metrics, body.model, 1, backend, keep_alive)
+    try:
+        engine = gen.lm.engine
+        try:
+            prompt = build_prompt(engine)
+        except ChatTemplateError as e:
+            raise bad_param("messages", str(e)) from None
+        params = _sampling(body.options, len(prompt), body.logprobs, body.top_logprobs)
+        tok = engine.tokenizer
+
+        def final() -> dict:
+            return {"model": body.model, "created_at": _now(), **shape("", None), "done": True,
+                    "done_reason": gen.usage.finish_reasons.get(0, "stop"), **_timings(gen, t0)}
+
+        if body.stream:
+            events = gen.events(prompt, params)
+
+            async def lines() -> AsyncIterator[bytes]:
+                try:
+                    async for _, out in events:
+                        if out.text or out.token_ids:
+                            lp = _logprobs(out, tok) if body.logprobs else None
+                            yield _ndjson({"model": body.model, "created_at": _now(),
+                                           **shape(out.text, lp), "done": False})
+                    yield _ndjson(final())
+                except APIError as e:
+                    yield _ndjson(e.ollama_body())
+            return _stream(gen, events, lines())
+        text, lps = "", []
+        async for _, out in gen.events(prompt, params, lambda: request.is_disconnected()):
+            text += out.text
+            if body.logprobs:
+                lps += _logprobs(out, tok)
+        res = final()
+        res.update(shape(text, lps if body.logprobs else None))
+        return res
+    except BaseException:
+        gen.release()
+        raise
+    finally:
+        if not body.stream:
+            gen.release()
+
+
+def _stream(gen: Generation, events, agen: AsyncIterator[bytes]) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in agen:
+                yield chunk
+        finally:
+            await events.aclose()
+            gen.release()
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request):
+    if body.images:
+        raise bad_param("images", "images are not supported (text models only)")
+    ka = parse_keep_alive(body.keep_alive, None) if body.keep_alive is not None else None
+    if not body.prompt and not body.system:
+        return await _load_or_unload(request, body, ka, {"response": ""})
+
+    def build(engine) -> list[int]:
+        if body.raw:
+            return engine.encode_raw(body.prompt or "")
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
+            [{"role": "user", "content": body.prompt or ""}]
+        return engine.encode_chat(messages)
+
+    def shape(text: str, lp) -> dict:
+        return {"response": text, **({"logprobs": lp} if lp is not None else {})}
+    return await _run(request, body, build, shape)
+
+
+@router.post("/chat")
+async def chat(body: ChatRequest, request: Request):
+    for i, m in enumerate(body.messages or []):
+        if m.images:
+            raise bad_param(f"messages[{i}].images", "images are not supported (text models only)")
+    ka = parse_keep_alive(body.keep_alive, None) if body.keep_alive is not None else None
+    if not body.messages:
+        return await _load_or_unload(request, body, ka,
+                                     {"message": {"role": "assistant", "content": ""}})
+    messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+
+    def shape(text: str, lp) -> dict:
+        return {"message": {"role": "assistant", "content": text},
+                **({"logprobs": lp} if lp is not None else {})}
+    return await _run(request, body, lambda e: e.encode_chat(messages), shape)
+
+
+# ----- models ------------------------------------------------------------------------------
+
+def _details(ref) -> dict[str, Any]:
+    g = ref.manifest.get("gguf") or {}
+    arch = g.get("architecture") or "unknown"
+    n = g.get("parameters") or 0
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else ""
+    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+            "parameter_size": size, "quantization_level": g.get("file_type") or ""}
+
+
+def _iso_mtime(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@router.get("/tags")
+async def tags(request: Request):
+    store = request.app.state.manager.store
+    refs = await asyncio.to_thread(store.list)
+    return {"models": [{"name": r.full_name, "model": r.full_name,
+                        "modified_at": _iso_mtime(r.modified_at), "size": r.size,
+                        "digest": r.digest, "details": _details(r)} for r in refs]}
+
+
+@router.get("/ps")
+async def ps(request: Request):
+    manager = request.app.state.manager
+    out = []
+    for lm in manager.models.values():
+        ref = manager.store.get(lm.name) if ":" in lm.name else None
+        exp = lm.expires_at
+        out.append({"name": lm.name, "model": lm.name, "size": lm.size,
+                    "digest": lm.digest or "", "details": _details(ref) if ref else {},
+                    "expires_at": iso(exp) or "2262-04-11T23:47:16Z",   # Go's max time
+                    "size_vram": 0, "context_length": lm.engine.max_model_len,
+                    "backend": lm.backend, "active_requests": lm.active})
+    return {"models": out}
+
+
+def _model_of(body: ModelNameRequest) -> str:
+    name = body.model_name()
+    if not name:
+        raise bad_param("model", "model is required")
+    return name
+
+
+@router.post("/show")
+async def show(body: ModelNameRequest, request: Request):
+    manager = request.app.state.manager
+    ref = manager.resolve(_model_of(body))
+
+    def read() -> dict[str, Any]:
+        try:
+            f = read_gguf(ref.path)
+        except GGUFError as e:
+            raise APIError(500, f"{ref.full_name}: {e}") from None
+        try:
+            s = summarize(f)
+            md = f.metadata
+            info = {k: v for k, v in md.items()
+                    if isinstance(v, (int, float, str, bool)) and k != "tokenizer.chat_template"}
+            info["general.parameter_count"] = s.n_params
+            template = chat_template_for(md, s.arch)
+        finally:
+            f.close()
+        details = _details(ref)
+        if not details["parameter_size"]:
+            details["parameter_size"] = f"{s.n_params / 1e6:.0f}M"
+            details["family"] = s.arch
+            details["families"] = [s.arch]
+            details["quantization_level"] = s.file_type
+        return {"license": str(md.get("general.license", "")),
+                "modelfile": f"# Modelfile generated by edgeinfer\nFROM {ref.path}\n",
+                "parameters": "", "template": template, "details": details,
+                "model_info": info, "capabilities": ["completion"],
+                "modified_at": _iso_mtime(ref.modified_at)}
+    return await asyncio.to_thread(read)
+
+
+@router.delete("/delete")
+async def delete(body: ModelNameRequest, request: Request):
+    manager = request.app.state.manager
+    name = _model_of(body)
+    await manager.unload(name)
+    try:
+        await asyncio.to_thread(manager.store.remove, name)
+    except ModelNotFound as e:
+        raise not_found(name, str(e)) from None
+    except StoreError as e:
+        raise APIError(400, str(e), param="model") from None
+    return Response(status_code=200)
+
+
+@router.post("/copy")
+async def copy(body: CopyRequest, request: Request):
+    store = request.app.state.manager.store
+    try:
+        await asyncio.to_thread(store.copy, body.source, body.destination)
+    except ModelNotFound as e:
+        raise not_found(body.source, str(e)) from None
+    except StoreError as e:
+        raise APIError(400, str(e)) from None
+    return Response(status_code=200)
+
+
+@router.post("/pull")
+async def pull(body: PullRequest, request: Request):
+    from edgeinfer.pull import pull as do_pull, resolve_source   # httpx machinery: lazily
+
+    source = _model_of(body)
+    store = request.app.state.manager.store
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    cancelled = False
+
+    def progress(ev) -> None:
+        if cancelled:
+            raise RuntimeError("client disconnected")   # pull() keeps the partial file
+        loop.call_soon_threadsafe(q.put_nowait, ("progress", ev.to_dict()))
+
+    def work() -> None:
+        try:
+            do_pull(source, name=body.as_name, sha256=body.sha256, store=store,
+                    progress=progress)
+            loop.call_soon_threadsafe(q.put_nowait, ("done", None))
+        except Exception as e:   # one sentence to the client, never a traceback
+            loop.call_soon_threadsafe(q.put_nowait, ("error", _pull_error(e)))
+
+    try:   # name/source errors answer with a status, before any streaming starts
+        src = await asyncio.to_thread(resolve_source, source, body.as_name, body.sha256, store)
+    except Exception as e:
+        raise APIError(*_pull_error(e)) from None
+    if src.kind == "file":
+        # The daemon may serve other machines: never read its local files on request.
+        raise bad_param("model", "local files are imported by the CLI (`edgeinfer pull "
+                        "./FILE.gguf`), not through the API")
+    task = loop.run_in_executor(None, work)
+
+    async def events() -> AsyncIterator[tuple[str, Any]]:
+        nonlocal cancelled
+        try:
+            while True:
+                kind, val = await q.get()
+                yield kind, val
+                if kind != "progress":
+                    return
+        finally:
+            cancelled = True
+
+    if not body.stream:
+        last: dict = {}
+        async for kind, val in events():
+            if kind == "error":
+                raise APIError(val[0], val[1])
+            if kind == "progress":
+                last = val
+        await task
+        return {"status": last.get("status", "success")}
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for kind, val in events():
+            if kind == "progress":
+                yield _ndjson(val)
+            elif kind == "error":
+                yield _ndjson({"error": val[1]})
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _pull_error(e: Exception) -> tuple[int, str]:
+    from edgeinfer.download import DownloadError
+    if isinstance(e, ModelNotFound):
+        return 404, str(e)
+    if isinstance(e, DownloadError):
+        return 502, str(e)
+    if isinstance(e, StoreError):
+        return 400, str(e)
+    return 500, f"pull failed: {e}"
+
+
+@router.get("/version")
+async def version():
+    return {"version": __version__}

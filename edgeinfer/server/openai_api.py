@@ -1,0 +1,327 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from edgeinfer.chat_template import ChatTemplateError
+from edgeinfer.engine import RequestOutput
+
+from . import generation
+from .errors import APIError, bad_param
+from .generation import Generation, params_or_400
+from .schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+def _state(request: Request):
+    return request.app.state.manager, request.app.state.metrics
+
+
+def _sampling(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None):
+    stop = body.stop if body.stop is not None else ()
+    if isinstance(stop, list) and len(stop) > 16:
+        raise bad_param("stop", "stop accepts at most 16 sequences")
+    bias = {}
+    for k, v in (body.logit_bias or {}).items():
+        try:
+            bias[int(k)] = v
+        except ValueError:
+            raise bad_param("logit_bias", f"logit_bias key {k!r} is not a token id") from None
+    # OpenAI's defaults: temperature 1, top_p 1, no other truncation.
+    return params_or_400(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0, min_p=body.min_p or 0.0,
+        repeat_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias, seed=body.seed, max_tokens=max_tokens, stop=stop,
+        logprobs=logprobs)
+
+
+def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(body.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_param(f"messages[{i}].content",
+                                    f"content part type {part.type!r} is not supported "
+                                    "(text only)")
+                texts.append(part.text)
+            content = "".join(texts)
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": content or ""})
+    return out
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    u = gen.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _finish_reason(r: str | None) -> str:
+    return "length" if r == "length" else "stop"
+
+
+class _Pieces:
+    """Token strings for logprobs: the token's bytes, decoded leniently."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def text(self, tid: int) -> tuple[str, list[int]]:
+        b = self.tok.piece(int(tid))
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def chat_logprobs(self, out: RequestOutput) -> list[dict]:
+        items = []
+        for j, (tid, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            s, b = self.text(tid)
+            tops = out.top_logprobs[j] if j < len(out.top_logprobs) else []
+            items.append({"token": s, "logprob": lp, "bytes": b, "top_logprobs": [
+                {"token": t, "logprob": l, "bytes": bb}
+                for t, bb, l in ((*self.text(a), l) for a, l in tops)]})
+        return items
+
+
+async def _with_disconnect(request: Request):
+    return await request.is_disconnected()
+
+
+def _stream(gen: Generation, agen: AsyncIterator[bytes]) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in agen:
+                yield chunk
+        finally:
+            await agen.aclose()
+            gen.release()
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+@router.get("/models")
+async def list_models(request: Request):
+    manager, _ = _state(request)
+    refs = manager.store.list()
+    data = [{"id": r.full_name, "object": "model", "created": int(r.modified_at),
+             "owned_by": "edgeinfer"} for r in refs]
+    return {"object": "list", "data": data}
+
+
+@router.get("/models/{model:path}")
+async def get_model(model: str, request: Request):
+    manager, _ = _state(request)
+    ref = manager.resolve(model)
+    return {"id": ref.full_name, "object": "model", "created": int(ref.modified_at),
+            "owned_by": "edgeinfer"}
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    manager, metrics = _state(request)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    want_lp = body.logprobs
+    if body.top_logprobs and not want_lp:
+        raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
+    params = _sampling(body, max_tokens, (body.top_logprobs or 0) if want_lp else None)
+    messages = _messages(body)
+    gen = await generation.start(manager, metrics, body.model, body.n)
+    try:
+        try:
+            prompt = gen.lm.engine.encode_chat(messages)
+        except ChatTemplateError as e:
+            raise bad_param("messages", str(e)) from None
+        rid, created, model = _id("chatcmpl"), int(time.time()), body.model
+        pieces = _Pieces(gen.lm.engine.tokenizer)
+        if body.stream:
+            usage_on = bool(body.stream_options and body.stream_options.include_usage)
+            events = gen.events(prompt, params)
+            return _stream(gen, _chat_chunks(gen, events, rid, created, model, body.n,
+                                             want_lp, usage_on, pieces))
+        texts = [""] * body.n
+        lps: list[list] = [[] for _ in range(body.n)]
+        async for i, out in gen.events(prompt, params, lambda: request.is_disconnected()):
+            texts[i] += out.text
+            if want_lp:
+                lps[i] += pieces.chat_logprobs(out)
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": {"content": lps[i]} if want_lp else None,
+                    "finish_reason": _finish_reason(gen.usage.finish_reasons.get(i))}
+                   for i in range(body.n)]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "system_fingerprint": "edgeinfer", "choices": choices, "usage": _usage(gen)}
+    except BaseException:
+        gen.release()
+        raise
+    finally:
+        if not body.stream:
+            gen.release()
+
+
+async def _chat_chunks(gen, events, rid, created, model, n, want_lp, usage_on, pieces):
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": "edgeinfer"}
+    extra = {"usage": None} if usage_on else {}
+    for i in range(n):
+        yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}], **extra})
+    try:
+        async for i, out in events:
+            if out.text or out.token_ids:
+                yield _sse({**base, "choices": [{
+                    "index": i, "delta": {"content": out.text},
+                    "logprobs": {"content": pieces.chat_logprobs(out)} if want_lp else None,
+                    "finish_reason": None}], **extra})
+            if out.finished:
+                yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                 "finish_reason": _finish_reason(out.finish_reason)}],
+                            **extra})
+    except APIError as e:           # the status line is gone; report in the stream
+        yield _sse(e.openai_body())
+        return
+    if usage_on:
+        yield _sse({**base, "choices": [], "usage": _usage(gen)})
+    yield b"data: [DONE]\n\n"
+
+
+def _prompts(body: CompletionRequest, engine) -> list[list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        p = [p]
+    if not p:
+        raise bad_param("prompt", "prompt must not be empty")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]                                   # one prompt of token ids
+    out = []
+    for x in p:
+        if isinstance(x, str):
+            out.append(engine.encode_raw(x))
+        elif isinstance(x, list) and all(isinstance(t, int) for t in x):
+            out.append(list(x))
+        else:
+            raise bad_param("prompt", "prompt must be a string, a list of strings, a list of "
+                                      "token ids or a list of lists of token ids")
+    if len(out) > 16:
+        raise bad_param("prompt", "at most 16 prompts per request")
+    return out
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    manager, metrics = _state(request)
+    if body.best_of not in (None, body.n):
+        raise bad_param("best_of", "best_of is not supported (it must equal n)")
+    if body.suffix:
+        raise bad_param("suffix", "suffix (fill-in-the-middle) is not supported")
+    params = _sampling(body, body.max_tokens or 16, body.logprobs)
+    gen = await generation.start(manager, metrics, body.model, body.n)
+    try:
+        prompts = _prompts(body, gen.lm.engine)
+        if len(prompts) > 1:
+            # One Generation holds n sequences; several prompts hold n each, one at a time.
+            if body.stream:
+                raise bad_param("prompt", "streaming supports one prompt per request")
+        prompt = prompts[0] if len(prompts) == 1 else None
+        rid, created, model = _id("cmpl"), int(time.time()), body.model
+        tok = gen.lm.engine.tokenizer
+        echo = [tok.decode(p) if body.echo else "" for p in prompts]
+        if body.stream:
+            events = gen.events(prompt, params)
+            return _stream(gen, _completion_chunks(gen, events, rid, created, model, echo[0],
+                                                   body, tok))
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
+        for pi, ids in enumerate(prompts):
+            g = gen if pi == 0 else await generation.start(manager, metrics, body.model, body.n)
+            try:
+                texts = [echo[pi]] * body.n
+                lps: list[dict] = [_empty_lp() for _ in range(body.n)]
+                async for i, out in g.events(ids, params, lambda: request.is_disconnected()):
+                    if body.logprobs is not None:
+                        _add_lp(lps[i], out, tok, len(texts[i]))
+                    texts[i] += out.text
+                for i in range(body.n):
+                    choices.append({"index": pi * body.n + i, "text": texts[i],
+                                    "logprobs": lps[i] if body.logprobs is not None else None,
+                                    "finish_reason": _finish_reason(g.usage.finish_reasons.get(i))})
+                usage["prompt_tokens"] += g.usage.prompt_tokens
+                usage["completion_tokens"] += g.usage.completion_tokens
+                usage["cached"] += g.usage.cached_tokens
+            finally:
+                g.release()
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "system_fingerprint": "edgeinfer", "choices": choices,
+                "usage": {"prompt_tokens": usage["prompt_tokens"],
+                          "completion_tokens": usage["completion_tokens"],
+                          "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+                          "prompt_tokens_details": {"cached_tokens": usage["cached"]}}}
+    except BaseException:
+        gen.release()
+        raise
+    finally:
+        if not body.stream:
+            gen.release()
+
+
+def _empty_lp() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _add_lp(lp: dict, out: RequestOutput, tok, offset: int) -> None:
+    for j, (tid, l) in enumerate(zip(out.token_ids, out.logprobs)):
+        s = tok.piece(int(tid)).decode("utf-8", errors="replace")
+        lp["tokens"].append(s)
+        lp["token_logprobs"].append(l)
+        tops = out.top_logprobs[j] if j < len(out.top_logprobs) else []
+        lp["top_logprobs"].append({tok.piece(int(a)).decode("utf-8", errors="replace"): v
+                                   for a, v in tops})
+        lp["text_offset"].append(offset)
+        offset += len(s)
+
+
+async def _completion_chunks(gen, events, rid, created, model, echo, body, tok):
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": "edgeinfer"}
+    usage_on = bool(body.stream_options and body.stream_options.include_usage)
+    extra = {"usage": None} if usage_on else {}
+    if echo:
+        for i in range(body.n):
+            yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None,
+                                             "finish_reason": None}], **extra})
+    try:
+        async for i, out in events:
+            lp = None
+            if body.logprobs is not None:
+                lp = _empty_lp()
+                _add_lp(lp, out, tok, 0)
+            if out.text or out.token_ids or out.finished:
+                yield _sse({**base, "choices": [{
+                    "index": i, "text": out.text, "logprobs": lp,
+                    "finish_reason": _finish_reason(out.finish_reason) if out.finished else None}],
+                    **extra})
+    except APIError as e:
+        yield _sse(e.openai_body())
+        return
+    if usage_on:
+        yield _sse({**base, "choices": [], "usage": _usage(gen)})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,150 @@
+"""Request bodies of both APIs as pydantic models.
+
+Types are checked here (a wrong type is a 400 naming the field); value ranges are checked by
+`SamplingParams`, whose ValueError names the field too. Unknown fields are accepted and
+ignored, as the real servers do, so clients that send extras keep working; the fields we
+accept but do not act on are listed in IGNORED_* (and in docs/api.md).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ----- OpenAI ------------------------------------------------------------------------------
+
+OPENAI_IGNORED = ("user", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+                  "service_tier", "store", "metadata", "reasoning_effort", "modalities",
+                  "prediction", "audio", "web_search_options", "best_of (must equal n)",
+                  "suffix")
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Loose):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
+class _OpenAISampling(_Loose):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1, le=64)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # extensions that llama-server and vLLM accept too
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# ----- Ollama ------------------------------------------------------------------------------
+
+OLLAMA_IGNORED = ("format", "template", "context", "suffix", "images", "think", "tools",
+                  "options.num_keep", "options.typical_p", "options.tfs_z",
+                  "options.mirostat*", "options.penalize_newline", "options.num_batch",
+                  "options.num_gpu", "options.main_gpu", "options.num_thread",
+                  "options.use_mmap", "options.use_mlock", "options.numa",
+                  "options.low_vram", "options.f16_kv", "options.vocab_only")
+
+
+class OllamaOptions(_Loose):
+    num_predict: int | None = None
+    num_ctx: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    # edgeinfer extension: which backend runs the model (cpu, torch, llamacpp)
+    backend: str | None = None
+
+
+KeepAlive = Union[float, str, None]
+
+
+class _OllamaBase(_Loose):
+    model: str = Field(min_length=1)
+    options: OllamaOptions | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class GenerateRequest(_OllamaBase):
+    prompt: str | None = None
+    system: str | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+
+
+class OllamaMessage(_Loose):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[Any] | None = None
+
+
+class ChatRequest(_OllamaBase):
+    messages: list[OllamaMessage] | None = None
+
+
+class ModelNameRequest(_Loose):
+    model: str | None = None
+    name: str | None = None          # older clients send `name`
+
+    def model_name(self) -> str | None:
+        return self.model or self.name
+
+
+class PullRequest(ModelNameRequest):
+    stream: bool = True
+    insecure: bool = False
+    # edgeinfer extensions used by `edgeinfer pull` through the daemon
+    as_name: str | None = Field(default=None, alias="as")
+    sha256: str | None = None
+
+
+class CopyRequest(_Loose):
+    source: str = Field(min_length=1)
+    destination: str = Field(min_length=1)

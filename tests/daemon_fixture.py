@@ -1,0 +1,135 @@
+"""A real daemon for tests: `python -m edgeinfer serve --port <free>` in a subprocess with a
+temporary EDGEINFER_HOME where gemma3:270m is registered (hard link to the cached file).
+
+`shared_daemon` is session-scoped: the OpenAI and Ollama test modules share one process (one
+model load, one JIT warm-up). `start_daemon()` starts extra ones with other settings.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    port: int
+    home: Path
+    log: Path
+    api_key: str | None = None
+    env: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers(), timeout=120, **kw)
+
+    def post(self, path: str, json=None, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=json, headers=self.headers(), timeout=120, **kw)
+
+    def stats(self) -> dict:
+        r = self.get("/api/stats")
+        r.raise_for_status()
+        return r.json()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def register_gemma(home: Path, gemma3_path: Path) -> None:
+    from edgeinfer.store import Store
+    Store(home).register_file(gemma3_path, "gemma3:270m")
+
+
+def daemon_env(home: Path, **extra: str) -> dict:
+    env = dict(os.environ)
+    env.pop("EDGEINFER_API_KEY", None)
+    env.pop("EDGEINFER_HOST", None)
+    env.update(EDGEINFER_HOME=str(home),
+               NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(REPO / ".cache" / "numba")),
+               EDGEINFER_KV_BUDGET_MB="64",       # small pool: quick to allocate, plenty here
+               PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def start_daemon(home: Path, api_key: str | None = None, args: tuple[str, ...] = (),
+                 wait: bool = True, **env_extra: str) -> Daemon:
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = home / "test-daemon.log"
+    env = daemon_env(home, **env_extra)
+    if api_key:
+        env["EDGEINFER_API_KEY"] = api_key
+    with open(log, "ab") as lf:
+        proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port),
+                                 *args], stdout=lf, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    d = Daemon(proc, port, home, log, api_key, env)
+    if wait:
+        wait_healthy(d)
+    return d
+
+
+def wait_healthy(d: Daemon, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s      # a start-up guard, not a timed assertion
+    while time.monotonic() < deadline:
+        if d.proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {d.proc.returncode}:\n{d.log_text()}")
+        try:
+            if httpx.get(d.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    d.stop()
+    raise RuntimeError(f"daemon did not become healthy:\n{d.log_text()}")
+
+
+def warm(d: Daemon) -> None:
+    """Load the model and compile (or load from cache) every kernel once."""
+    r = d.post("/api/generate", {"model": "gemma3:270m", "prompt": "Hi", "stream": False,
+                                 "options": {"temperature": 0, "num_predict": 2}})
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="session")
+def shared_daemon(tmp_path_factory, gemma3_path):
+    home = tmp_path_factory.mktemp("daemon-home")
+    register_gemma(home, gemma3_path)
+    d = start_daemon(home, EDGEINFER_MAX_QUEUE="4")
+    try:
+        warm(d)
+        yield d
+    finally:
+        d.stop()
