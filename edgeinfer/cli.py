@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --- subcommand registrations (one line per module) ---
     from edgeinfer import store_cli; store_cli.add_commands(subparsers)  # pull list rm cp
     from edgeinfer import run_cmd; run_cmd.add_commands(subparsers)  # run
+    from edgeinfer import client_cli; client_cli.add_commands(subparsers)  # serve daemon ps stop
     # --- end of registrations ---
     return parser
 
