@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeinfer import store_cli; store_cli.add_commands(subparsers)  # pull list rm cp
     from edgeinfer import run_cmd; run_cmd.add_commands(subparsers)  # run
     from edgeinfer import client_cli; client_cli.add_commands(subparsers)  # serve daemon ps stop
+    from edgeinfer.tui import command as tui_cmd; tui_cmd.add_commands(subparsers)  # tui
     # --- end of registrations ---
     return parser
 

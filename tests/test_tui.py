@@ -1,0 +1,326 @@
+"""The terminal app, driven by Textual's pilot.
+
+Most tests run against a small in-process fake daemon (tests/tui_fake_daemon.py: FastAPI +
+uvicorn on 127.0.0.1) so they are fast and deterministic; the `real daemon` tests at the end
+run `edgeinfer serve` with the bundled gemma3 model when the daemon exists in this tree.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from edgeinfer.tui.api import parse_stats, parse_time
+from edgeinfer.tui.app import EdgeInferApp
+from edgeinfer.tui.screens.chat import ChatScreen
+from edgeinfer.tui.screens.confirm import ConfirmScreen
+from edgeinfer.tui.screens.dashboard import DashboardScreen
+from edgeinfer.tui.screens.models import ModelsScreen
+from edgeinfer.tui.widgets.banner import ConnectionBanner
+from edgeinfer.tui.widgets.chat_message import ChatMessage
+from edgeinfer.tui.widgets.metric_panel import MetricPanel
+from edgeinfer.tui.widgets.stream_status import StreamStatus
+from tui_fake_daemon import FakeDaemon, FakeState, free_port
+
+FROZEN_NOW = datetime(2030, 1, 1, 0, 0, 0, tzinfo=timezone.utc)   # fake expiry: +5 min
+SIZE = (80, 24)
+
+
+async def wait_for(pilot, predicate, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def make_app(host: str, **kw) -> EdgeInferApp:
+    kw.setdefault("autostart", False)
+    kw.setdefault("clock", lambda: FROZEN_NOW)
+    return EdgeInferApp(host, **kw)
+
+
+def model_select_ready(app) -> bool:
+    from textual.widgets import Select
+    screen = app.screen
+    return isinstance(screen, ChatScreen) and isinstance(
+        screen.query_one("#model", Select).value, str)
+
+
+async def send(pilot, text: str) -> None:
+    app = pilot.app
+    prompt = app.screen.query_one("#prompt")
+    prompt.focus()
+    prompt.value = text
+    await pilot.press("enter")
+
+
+@pytest.fixture()
+def fake():
+    with FakeDaemon() as d:
+        yield d
+
+
+# ----- parsing ----------------------------------------------------------------------------
+
+def test_parse_stats_daemon_shape():
+    s = parse_stats({
+        "tokens_per_s": 12.0, "running": 2, "queue_depth": 1,
+        "process": {"rss_bytes": 100}, "system": {"memory_total_bytes": 1000,
+                                                 "memory_available_bytes": 250},
+        "models": [{"name": "a", "size_bytes": 7, "expires_at": "2262-04-11T23:47:16Z",
+                    "kv_blocks_used": 3, "kv_blocks_total": 10, "prefix_hit_rate": 0.5},
+                   {"name": "b", "size_bytes": 9, "expires_at": "2030-01-01T00:00:00Z",
+                    "kv_blocks_used": 1, "kv_blocks_total": 10, "prefix_hit_rate": 0.0}]})
+    assert (s.tokens_per_s, s.running, s.waiting, s.rss) == (12.0, 2, 1, 100)
+    assert (s.mem_used, s.mem_total) == (750, 1000)
+    assert (s.kv_used, s.kv_total) == (4, 20)
+    assert s.prefix_hit_rate == pytest.approx(0.25)
+    assert s.models[0].expires_at is None and s.models[1].memory == 9
+
+
+def test_parse_stats_tolerates_shapes():
+    flat = parse_stats({"tokens_per_s": 3.5, "running": 1, "waiting": 0, "kv_blocks_used": 2,
+                        "kv_blocks_total": 8, "prefix_hit_rate": 50, "rss": 10,
+                        "models": [{"name": "a", "size": 5,
+                                    "expires_at": "2030-01-01T00:00:00.123456789Z"}]})
+    assert flat.tokens_per_s == 3.5 and flat.kv_total == 8
+    assert flat.prefix_hit_rate == pytest.approx(0.5)
+    assert flat.models[0].memory == 5
+    assert flat.models[0].expires_at == datetime(2030, 1, 1, 0, 0, 0, 123456, timezone.utc)
+    nested = parse_stats({"kv": {"used": 1, "total": 4}, "requests": {"running": 2,
+                          "waiting": 3}, "gpu": {"used": 1, "total": 2}})
+    assert (nested.kv_used, nested.kv_total, nested.running, nested.waiting) == (1, 4, 2, 3)
+    assert nested.gpu_total == 2 and nested.tokens_per_s is None
+    assert parse_time("0001-01-01T00:00:00Z") is None
+    assert parse_stats({"running": "x"}).running is None
+
+
+# ----- chat -------------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_chat_streams_reply_with_figures_and_keeps_history(fake):
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        screen = app.screen
+        screen.query_one("#system").value = "Be brief."
+        screen.query_one("#temperature").value = "0.3"
+        await send(pilot, "hi there")
+        status = screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.state == "done", what="reply done")
+        messages = list(screen.query(ChatMessage))
+        assert [m.role for m in messages] == ["user", "assistant"]
+        assert "Hello! Here is **bold** and `code`." in messages[1].markdown.source
+        assert status.tokens == len(fake.state.reply)
+        assert status.ttft is not None and status.ttft > 0
+        assert status.tokens_per_s is not None and status.tokens_per_s > 0
+        assert status.prompt_tokens == 7
+        body = fake.state.chats[-1]
+        assert body["model"] == "gemma3:270m" and body["stream"] is True
+        assert body["options"]["temperature"] == pytest.approx(0.3)
+        assert body["messages"] == [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "hi there"}]
+        # second turn carries the whole conversation
+        await send(pilot, "and again")
+        await wait_for(pilot, lambda: len(fake.state.chats) == 2 and status.state == "done",
+                       what="second reply")
+        roles = [m["role"] for m in fake.state.chats[-1]["messages"]]
+        assert roles == ["system", "user", "assistant", "user"]
+        assert fake.state.chats[-1]["messages"][2]["content"] == "Hello! Here is **bold** and `code`."
+        # new chat clears everything
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert not screen.query(ChatMessage) and screen.history == []
+        assert status.state == "idle"
+
+
+@pytest.mark.asyncio
+async def test_tokens_per_s_is_live_while_streaming(fake):
+    fake.state.reply = [f" w{i}" for i in range(40)]
+    fake.state.token_delay = 0.05
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        await send(pilot, "count")
+        status = app.screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.state == "streaming" and status.tokens >= 5
+                       and status.tokens_per_s is not None, what="live tokens/s")
+        assert 0 < status.tokens_per_s < 1000
+        await wait_for(pilot, lambda: status.state == "done", what="done")
+
+
+@pytest.mark.asyncio
+async def test_stop_key_cancels_generation(fake):
+    fake.state.reply = [f" w{i}" for i in range(500)]
+    fake.state.token_delay = 0.02
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        await send(pilot, "go on forever")
+        screen = app.screen
+        status = screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.tokens >= 3, what="some tokens")
+        assert screen.active_bindings["escape"].enabled     # "Stop" is in the footer
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: status.state == "stopped", what="stopped")
+        n = status.tokens
+        await pilot.pause(0.3)
+        assert status.tokens == n < 500
+        await wait_for(pilot, lambda: fake.state.chat_cancelled == 1, what="server cancel")
+        # the partial reply stays in the history; a new message can be sent
+        assert screen.history[-1]["role"] == "assistant"
+        fake.state.reply = ["ok"]
+        await send(pilot, "short please")
+        await wait_for(pilot, lambda: status.state == "done", what="next reply")
+
+
+@pytest.mark.asyncio
+async def test_chat_error_from_daemon_is_shown_not_raised(fake):
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        fake.state.models.pop(0)           # the selected model disappears
+        await send(pilot, "hello?")
+        status = app.screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.state == "error", what="error state")
+        assert "not found" in status.detail
+        assert app.screen.history == []
+
+
+# ----- screens ----------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_dashboard_follows_stats_stream(fake):
+    fake.state.loaded["gemma3:270m"] = {"name": "gemma3:270m", "size": 300 * 2**20,
+                                        "expires_at": "2030-01-01T00:05:00Z"}
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f2")
+        screen = app.screen
+        assert isinstance(screen, DashboardScreen)
+        tps = screen.query_one("#tps", MetricPanel)
+        n0 = len(tps.samples)
+        await pilot.pause(1.0)
+        assert len(tps.samples) - n0 >= 2, "at least two updates a second"
+        assert tps.value_text == "42.5 tok/s"
+        assert screen.query_one("#kv", MetricPanel).value_text == "120 / 512 (23%)"
+        assert screen.query_one("#requests", MetricPanel).value_text == "1 running · 2 waiting"
+        assert screen.query_one("#prefix", MetricPanel).value_text == "37.5% hit rate"
+        assert screen.query_one("#rss", MetricPanel).value_text == "900.0 MiB"
+        assert screen.query_one("#mem", MetricPanel).value_text.startswith("12.0 GiB / 24.0 GiB")
+        assert not screen.query_one("#gpu", MetricPanel).display
+        table = screen.query_one("#loaded")
+        assert table.row_count == 1
+        assert [str(c) for c in table.get_row_at(0)] == ["gemma3:270m", "300.0 MiB", "in 5m 0s"]
+        fake.state.stats["gpu"] = {"memory_used_bytes": 2**30, "memory_total_bytes": 8 * 2**30}
+        await wait_for(pilot, lambda: screen.query_one("#gpu", MetricPanel).display,
+                       what="gpu panel")
+        # switching away and back keeps the history
+        await pilot.press("f1")
+        await pilot.press("f2")
+        assert len(app.screen.query_one("#tps", MetricPanel).samples) >= n0
+
+
+@pytest.mark.asyncio
+async def test_models_pull_delete_load_unload(fake):
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f3")
+        screen = app.screen
+        assert isinstance(screen, ModelsScreen)
+        table = screen.query_one("#models")
+        await wait_for(pilot, lambda: table.row_count == 2, what="model rows")
+        assert [str(c) for c in table.get_row_at(0)][:5] == [
+            "gemma3:270m", "gemma3", "268M", "Q4_K_M", "241.3 MiB"]
+        # pull with progress
+        fake.state.pull_delay = 0.15
+        await pilot.press("p")
+        assert screen.focused is screen.query_one("#pull-name")
+        await pilot.press(*"new:1b")
+        await pilot.press("enter")
+        bar = screen.query_one("#pull-bar")
+        seen: list[float] = []
+
+        def progressing() -> bool:
+            if bar.total:
+                seen.append(bar.progress)
+            return screen.pulling is False and table.row_count == 3
+        await wait_for(pilot, progressing, what="pull to finish")
+        assert any(0 < p < 1000 for p in seen), f"no intermediate progress seen: {seen}"
+        assert bar.progress == bar.total == 1000
+        assert ("pull", {"model": "new:1b", "stream": True}) in fake.state.calls
+        # a failing pull says why
+        await pilot.press("p")
+        await pilot.press(*"nosuch:model", "enter")
+        await wait_for(pilot, lambda: "failed" in str(
+            screen.query_one("#pull-status").render()), what="pull error")
+        await pilot.press("escape")
+        # load and unload the selected row
+        table.move_cursor(row=0)
+        await pilot.press("l")
+        await wait_for(pilot, lambda: "gemma3:270m" in fake.state.loaded, what="load")
+        await wait_for(pilot, lambda: "loaded" in str(table.get_row_at(0)[-1]), what="mark")
+        await pilot.press("u")
+        await wait_for(pilot, lambda: "gemma3:270m" not in fake.state.loaded, what="unload")
+        # delete asks first; n keeps it, y deletes
+        table.move_cursor(row=1)
+        await pilot.press("d")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        assert table.row_count == 3 and not any(c[0] == "delete" for c in fake.state.calls)
+        await pilot.press("d")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: table.row_count == 2, what="delete")
+        assert ("delete", {"model": "tiny:latest"}) in fake.state.calls
+        # enter on a row opens the chat with that model
+        table.move_cursor(row=0)
+        await pilot.press("enter")
+        assert isinstance(app.screen, ChatScreen)
+        await wait_for(pilot, lambda: app.screen.query_one("#model").value == "gemma3:270m",
+                       what="model picked")
+
+
+# ----- connection -------------------------------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_banner_when_daemon_down_then_reconnects():
+    port = free_port()
+    app = make_app(f"127.0.0.1:{port}")
+    async with app.run_test(size=SIZE) as pilot:
+        banner = app.screen.query_one(ConnectionBanner)
+        await wait_for(pilot, lambda: banner.has_class("-visible"), what="banner")
+        assert "not reachable" in str(banner.render())
+        assert app.connected is False
+        with FakeDaemon(port=port):
+            await pilot.press("ctrl+r")
+            await wait_for(pilot, lambda: app.connected is True, what="reconnect")
+            await wait_for(pilot, lambda: not banner.has_class("-visible"), what="banner gone")
+            await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+
+
+@pytest.mark.asyncio
+async def test_daemon_killed_mid_stream_shows_banner(fake):
+    fake.state.reply = [f" w{i}" for i in range(2000)]
+    fake.state.token_delay = 0.01
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        await send(pilot, "long one")
+        screen = app.screen
+        status = screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.tokens >= 3, what="streaming")
+        await asyncio.to_thread(fake.stop)
+        banner = screen.query_one(ConnectionBanner)
+        await wait_for(pilot, lambda: banner.has_class("-visible"), what="banner")
+        await wait_for(pilot, lambda: status.state == "error", what="error status")
+        assert "daemon lost" in status.detail
+        assert app.connected is False
+        # it comes back: the banner goes away by itself
+        await asyncio.to_thread(fake.start)
+        await wait_for(pilot, lambda: app.connected is True, timeout=15, what="reconnect")
+        assert not banner.has_class("-visible")
