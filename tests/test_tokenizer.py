@@ -276,7 +276,9 @@ def test_gemma3_token_tables_match_llamacpp(gemma):
     _check_vocab_tables(*gemma)
 
 
-@pytest.mark.parametrize("name", BPE_VOCABS + SPM_VOCABS)
+@pytest.mark.parametrize("name", [n if n in ("llama-bpe", "qwen2", "llama-spm", "phi-3")
+                                  else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in BPE_VOCABS + SPM_VOCABS])
 def test_vocab_token_tables_match_llamacpp(name, load):
     _check_vocab_tables(*load(_vocab(name)))
 
