@@ -127,7 +127,7 @@ def warm(d: Daemon) -> None:
 def shared_daemon(tmp_path_factory, gemma3_path):
     home = tmp_path_factory.mktemp("daemon-home")
     register_gemma(home, gemma3_path)
-    d = start_daemon(home, EDGEINFER_MAX_QUEUE="4")
+    d = start_daemon(home, EDGEINFER_MAX_QUEUE="4", EDGEINFER_MAX_MODEL_LEN="1024")
     try:
         warm(d)
         yield d

@@ -73,6 +73,12 @@ class Generation:
         u = self.usage
         try:
             try:
+                params.validate(engine.cfg.vocab_size)   # token ids in logit_bias and friends
+            except ValueError as e:
+                msg = str(e)
+                raise APIError(400, msg, param=msg.split(" ", 1)[0],
+                               code="invalid_parameter") from None
+            try:
                 for i in range(self.n):
                     def sink(out: RequestOutput, i: int = i) -> None:
                         loop.call_soon_threadsafe(q.put_nowait, (i, out))
@@ -106,8 +112,9 @@ class Generation:
                 yield i, out
         finally:
             for i, rid in enumerate(ids):
-                if i not in done:
+                if i not in done:            # the engine's abort event finds no reader
                     engine.abort(rid)
+                    self.metrics.on_abort(self.lm.name)
             self.release()
 
 

@@ -94,6 +94,9 @@ class Metrics:
                 self.tpot.setdefault(model, Histogram(TPOT_BUCKETS)).observe(
                     (end - first) / (output - 1))
 
+    def on_abort(self, model: str) -> None:
+        self.finish[(model, "abort")] += 1
+
     def tokens_per_second(self, window: float = 1.0) -> float:
         cutoff = time.monotonic() - window
         while self._recent and self._recent[0][0] < cutoff:

@@ -43,7 +43,7 @@ def _sampling(body: _OpenAISampling, max_tokens: int | None, logprobs: int | Non
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=bias, seed=body.seed, max_tokens=max_tokens, stop=stop,
-        logprobs=logprobs)
+        logprobs=logprobs, ignore_eos=body.ignore_eos)
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:

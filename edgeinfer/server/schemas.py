@@ -56,6 +56,7 @@ class _OpenAISampling(_Loose):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    ignore_eos: bool = False
 
 
 class ChatCompletionRequest(_OpenAISampling):

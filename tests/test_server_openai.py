@@ -1,0 +1,263 @@
+"""The OpenAI API of a real daemon process, driven by the official `openai` client."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from daemon_fixture import shared_daemon  # noqa: F401  (session fixture)
+
+MODEL = "gemma3:270m"
+HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def oa(shared_daemon):  # noqa: F811
+    # max_retries=0: a 429 must reach the test, not be retried away
+    with openai.OpenAI(base_url=shared_daemon.url + "/v1", api_key="unused",
+                       max_retries=0, timeout=300) as c:
+        yield c
+
+
+def _chat(oa, **kw):
+    args = dict(model=MODEL, messages=HELLO, max_tokens=6, temperature=0)
+    args.update(kw)
+    return oa.chat.completions.create(**args)
+
+
+def wait_idle(d, baseline_used: int = 0) -> dict:
+    """Poll /api/stats until no sequence runs and KV use is back to the baseline (a guard
+    against hanging, not a timing assertion)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        m = d.stats()["models"]
+        if m and m[0]["running"] == 0 and m[0]["waiting"] == 0 and \
+                m[0]["kv_blocks_used"] == baseline_used and m[0]["active_requests"] == 0:
+            return m[0]
+        time.sleep(0.1)
+    raise AssertionError(f"the engine did not go idle: {d.stats()}")
+
+
+def test_models(oa):
+    ids = [m.id for m in oa.models.list()]
+    assert ids == [MODEL]
+    assert oa.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_non_streaming(oa):
+    r = _chat(oa)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content
+    assert c.finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+
+
+def test_chat_streaming_matches_non_streaming(oa):
+    ref = _chat(oa).choices[0].message.content
+    chunks, usage, reasons = [], None, []
+    for ev in _chat(oa, stream=True, stream_options={"include_usage": True}):
+        if ev.usage:
+            usage = ev.usage
+        for ch in ev.choices:
+            chunks.append(ch.delta.content or "")
+            reasons.append(ch.finish_reason)
+    assert "".join(chunks) == ref
+    assert reasons[-1] == "length"
+    assert usage is not None and usage.completion_tokens == 6
+
+
+def test_stop_string_ends_with_stop(oa):
+    ref = _chat(oa, max_tokens=8).choices[0].message.content
+    word = ref.split()[1] if len(ref.split()) > 1 else ref[2:4]
+    r = _chat(oa, max_tokens=8, stop=[word])
+    assert r.choices[0].finish_reason == "stop"
+    assert word not in r.choices[0].message.content
+    assert ref.startswith(r.choices[0].message.content)
+
+
+def test_chat_logprobs_and_n(oa):
+    r = _chat(oa, max_tokens=3, n=2, logprobs=True, top_logprobs=2, seed=1)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        lp = c.logprobs.content
+        assert len(lp) == 3
+        for t in lp:
+            assert t.logprob <= 0 and len(t.top_logprobs) == 2
+            # greedy: the chosen token is the most likely one
+            assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+    assert r.choices[0].message.content == r.choices[1].message.content
+    assert r.usage.completion_tokens == 6
+
+
+def test_sampling_parameters_accepted(oa):
+    r = _chat(oa, temperature=0.7, top_p=0.9, seed=42, presence_penalty=0.5,
+              frequency_penalty=0.5, logit_bias={"107": -100}, user="tester",
+              max_completion_tokens=4)
+    again = _chat(oa, temperature=0.7, top_p=0.9, seed=42, presence_penalty=0.5,
+                  frequency_penalty=0.5, logit_bias={"107": -100}, max_completion_tokens=4)
+    assert r.usage.completion_tokens == 4
+    assert r.choices[0].message.content == again.choices[0].message.content  # seeded
+
+
+def test_completions(oa):
+    r = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                              temperature=0, logprobs=1)
+    c = r.choices[0]
+    assert c.text and c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == 4 and "".join(c.logprobs.tokens) == c.text
+    s = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                              temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == c.text
+
+
+def test_completions_several_prompts_and_echo(oa):
+    r = oa.completions.create(model=MODEL, prompt=["One, two,", "Red, green,"], max_tokens=2,
+                              temperature=0, echo=True)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text.startswith("One, two,")
+    assert r.choices[1].text.startswith("Red, green,")
+    assert r.usage.completion_tokens == 4
+
+
+# ----- errors ----------------------------------------------------------------------------------
+
+def test_unknown_model_is_404(oa):
+    with pytest.raises(openai.NotFoundError) as e:
+        _chat(oa, model="no-such-model:1b")
+    assert e.value.body["code"] == "model_not_found"
+    assert e.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(temperature=3), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(presence_penalty=9), "presence_penalty"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(top_logprobs=50, logprobs=True), "top_logprobs"),
+    (dict(logit_bias={"abc": 1}), "logit_bias"),
+    (dict(logit_bias={"99999999": 1}), "logit_bias"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+    (dict(messages=[]), "messages"),
+])
+def test_invalid_parameter_is_400_naming_it(oa, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(oa, **kw)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+def test_wrong_type_and_bad_json_are_400(shared_daemon):  # noqa: F811
+    r = shared_daemon.post("/v1/chat/completions",
+                           {"model": MODEL, "messages": HELLO, "temperature": "hot"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = httpx.post(shared_daemon.url + "/v1/chat/completions", content=b'{"model": ',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = shared_daemon.post("/v1/chat/completions", {"model": MODEL})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_prompt_over_context_is_400(oa, shared_daemon):  # noqa: F811
+    ctx = shared_daemon.stats()["models"][0]["context_length"]
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model=MODEL, prompt=[2] + [1000] * ctx, max_tokens=2)
+    assert "context" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        _chat(oa, messages=[{"role": "user", "content": "word " * (ctx + 10)}])
+
+
+def test_overload_is_429(oa):
+    # the daemon runs with 16 running + 4 queued sequences: 21 choices cannot be taken
+    with pytest.raises(openai.RateLimitError) as e:
+        _chat(oa, n=21)
+    assert e.value.body["code"] == "overloaded"
+
+
+def test_image_content_is_400(oa):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(oa, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert "text only" in e.value.body["message"]
+
+
+# ----- disconnects and concurrency -------------------------------------------------------------
+
+def test_disconnect_mid_stream_frees_the_sequence(oa, shared_daemon):  # noqa: F811
+    d = shared_daemon
+    ref = _chat(oa).choices[0].message.content
+    base = wait_idle(d)["kv_blocks_used"]
+    aborts = _aborts(d)
+    stream = _chat(oa, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for ev in stream:
+        if ev.choices and ev.choices[0].delta.content:
+            got += 1
+            if got == 2:
+                break
+    during = d.stats()["models"][0]
+    assert during["kv_blocks_used"] > base or during["running"] == 1
+    stream.close()                                   # the client goes away
+    idle = wait_idle(d, base)
+    assert idle["kv_blocks_used"] == base
+    # ...and the next request is served, with the same greedy answer as before
+    assert _chat(oa).choices[0].message.content == ref
+    assert _aborts(d) == aborts + 1
+
+
+def _aborts(d) -> int:
+    for line in httpx.get(d.url + "/metrics").text.splitlines():
+        if line.startswith('edgeinfer_request_finish_total{model="gemma3:270m",reason="abort"}'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def test_non_streaming_disconnect_aborts(shared_daemon):  # noqa: F811
+    d = shared_daemon
+    base = wait_idle(d)["kv_blocks_used"]
+    aborts = _aborts(d)
+    body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 900, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", d.port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    deadline = time.monotonic() + 120
+    while not d.stats()["models"][0]["running"]:        # generating now
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    s.close()                                           # the client goes away, no answer read
+    wait_idle(d, base)
+    assert _aborts(d) == aborts + 1
+
+
+def test_two_concurrent_streams_complete(oa, shared_daemon):  # noqa: F811
+    results: dict[int, tuple[str, str | None]] = {}
+
+    def run(i: int) -> None:
+        text, reason = [], None
+        with openai.OpenAI(base_url=shared_daemon.url + "/v1", api_key="x",
+                           max_retries=0, timeout=300) as c:
+            for ev in c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8,
+                                                temperature=0, stream=True):
+                for ch in ev.choices:
+                    text.append(ch.delta.content or "")
+                    reason = ch.finish_reason or reason
+        results[i] = ("".join(text), reason)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results) == {0, 1}
+    assert results[0][1] == results[1][1] == "length"
+    assert results[0][0] and results[0][0] == results[1][0]
+    wait_idle(shared_daemon)
