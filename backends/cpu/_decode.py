@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._bits import load_f16, load_u32
-from ._simd import (bload_bf16, bload_f16, bload_f32, iaddk, iand, ibits, iload_i8, iload_u8,
-                    ior, ishl, ishr, itof, vadd, vmul, vsplat, vstore, vsub)
+from ._bits import load_u32
+from ._simd import (bload_bf16, bload_f16, bload_f32, hload, iaddk, iand, ibits, iload_i8, iload_u8,
+                    ior, ishl, ishr, itof, kq_scales, vadd, vlane, vmul, vsplat, vstore, vsub)
 
 # ggml type codes (gguf.GGMLQuantizationType values)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -54,7 +54,7 @@ def dec_bf16(w, n, b, o, out, oo):
 
 @njit(inline="always", nogil=True)
 def dec_q4_0(w, n, b, o, out, oo):
-    d = vsplat(load_f16(w, n, b, 0))
+    d = vsplat(hload(w, o))
     v = iload_u8(w, o + 2)
     vstore(out, oo, vmul(d, itof(iaddk(iand(v, 15), -8))))
     vstore(out, oo + 16, vmul(d, itof(iaddk(ishr(v, 4), -8))))
@@ -62,8 +62,8 @@ def dec_q4_0(w, n, b, o, out, oo):
 
 @njit(inline="always", nogil=True)
 def dec_q4_1(w, n, b, o, out, oo):
-    d = vsplat(load_f16(w, n, b, 0))
-    m = vsplat(load_f16(w, n, b, 2))
+    d = vsplat(hload(w, o))
+    m = vsplat(hload(w, o + 2))
     v = iload_u8(w, o + 4)
     vstore(out, oo, vadd(vmul(d, itof(iand(v, 15))), m))
     vstore(out, oo + 16, vadd(vmul(d, itof(ishr(v, 4))), m))
@@ -83,7 +83,7 @@ def q5_hi(w, o, qh, qs):
 
 @njit(inline="always", nogil=True)
 def dec_q5_0(w, n, b, o, out, oo):
-    d = vsplat(load_f16(w, n, b, 0))
+    d = vsplat(hload(w, o))
     qh = load_u32(w, n, b, 2)
     vstore(out, oo, vmul(d, itof(iaddk(q5_lo(w, o, qh, 6), -16))))
     vstore(out, oo + 16, vmul(d, itof(iaddk(q5_hi(w, o, qh, 6), -16))))
@@ -91,8 +91,8 @@ def dec_q5_0(w, n, b, o, out, oo):
 
 @njit(inline="always", nogil=True)
 def dec_q5_1(w, n, b, o, out, oo):
-    d = vsplat(load_f16(w, n, b, 0))
-    m = vsplat(load_f16(w, n, b, 2))
+    d = vsplat(hload(w, o))
+    m = vsplat(hload(w, o + 2))
     qh = load_u32(w, n, b, 4)
     vstore(out, oo, vadd(vmul(d, itof(q5_lo(w, o, qh, 8))), m))
     vstore(out, oo + 16, vadd(vmul(d, itof(q5_hi(w, o, qh, 8))), m))
@@ -100,7 +100,7 @@ def dec_q5_1(w, n, b, o, out, oo):
 
 @njit(inline="always", nogil=True)
 def dec_q8_0(w, n, b, o, out, oo):
-    d = vsplat(load_f16(w, n, b, 0))
+    d = vsplat(hload(w, o))
     vstore(out, oo, vmul(itof(iload_i8(w, o + 2)), d))
     vstore(out, oo + 16, vmul(itof(iload_i8(w, o + 18)), d))
 
@@ -114,13 +114,11 @@ def q2k_group(w, o, k):
 
 @njit(inline="always", nogil=True)
 def dec_q2_k(w, n, b, o, out, oo):
-    d = load_f16(w, n, b, 80)
-    dmin = load_f16(w, n, b, 82)
+    sc = iload_u8(w, o)                  # 16 bytes: scale in the low nibble, min in the high
+    dl = vmul(vsplat(hload(w, o + 80)), itof(iand(sc, 15)))
+    ml = vmul(vsplat(hload(w, o + 82)), itof(ishr(sc, 4)))
     for k in range(16):
-        sc = _i32(w[n, b, k])
-        dl = vsplat(d * _f32(sc & 15))
-        ml = vsplat(dmin * _f32(sc >> 4))
-        vstore(out, oo + 16 * k, vsub(vmul(dl, itof(q2k_group(w, o, k))), ml))
+        vstore(out, oo + 16 * k, vsub(vmul(vlane(dl, k), itof(q2k_group(w, o, k))), vlane(ml, k)))
 
 
 @njit(inline="always", nogil=True)
@@ -143,22 +141,10 @@ def q3k_group(w, o, k):
 
 @njit(inline="always", nogil=True)
 def dec_q3_k(w, n, b, o, out, oo):
-    d = load_f16(w, n, b, 108)
+    d = hload(w, o + 108)
     for k in range(16):
         dl = vsplat(d * _f32(q3k_scale(w, n, b, k)))
         vstore(out, oo + 16 * k, vmul(dl, itof(q3k_group(w, o, k))))
-
-
-@njit(inline="always", nogil=True)
-def kq_scale_min(w, n, b, j):
-    """6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block (scales at byte 4)."""
-    if j < 4:
-        sc = _i32(w[n, b, 4 + j]) & 63
-        mn = _i32(w[n, b, 8 + j]) & 63
-    else:
-        sc = (_i32(w[n, b, 8 + j]) & 15) | ((_i32(w[n, b, j]) >> 2) & 48)
-        mn = (_i32(w[n, b, 8 + j]) >> 4) | ((_i32(w[n, b, 4 + j]) >> 2) & 48)
-    return sc, mn
 
 
 @njit(inline="always", nogil=True)
@@ -176,24 +162,24 @@ def q5k_half(w, o, j, h):
 
 @njit(inline="always", nogil=True)
 def dec_q4_k(w, n, b, o, out, oo):
-    d = load_f16(w, n, b, 0)
-    dmin = load_f16(w, n, b, 2)
+    sm = itof(kq_scales(w, o + 4))       # lanes 0-7 scales, 8-15 mins
+    dsv = vmul(vsplat(hload(w, o)), sm)
+    dmv = vmul(vsplat(hload(w, o + 2)), sm)
     for j in range(8):
-        sc, mn = kq_scale_min(w, n, b, j)
-        ds = vsplat(d * _f32(sc))
-        dm = vsplat(dmin * _f32(mn))
+        ds = vlane(dsv, j)
+        dm = vlane(dmv, j + 8)
         vstore(out, oo + 32 * j, vsub(vmul(ds, itof(q4k_half(w, o, j, 0))), dm))
         vstore(out, oo + 32 * j + 16, vsub(vmul(ds, itof(q4k_half(w, o, j, 1))), dm))
 
 
 @njit(inline="always", nogil=True)
 def dec_q5_k(w, n, b, o, out, oo):
-    d = load_f16(w, n, b, 0)
-    dmin = load_f16(w, n, b, 2)
+    sm = itof(kq_scales(w, o + 4))       # lanes 0-7 scales, 8-15 mins
+    dsv = vmul(vsplat(hload(w, o)), sm)
+    dmv = vmul(vsplat(hload(w, o + 2)), sm)
     for j in range(8):
-        sc, mn = kq_scale_min(w, n, b, j)
-        ds = vsplat(d * _f32(sc))
-        dm = vsplat(dmin * _f32(mn))
+        ds = vlane(dsv, j)
+        dm = vlane(dmv, j + 8)
         vstore(out, oo + 32 * j, vsub(vmul(ds, itof(q5k_half(w, o, j, 0))), dm))
         vstore(out, oo + 32 * j + 16, vsub(vmul(ds, itof(q5k_half(w, o, j, 1))), dm))
 
@@ -212,7 +198,6 @@ def q6k_group(w, o, k):
 
 @njit(inline="always", nogil=True)
 def dec_q6_k(w, n, b, o, out, oo):
-    d = load_f16(w, n, b, 208)
+    dsv = vmul(vsplat(hload(w, o + 208)), itof(iload_i8(w, o + 192)))
     for k in range(16):
-        ds = vsplat(d * _f32(np.int8(w[n, b, 192 + k])))
-        vstore(out, oo + 16 * k, vmul(ds, itof(q6k_group(w, o, k))))
+        vstore(out, oo + 16 * k, vmul(vlane(dsv, k), itof(q6k_group(w, o, k))))

@@ -4,6 +4,9 @@ Weights come in as uint8[N, n_blocks, block_bytes] (a free reshape of the row by
 Each body is `inline="always"`: numba inlines it at IR level into a two-line per-type
 wrapper, so the decoder becomes a direct call to a global, the wrapper has one concrete
 signature and caches on disk (`cache=True`), and only the types a model uses get compiled.
+
+numba's disk cache checks only this file's timestamp: after editing _decode, _dot, _simd or
+_bits, touch this file (or clear NUMBA_CACHE_DIR), or stale machine code is loaded.
 """
 from __future__ import annotations
 
@@ -43,31 +46,80 @@ def _mv_body(dot, w, x, out):
 
 
 @njit(inline="always")
-def _mm_body(dec, bs, w, x, out):
-    """out[m, n] = dot(row n of w, x[m]) for all m; each block is decoded once for all m."""
+def _put(out, m, n, M, N, v):
+    if m < M and n < N:
+        out[m, n] = vhsum(v)
+
+
+@njit(inline="always")
+def _micro4x4(buf, wo, xp, xo, K, out, m0, n0, M, N):
+    """out[m0:m0+4, n0:n0+4] = x rows (from xp at xo) . decoded weight rows (buf at wo).
+
+    16 vector accumulators along k, one horizontal sum each at the end: per 16 values of k
+    it is 8 loads and 16 FMAs, so it runs near the FMA ceiling with no transposes.
+    """
+    a00 = vzero(); a01 = vzero(); a02 = vzero(); a03 = vzero()
+    a10 = vzero(); a11 = vzero(); a12 = vzero(); a13 = vzero()
+    a20 = vzero(); a21 = vzero(); a22 = vzero(); a23 = vzero()
+    a30 = vzero(); a31 = vzero(); a32 = vzero(); a33 = vzero()
+    for k in range(0, K, 16):
+        w0 = vload(buf, wo + k)
+        w1 = vload(buf, wo + K + k)
+        w2 = vload(buf, wo + 2 * K + k)
+        w3 = vload(buf, wo + 3 * K + k)
+        x0 = vload(xp, xo + k)
+        a00 = vfma(x0, w0, a00); a01 = vfma(x0, w1, a01); a02 = vfma(x0, w2, a02); a03 = vfma(x0, w3, a03)
+        x1 = vload(xp, xo + K + k)
+        a10 = vfma(x1, w0, a10); a11 = vfma(x1, w1, a11); a12 = vfma(x1, w2, a12); a13 = vfma(x1, w3, a13)
+        x2 = vload(xp, xo + 2 * K + k)
+        a20 = vfma(x2, w0, a20); a21 = vfma(x2, w1, a21); a22 = vfma(x2, w2, a22); a23 = vfma(x2, w3, a23)
+        x3 = vload(xp, xo + 3 * K + k)
+        a30 = vfma(x3, w0, a30); a31 = vfma(x3, w1, a31); a32 = vfma(x3, w2, a32); a33 = vfma(x3, w3, a33)
+    _put(out, m0, n0, M, N, a00); _put(out, m0, n0 + 1, M, N, a01)
+    _put(out, m0, n0 + 2, M, N, a02); _put(out, m0, n0 + 3, M, N, a03)
+    _put(out, m0 + 1, n0, M, N, a10); _put(out, m0 + 1, n0 + 1, M, N, a11)
+    _put(out, m0 + 1, n0 + 2, M, N, a12); _put(out, m0 + 1, n0 + 3, M, N, a13)
+    _put(out, m0 + 2, n0, M, N, a20); _put(out, m0 + 2, n0 + 1, M, N, a21)
+    _put(out, m0 + 2, n0 + 2, M, N, a22); _put(out, m0 + 2, n0 + 3, M, N, a23)
+    _put(out, m0 + 3, n0, M, N, a30); _put(out, m0 + 3, n0 + 1, M, N, a31)
+    _put(out, m0 + 3, n0 + 2, M, N, a32); _put(out, m0 + 3, n0 + 3, M, N, a33)
+
+
+_GEMM_ROWS = 16         # weight rows decoded per step (4 micro-kernel columns)
+_GEMM_MT = 64           # x rows per pass over a decoded chunk (64 x K floats stay in L2)
+_GEMM_SPLIT = 64        # work items for prange; each owns one decode buffer
+
+
+@njit(inline="always")
+def _mm_body(dec, bs, w, xp, out):
+    """out[m, n] = dot(x[m], row n of w) for M = out.shape[0] >= 1 rows.
+
+    xp is x padded with zero rows to a multiple of 4. Each work item decodes 16 weight rows
+    at a time (exactly, into an L2-sized float buffer) and runs the 4x4 register-blocked
+    micro-kernel over all x rows, so each weight byte is decoded once per call.
+    """
     N = w.shape[0]
     nb = w.shape[1]
     ts = w.shape[2]
-    M = x.shape[0]
-    K = x.shape[1]
-    nsub = bs // 16
-    nch = (N + _CHUNK_ROWS - 1) // _CHUNK_ROWS
-    for c in prange(nch):
-        buf = np.empty(bs, _f32)
-        acc = np.empty(16 * M, _f32)
-        for n in range(c * _CHUNK_ROWS, min(N, (c + 1) * _CHUNK_ROWS)):
-            for m in range(M):
-                vstore(acc, 16 * m, vzero())
-            for b in range(nb):
-                dec(w, n, b, (n * nb + b) * ts, buf, 0)
-                for m in range(M):
-                    a = vload(acc, 16 * m)
-                    xo = m * K + b * bs
-                    for s in range(nsub):
-                        a = vfma(vload(buf, 16 * s), vload(x, xo + 16 * s), a)
-                    vstore(acc, 16 * m, a)
-            for m in range(M):
-                out[m, n] = vhsum(vload(acc, 16 * m))
+    M = out.shape[0]
+    Mp = xp.shape[0]
+    K = xp.shape[1]
+    nch = (N + _GEMM_ROWS - 1) // _GEMM_ROWS
+    nsplit = min(nch, _GEMM_SPLIT)
+    per = (nch + nsplit - 1) // nsplit
+    for sp in prange(nsplit):
+        buf = np.zeros(_GEMM_ROWS * K, _f32)
+        for c in range(sp * per, min(nch, (sp + 1) * per)):
+            n0 = c * _GEMM_ROWS
+            for r in range(_GEMM_ROWS):
+                n = n0 + r
+                if n < N:
+                    for b in range(nb):
+                        dec(w, n, b, (n * nb + b) * ts, buf, r * K + b * bs)
+            for mt in range(0, Mp, _GEMM_MT):
+                for j in range(0, _GEMM_ROWS, 4):
+                    for m0 in range(mt, min(Mp, mt + _GEMM_MT), 4):
+                        _micro4x4(buf, j * K, xp, m0 * K, K, out, m0, n0 + j, M, N)
 
 
 # Three two-line wrappers per type, written out rather than made by a factory: numba's disk

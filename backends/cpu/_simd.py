@@ -242,3 +242,48 @@ def bload_bf16(typingctx, arr, off):
         wide = builder.shl(builder.zext(h, _VI), ir.Constant(_VI, [16] * 16))
         return builder.bitcast(wide, _VF)
     return f16x(arr, off), codegen
+
+
+# ----------------------------------------------------------------- scalars and lanes
+
+@intrinsic
+def hload(typingctx, arr, off):
+    """The IEEE half at byte offset off of a byte array, widened to float32 by the hardware
+    conversion (exact; a signaling NaN comes back quiet)."""
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], ir.HalfType())
+        return builder.fpext(builder.load(p, align=1), _F)
+    return types.float32(arr, off), codegen
+
+
+@intrinsic
+def vlane(typingctx, v, j):
+    """All 16 lanes set to lane j of v (j a small constant after unrolling)."""
+    def codegen(context, builder, sig, args):
+        x = builder.extract_element(args[0], _as_i32(context, builder, sig.args[1], args[1]))
+        return _splat(builder, x, _VF)
+    return f16x(v, j), codegen
+
+
+@intrinsic
+def kq_scales(typingctx, arr, off):
+    """The 8 scales and 8 mins of a Q4_K/Q5_K block as int32 lanes [sc0..sc7, m0..m7].
+
+    `off` is the byte offset of the 12 packed scale bytes; 16 bytes are read (the block
+    continues after them). Layout (ggml get_scale_min_k4): for j < 4, sc = b[j] & 63 and
+    m = b[j+4] & 63; for j >= 4, sc = (b[j+4] & 15) | ((b[j-4] >> 2) & 48) and
+    m = (b[j+4] >> 4) | ((b[j] >> 2) & 48).
+    """
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], _V8)
+        v = builder.zext(builder.load(p, align=1), _VI)
+        u = ir.Constant(_VI, ir.Undefined)
+        a = builder.shuffle_vector(v, u, ir.Constant(_VI, [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11]))
+        b = builder.shuffle_vector(v, u, ir.Constant(_VI, [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]))
+        sh_a = ir.Constant(_VI, [0] * 12 + [4] * 4)
+        mask_a = ir.Constant(_VI, [63] * 4 + [15] * 4 + [63] * 4 + [15] * 4)
+        mask_b = ir.Constant(_VI, [0] * 4 + [48] * 4 + [0] * 4 + [48] * 4)
+        lo = builder.and_(builder.lshr(a, sh_a), mask_a)
+        hi = builder.and_(builder.lshr(b, ir.Constant(_VI, [2] * 16)), mask_b)
+        return builder.or_(lo, hi)
+    return i16x(arr, off), codegen

@@ -68,6 +68,8 @@ class QuantMatrix:
         if self.data.shape != (self.N, row_bytes(self.qtype, self.K)):
             raise ValueError(f"QuantMatrix data shape {self.data.shape} does not match "
                              f"{self.qtype.name} K={self.K} N={self.N}")
+        object.__setattr__(self, "qtype", GGMLQuantizationType(int(self.qtype)))
+        object.__setattr__(self, "data", _readonly(self.data))
 
     @classmethod
     def from_bytes(cls, raw: np.ndarray, qtype, K: int, N: int) -> "QuantMatrix":
