@@ -6,8 +6,11 @@ Prints, for each type:
 - matvec (M=1) effective GB/s = weight bytes / time, on a matrix too big for the caches,
   next to a 2-thread streaming read of a buffer of the same size (ratio = kernel / stream);
 - the same on the real Gemma 3 270M shapes (mostly cache-resident, so ratios can pass 1);
-- multi-row throughput in GFLOP/s (2*M*N*K / time) for M=8 (batched decode, fused kernel)
-  and M=512 (prefill, tiled BLAS path), next to numpy's float32 GEMM on the same shape.
+- multi-row throughput in GFLOP/s (2*M*N*K / time) for M=8 (batched decode) and M=512
+  (prefill), both the decode-16-rows + 4x4 micro-kernel path, next to numpy's float32 GEMM
+  (OpenBLAS) on the same shape with the weights already in float.
+Every kernel figure is also given on one thread ("1T"): on a shared machine a 2-thread
+parallel region waits for whichever thread was preempted, so 1T is the steadier number.
 Absolute numbers drift run to run on shared machines; the ratios are what to compare.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from numba import njit, prange
+from numba import get_num_threads, njit, prange, set_num_threads
 
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul, numba_threads
 from edgeinfer.backends.cpu.quants import random_quant_rows, row_bytes
@@ -63,20 +66,33 @@ def stream_gbs(nbytes: int, reps: int) -> float:
     return nbytes / best_time(lambda: _stream(buf), reps) / 1e9
 
 
-def matvec_gbs(qtype, K: int, N: int, reps: int, rng) -> tuple[float, float]:
+def on_threads(n: int, fn):
+    old = get_num_threads()
+    set_num_threads(min(n, old))
+    try:
+        return fn()
+    finally:
+        set_num_threads(old)
+
+
+def matvec_gbs(qtype, K: int, N: int, reps: int, rng) -> tuple[float, float, float]:
+    """(GB/s on all threads, its time, GB/s on one thread)."""
     w = QuantMatrix.from_bytes(random_quant_rows(qtype, N, K, rng), qtype, K, N)
     x = rng.standard_normal(K).astype(np.float32)
     out = np.empty((1, N), np.float32)
     t = best_time(lambda: matmul(x[None], w, out), reps)
-    return w.nbytes / t / 1e9, t
+    t1 = on_threads(1, lambda: best_time(lambda: matmul(x[None], w, out), reps))
+    return w.nbytes / t / 1e9, t, w.nbytes / t1 / 1e9
 
 
-def multirow_gflops(qtype, K: int, N: int, M: int, reps: int, rng) -> float:
+def multirow_gflops(qtype, K: int, N: int, M: int, reps: int, rng) -> tuple[float, float]:
+    """(GFLOP/s on all threads, GFLOP/s on one thread)."""
     w = QuantMatrix.from_bytes(random_quant_rows(qtype, N, K, rng), qtype, K, N)
     x = rng.standard_normal((M, K)).astype(np.float32)
     out = np.empty((M, N), np.float32)
     t = best_time(lambda: matmul(x, w, out), reps)
-    return 2.0 * M * N * K / t / 1e9
+    t1 = on_threads(1, lambda: best_time(lambda: matmul(x, w, out), reps))
+    return 2.0 * M * N * K / t / 1e9, 2.0 * M * N * K / t1 / 1e9
 
 
 def main() -> None:
@@ -91,26 +107,26 @@ def main() -> None:
     print(f"threads={numba_threads()}")
 
     print("\nmatvec M=1, out-of-cache matrix")
-    print(f"{'type':6} {'K':>5} {'N':>7} {'MB':>7} {'ms':>8} {'GB/s':>7} {'stream':>7} {'ratio':>6}")
+    print(f"{'type':6} {'K':>5} {'N':>7} {'MB':>7} {'ms':>8} {'GB/s':>7} {'stream':>7} {'ratio':>6} {'1T GB/s':>8}")
     for name in types:
         qt = T[name]
         K = 640 if name == "Q8_0" else 2048
         N = 262144 if name == "Q8_0" else int(args.big_mb * 1e6 / row_bytes(qt, K)) // 64 * 64
         if args.quick:
             N //= 4
-        gbs, t = matvec_gbs(qt, K, N, reps, rng)
+        gbs, t, g1 = matvec_gbs(qt, K, N, reps, rng)
         s = stream_gbs(N * row_bytes(qt, K), reps)
-        print(f"{name:6} {K:5d} {N:7d} {N * row_bytes(qt, K) / 1e6:7.1f} {t * 1e3:8.3f} {gbs:7.2f} {s:7.2f} {gbs / s:6.2f}")
+        print(f"{name:6} {K:5d} {N:7d} {N * row_bytes(qt, K) / 1e6:7.1f} {t * 1e3:8.3f} {gbs:7.2f} {s:7.2f} {gbs / s:6.2f} {g1:8.2f}")
 
     print("\nmatvec M=1, Gemma 3 270M shapes")
-    print(f"{'type':6} {'K':>5} {'N':>7} {'MB':>7} {'us':>8} {'GB/s':>7} {'stream':>7} {'ratio':>6}")
+    print(f"{'type':6} {'K':>5} {'N':>7} {'MB':>7} {'us':>8} {'GB/s':>7} {'stream':>7} {'ratio':>6} {'1T GB/s':>8}")
     for name, (K, N) in MODEL_SHAPES.items():
         if name not in types:
             continue
         qt = T[name]
-        gbs, t = matvec_gbs(qt, K, N, reps * 4, rng)
+        gbs, t, g1 = matvec_gbs(qt, K, N, reps * 4, rng)
         s = stream_gbs(N * row_bytes(qt, K), reps * 4)
-        print(f"{name:6} {K:5d} {N:7d} {N * row_bytes(qt, K) / 1e6:7.2f} {t * 1e6:8.1f} {gbs:7.2f} {s:7.2f} {gbs / s:6.2f}")
+        print(f"{name:6} {K:5d} {N:7d} {N * row_bytes(qt, K) / 1e6:7.2f} {t * 1e6:8.1f} {gbs:7.2f} {s:7.2f} {gbs / s:6.2f} {g1:8.2f}")
 
     K, N = 2048, 2048
     wf = rng.standard_normal((N, K), dtype=np.float32)
@@ -119,12 +135,12 @@ def main() -> None:
         xf = rng.standard_normal((M, K)).astype(np.float32)
         blas[M] = 2.0 * M * N * K / best_time(lambda: xf @ wf.T, reps) / 1e9
     print(f"\nmulti-row GFLOP/s, K={K} N={N} (numpy f32 GEMM: M=8 {blas[8]:.1f}, M=512 {blas[512]:.1f})")
-    print(f"{'type':6} {'M=8':>8} {'M=512':>8}")
+    print(f"{'type':6} {'M=8':>8} {'1T':>6} {'M=512':>8} {'1T':>6}")
     for name in types:
         qt = T[name]
-        g8 = multirow_gflops(qt, K, N, 8, reps, rng)
-        g512 = multirow_gflops(qt, K, N, 512, max(3, reps // 3), rng)
-        print(f"{name:6} {g8:8.1f} {g512:8.1f}")
+        g8, g8s = multirow_gflops(qt, K, N, 8, reps, rng)
+        g512, g512s = multirow_gflops(qt, K, N, 512, max(3, reps // 3), rng)
+        print(f"{name:6} {g8:8.1f} {g8s:6.1f} {g512:8.1f} {g512s:6.1f}")
 
 
 if __name__ == "__main__":

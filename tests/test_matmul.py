@@ -10,7 +10,9 @@ from gguf import quants as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul, numba_threads
+from edgeinfer.backends.cpu import _kernels
+from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul, numba_threads, warm_kernels
+from edgeinfer.backends.cpu.quants import get_rows
 from edgeinfer.backends.cpu.quants import random_quant_rows
 
 ALL = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
@@ -121,3 +123,22 @@ def test_real_model_tensors(gemma3_path):
         assert_close(matmul(x, w), x, wd)
         done.add(t.ggml_type)
     assert {T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0} <= done
+
+
+def test_one_compiled_signature_per_kernel():
+    """Odd inputs (read-only, float64, strided, int32 ids, writable weights) reuse the kernels."""
+    warm_kernels([T.Q8_0])
+    rng = np.random.default_rng(9)
+    raw = random_quant_rows(T.Q8_0, 8, 64, rng)
+    for data in (raw, raw.copy()):
+        w = QuantMatrix(data, T.Q8_0, 64, 8)           # writable data is made read-only
+        xr = rng.standard_normal((5, 64)).astype(np.float32)
+        xr.flags.writeable = False
+        matmul(xr[0], w)
+        matmul(xr, w)
+        matmul(rng.standard_normal((3, 128))[:, ::2], w)
+        ids = np.array([1, 2], np.int32)
+        ids.flags.writeable = False
+        get_rows(w, ids)
+    for kernel in _kernels.KERNELS[int(T.Q8_0)]:
+        assert len(kernel.signatures) == 1, kernel.signatures

@@ -18,7 +18,7 @@ import numpy as np
 from ._kernels import KERNELS
 from .quants import QuantMatrix
 
-__all__ = ["QuantMatrix", "matmul", "numba_threads"]
+__all__ = ["QuantMatrix", "matmul", "numba_threads", "warm_kernels"]
 
 
 def numba_threads() -> int:
@@ -31,6 +31,8 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None) -> np.n
     x = np.asarray(x)
     vec = x.ndim == 1
     x2 = np.ascontiguousarray(x.reshape(1, -1) if vec else x, dtype=np.float32)
+    if not x2.flags.writeable:          # one compiled signature: x is always a writable array
+        x2 = x2.copy()
     M, K = x2.shape
     if K != w.K:
         raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
@@ -50,6 +52,21 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None) -> np.n
     if vec and out.ndim == 2:
         return out.reshape(w.N)
     return out
+
+
+def warm_kernels(qtypes=None) -> None:
+    """Compile (or load from numba's disk cache) every kernel for these types, on tiny inputs
+    of exactly the array types real calls use, so the first real call does not JIT."""
+    from .quants import SUPPORTED_TYPES, get_rows, random_quant_rows
+
+    rng = np.random.default_rng(0)
+    for qt in (SUPPORTED_TYPES if qtypes is None else qtypes):
+        K = 256
+        w = QuantMatrix.from_bytes(random_quant_rows(qt, 4, K, rng), qt, K, 4)
+        x = np.zeros((3, K), np.float32)
+        matmul(x[0], w)
+        matmul(x, w)
+        get_rows(w, [0])
 
 
 def _pad4(x: np.ndarray) -> np.ndarray:

@@ -132,6 +132,8 @@ def dequantize(raw: np.ndarray, qtype, n_elements: int) -> np.ndarray:
 def get_rows(w: QuantMatrix, ids) -> np.ndarray:
     """float32[len(ids), K]: the decoded rows `ids` of w (embedding lookup); exact."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if not ids.flags.writeable:         # one compiled signature: ids is always writable
+        ids = ids.copy()
     if ids.size and (ids.min() < 0 or ids.max() >= w.N):
         raise IndexError(f"row id out of range [0, {w.N})")
     out = np.empty((ids.size, w.K), np.float32)
