@@ -1,0 +1,253 @@
+"""The Ollama API of a real daemon process, driven by the official `ollama` client, plus the
+edgeinfer CLI client (`stream_generate`, `ps`, `stop`) against the same daemon."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import ollama
+import pytest
+
+from daemon_fixture import shared_daemon  # noqa: F401  (session fixture)
+
+MODEL = "gemma3:270m"
+GREEDY = {"temperature": 0, "num_predict": 5}
+
+
+@pytest.fixture(scope="module")
+def ol(shared_daemon):  # noqa: F811
+    return ollama.Client(host=shared_daemon.url, timeout=300)
+
+
+def test_generate_non_streaming(ol):
+    r = ol.generate(model=MODEL, prompt="Why is the sky blue?", options=GREEDY)
+    assert r.done and r.done_reason == "length"
+    assert r.response
+    assert r.eval_count == 5 and r.prompt_eval_count > 3
+    for field in ("total_duration", "prompt_eval_duration", "eval_duration"):
+        assert isinstance(getattr(r, field), int) and getattr(r, field) > 0
+    assert r.load_duration is not None and r.total_duration >= r.eval_duration
+
+
+def test_generate_streaming_matches(ol):
+    ref = ol.generate(model=MODEL, prompt="Why is the sky blue?", options=GREEDY).response
+    parts = list(ol.generate(model=MODEL, prompt="Why is the sky blue?", options=GREEDY,
+                             stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert "".join(p.response for p in parts) == ref
+    assert parts[-1].eval_count == 5
+
+
+def test_raw_generate_skips_template(ol):
+    raw = ol.generate(model=MODEL, prompt="1, 2, 3, 4,", raw=True, options=GREEDY)
+    templ = ol.generate(model=MODEL, prompt="1, 2, 3, 4,", options=GREEDY)
+    assert raw.prompt_eval_count < templ.prompt_eval_count   # no turn markers
+    assert raw.response
+
+
+def test_chat(ol):
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a color."}]
+    r = ol.chat(model=MODEL, messages=msgs, options=GREEDY)
+    assert r.message.role == "assistant" and r.message.content
+    parts = list(ol.chat(model=MODEL, messages=msgs, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert parts[-1].done and parts[-1].eval_count == r.eval_count
+
+
+def test_options_and_stop(ol):
+    ref = ol.generate(model=MODEL, prompt="Count: 1, 2, 3,", raw=True,
+                      options={"temperature": 0, "num_predict": 8}).response
+    stop = ref.strip().split()[1] if len(ref.split()) > 1 else ref[2:4]
+    r = ol.generate(model=MODEL, prompt="Count: 1, 2, 3,", raw=True,
+                    options={"temperature": 0, "num_predict": 8, "stop": [stop], "top_k": 10,
+                             "top_p": 0.5, "min_p": 0.05, "repeat_penalty": 1.0, "seed": 3,
+                             "num_ctx": 512})
+    assert r.done_reason == "stop" and stop not in r.response
+    assert ref.startswith(r.response)
+
+
+def test_logprobs(ol):
+    r = ol.generate(model=MODEL, prompt="Hello", options=GREEDY, logprobs=True, top_logprobs=2)
+    assert len(r.logprobs) == 5
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in r.logprobs)
+
+
+def test_tags_show_ps_version(ol, shared_daemon):  # noqa: F811
+    tags = ol.list()
+    names = [m.model for m in tags.models]
+    assert MODEL in names
+    m = tags.models[names.index(MODEL)]
+    assert m.details.family == "gemma3" and m.details.quantization_level == "Q4_K_M"
+    assert m.size > 200_000_000 and len(m.digest) == 64
+    show = ol.show(MODEL)
+    assert show.details.family == "gemma3"
+    assert show.modelinfo["general.architecture"] == "gemma3"
+    assert show.modelinfo["gemma3.context_length"] == 32768
+    assert "completion" in show.capabilities and show.template
+    ol.generate(model=MODEL, prompt="x", options={"temperature": 0, "num_predict": 1})
+    ps = ol.ps()
+    assert [p.model for p in ps.models] == [MODEL]
+    assert ps.models[0].size > m.size and ps.models[0].expires_at is not None
+    assert ps.models[0].context_length == 1024
+    v = httpx.get(shared_daemon.url + "/api/version").json()
+    assert v["version"]
+
+
+def test_copy_and_delete(ol):
+    assert ol.copy(MODEL, "mycopy:v1").status == "success"
+    assert "mycopy:v1" in [m.model for m in ol.list().models]
+    r = ol.generate(model="mycopy:v1", prompt="Hi", options={"temperature": 0, "num_predict": 1})
+    assert r.done
+    assert ol.delete("mycopy:v1").status == "success"
+    assert "mycopy:v1" not in [m.model for m in ol.list().models]
+    assert MODEL in [m.model for m in ol.list().models]         # the shared blob stays
+    with pytest.raises(ollama.ResponseError) as e:
+        ol.delete("mycopy:v1")
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        ol.copy("no-such:model", "x:y")
+    assert e.value.status_code == 404
+
+
+def test_pull_bundled_streams_progress(ol):
+    events = list(ol.pull(MODEL, stream=True))
+    assert events[0].status == "pulling manifest"
+    assert events[-1].status == "success"
+    assert any(e.total and e.completed == e.total for e in events)
+    with pytest.raises(ollama.ResponseError) as e:
+        ol.pull("no-such-model:7b")
+    assert e.value.status_code == 404
+
+
+# ----- errors ----------------------------------------------------------------------------------
+
+def test_unknown_model_404(ol):
+    with pytest.raises(ollama.ResponseError) as e:
+        ol.generate(model="nothere:1b", prompt="hi")
+    assert e.value.status_code == 404 and "not found" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        ol.chat(model="nothere:1b", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        ol.show("nothere:1b")
+    assert e.value.status_code == 404
+
+
+@pytest.mark.parametrize("body,word", [
+    ({"options": {"temperature": -1}}, "temperature"),
+    ({"options": {"top_p": 2}}, "top_p"),
+    ({"options": {"top_k": "many"}}, "top_k"),
+    ({"options": {"num_predict": 0}}, "num_predict"),
+    ({"options": {"num_ctx": 2}}, "num_ctx"),
+    ({"keep_alive": "soon"}, "keep_alive"),
+    ({"images": ["aGVsbG8="]}, "images"),
+])
+def test_bad_input_400(shared_daemon, body, word):  # noqa: F811
+    r = shared_daemon.post("/api/generate", {"model": MODEL, "prompt": "hi", "stream": False,
+                                             **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert isinstance(err, str) and word in err
+
+
+def test_missing_model_and_bad_json_400(shared_daemon):  # noqa: F811
+    r = shared_daemon.post("/api/chat", {"messages": []})
+    assert r.status_code == 400 and "model" in r.json()["error"]
+    r = httpx.post(shared_daemon.url + "/api/generate", content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]
+
+
+def test_unknown_route_404_in_shape(shared_daemon):  # noqa: F811
+    r = shared_daemon.get("/api/nothing")
+    assert r.status_code == 404 and isinstance(r.json()["error"], str)
+
+
+# ----- the CLI client against the same daemon ---------------------------------------------------
+
+def _cli_env(d) -> dict:
+    env = dict(d.env)
+    env["EDGEINFER_HOST"] = f"127.0.0.1:{d.port}"
+    return env
+
+
+def test_stream_generate_client(shared_daemon, monkeypatch):  # noqa: F811
+    from edgeinfer.client import GenerationStats, stream_generate
+    monkeypatch.setenv("EDGEINFER_HOST", f"127.0.0.1:{shared_daemon.port}")
+    monkeypatch.setenv("EDGEINFER_HOME", str(shared_daemon.home))
+    items = list(stream_generate(MODEL, prompt="Why is the sky blue?", options=GREEDY))
+    stats = items[-1]
+    assert isinstance(stats, GenerationStats)
+    assert stats.completion_tokens == 5 and stats.done_reason == "length"
+    text = "".join(items[:-1])
+    ref = ollama.Client(host=shared_daemon.url).generate(
+        model=MODEL, prompt="Why is the sky blue?", options=GREEDY).response
+    assert text == ref
+    items = list(stream_generate(MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                 options={"temperature": 0, "num_predict": 2}))
+    assert isinstance(items[-1], GenerationStats) and items[-1].completion_tokens == 2
+
+
+def test_cli_ps_and_stop_and_keep_alive_zero(ol, shared_daemon):  # noqa: F811
+    env = _cli_env(shared_daemon)
+    ol.generate(model=MODEL, prompt="x", options={"temperature": 0, "num_predict": 1})
+    out = subprocess.run([sys.executable, "-m", "edgeinfer", "ps"], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0].split()[:2] == ["NAME", "ID"]
+    assert MODEL in out.stdout
+    out = subprocess.run([sys.executable, "-m", "edgeinfer", "stop", MODEL], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert ol.ps().models == []
+    # keep_alive 0 on a generation: the model is unloaded once the answer is done
+    r = ol.generate(model=MODEL, prompt="x", options={"temperature": 0, "num_predict": 1},
+                    keep_alive=0)
+    assert r.done
+    deadline = time.monotonic() + 60
+    while ol.ps().models:
+        assert time.monotonic() < deadline, ol.ps()
+        time.sleep(0.1)
+    # an empty prompt loads, keep_alive 0 with an empty prompt unloads at once
+    r = ol.generate(model=MODEL, keep_alive="1m")
+    assert r.done_reason == "load" and [m.model for m in ol.ps().models] == [MODEL]
+    r = ol.generate(model=MODEL, keep_alive=0)
+    assert r.done_reason == "unload" and ol.ps().models == []
+
+
+def test_stats_stream(shared_daemon):  # noqa: F811
+    with httpx.stream("GET", shared_daemon.url + "/api/stats/stream?interval=0.1",
+                      timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        snaps = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                snaps.append(json.loads(line[6:]))
+                if len(snaps) == 3:
+                    break
+    for s in snaps:
+        for key in ("tokens_per_s", "models", "process", "system", "queue_depth", "totals"):
+            assert key in s
+        assert s["process"]["rss_bytes"] > 0 and s["system"]["memory_total_bytes"] > 0
+    assert snaps[0]["time"] < snaps[2]["time"]
+    r = httpx.get(shared_daemon.url + "/api/stats/stream?interval=0")
+    assert r.status_code == 400
+
+
+def test_metrics_text(shared_daemon):  # noqa: F811
+    shared_daemon.post("/api/generate", {"model": MODEL, "prompt": "hi", "stream": False,
+                                         "options": {"temperature": 0, "num_predict": 2}})
+    text = shared_daemon.get("/metrics").text
+    for name in ("edgeinfer_requests_total", "edgeinfer_prompt_tokens_total",
+                 "edgeinfer_generation_tokens_total", "edgeinfer_time_to_first_token_seconds_bucket",
+                 "edgeinfer_time_per_output_token_seconds_count", "edgeinfer_queue_depth",
+                 "edgeinfer_running_sequences", "edgeinfer_kv_blocks_used",
+                 "edgeinfer_kv_blocks_total", "edgeinfer_prefix_cache_hit_rate",
+                 "edgeinfer_model_memory_bytes"):
+        assert name in text, name
+    total = [l for l in text.splitlines() if l.startswith("edgeinfer_kv_blocks_total{")]
+    assert total and float(total[0].split()[-1]) > 0
