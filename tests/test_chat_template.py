@@ -196,6 +196,26 @@ def test_multipart_content_is_flattened():
     "{{ 'a' * 100000000 }}",
     "{{ [1] * 100000000 }}",
     "{{ 9 ** 99999999 }}",
+    # memory bombs: widths, formats, doubling strings/numbers, joins, JSON indent
+    "{{ 'a'|center(2000000000) }}",
+    "{{ 'a'.ljust(2000000000) }}",
+    "{{ 'x'|indent(2000000000) }}",
+    "{{ '%2000000000d' % 1 }}",
+    "{{ '%*d' % (2000000000, 1) }}",
+    "{{ '%*d'|format(2000000000, 1) }}",
+    "{{ '{:>2000000000}'.format(1) }}",
+    "{{ '{:>{w}}'.format(1, w=2000000000) }}",
+    "{{ ('a' * 1000000).replace('a', 'a' * 1000) }}",
+    "{% set ns = namespace(s='x' * 1000000) %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% set ns = namespace(s='x' * 1000000) %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "{% set ns = namespace(n=10 ** 60) %}{% for i in range(40) %}"
+    "{% set ns.n = ns.n * ns.n %}{% endfor %}",
+    "{{ (['x' * 1000000] * 3000) | join }}",
+    "{{ messages | tojson(indent=1000000000) }}",
+    # CPU: nested loops that print nothing (stopped by the time budget)
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
 ])
 def test_hostile_templates_are_stopped(template):
     with pytest.raises(ChatTemplateSecurityError):
@@ -206,8 +226,17 @@ def test_runaway_loops_and_output_are_stopped():
     with pytest.raises(ChatTemplateError):
         render_chat("{% for i in range(10**9) %}x{% endfor %}", CONV)
     with pytest.raises(ChatTemplateSecurityError, match="too large"):
-        render_chat("{% for i in range(99999) %}{% for j in range(999) %}xxxxxx"
-                    "{% endfor %}{% endfor %}", CONV)
+        render_chat("{% for i in range(99999) %}{{ 'x' * 1000000 }}{% endfor %}", CONV)
+
+
+def test_guards_leave_ordinary_operations_alone():
+    out = render_chat("{{ 'a' ~ 'b' ~ messages[0].content }}|{{ ['a', 'b'] | join(',') }}|"
+                      "{{ 2 + 3 }}|{{ 'a' + 'b' }}|{{ '%5.2f' % 1.5 }}|{{ '{:>3}'.format(1) }}|"
+                      "{{ 'x' | center(5) }}|{{ messages | tojson(indent=2) | length > 10 }}",
+                      CONV[1:2])
+    assert out == "abHi|a,b|5|ab| 1.50|  1|  x  |True"
+    with pytest.raises(ChatTemplateError, match="RecursionError"):
+        render_chat("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", CONV)
 
 
 def test_template_errors_are_one_clear_error():
