@@ -294,6 +294,15 @@ def test_missing_or_unsupported_vocab_is_one_clear_error():
         Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
 
 
+def test_from_file_and_bad_special_ids_fall_back(gemma3_path):
+    tok = Tokenizer.from_file(gemma3_path)
+    assert tok.vocab_size == 262144 and tok.encode("hi")[0] == tok.bos_id
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "a"],
+          "tokenizer.ggml.bos_token_id": "x", "tokenizer.ggml.eos_token_id": 99}
+    t = Tokenizer.from_gguf(md)
+    assert (t.bos_id, t.eos_id) == (1, 2)       # llama.cpp's SentencePiece defaults
+
+
 def test_tiny_synthetic_spm_vocab_merges_by_score():
     # "ab" outranks "bc", so "abc" -> ab + c; "bc" alone merges.
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \

@@ -8,9 +8,10 @@ vocabulary asks.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 import regex
@@ -161,11 +162,15 @@ class Tokenizer:
             log.warning("pre-tokenizer %r is not known here; using the gpt-2 split", pre)
 
         def tid(key: str, default: int | None) -> int | None:
+            # llama.cpp: an id outside the vocabulary falls back to the default, if that fits
+            if default is not None and not 0 <= default < n:
+                default = None
             v = metadata.get(f"tokenizer.ggml.{key}")
-            if v is None:
-                return default if default is not None and default < n else None
-            v = int(v)
-            return v if 0 <= v < n else default
+            try:
+                v = int(v) if v is not None else None
+            except (TypeError, ValueError):
+                v = None
+            return v if v is not None and 0 <= v < n else default
 
         if model == "llama":
             special = SpecialIds(bos=tid("bos_token_id", 1), eos=tid("eos_token_id", 2),
@@ -183,6 +188,7 @@ class Tokenizer:
             add_eos, space = False, False
         if model == "gpt2" and pre in ("chatglm-bpe", "glm4", "glm5"):
             special = replace(special, bos=None)
+
         def either(old: str, new: str) -> int | None:
             v = tid(old, None)          # llama.cpp reads the deprecated key last
             return v if v is not None else tid(new, None)
@@ -204,6 +210,16 @@ class Tokenizer:
                    merges=list(merges), special=special, add_bos=add_bos, add_eos=add_eos,
                    add_space_prefix=space,
                    rstrip_specials=("phi-3" in name or "phi3" in name))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Build from a GGUF file's metadata (raises GGUFError / TokenizerError)."""
+        from ..gguf_file import read_gguf
+        f = read_gguf(path)
+        try:
+            return cls.from_gguf(f.metadata)
+        finally:
+            f.close()
 
     def _fix_types(self, types: np.ndarray) -> None:
         """llama.cpp's text-based fix-ups of token attributes (llama_vocab::load)."""
