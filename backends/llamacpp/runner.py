@@ -89,6 +89,7 @@ class LlamaCppRunner:
         self.slots = [_Slot(i) for i in range(n_seq)]
         self._clock = itertools.count(1)
         self.weights_format = "gguf (llama.cpp)"
+        self.tokens_decoded = 0   # rows llama.cpp computed; less than scheduled when reused
         self.tokenizer = self._tokenizer()
 
     @classmethod
@@ -167,6 +168,7 @@ class LlamaCppRunner:
                 rows.append((target[p], p, slot.sid, c.needs_logits and p == end - 1))
             slot.tokens = target
         self._evict_for(len(rows))
+        self.tokens_decoded += len(rows)
         out = []
         nb = self.ctx.n_batch
         for i in range(0, len(rows), nb):

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from edgeinfer.backends.base import ForwardBatch
 
+_NATIVE_GQA = ("cpu", "cuda")   # SDPA's enable_gqa is tested on these
+
 
 @dataclass
 class _Gather:
@@ -101,8 +103,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qp = q.new_zeros(S * M, H, D)
     qp[layout.pad_index] = q
     qp = qp.view(S, M, H, D).transpose(1, 2)               # [S, H, M, D]
-    if kvh != H:  # GQA: expand K/V heads (enable_gqa is not available on every device/kernel)
-        k = k.repeat_interleave(H // kvh, dim=1)
-        v = v.repeat_interleave(H // kvh, dim=1)
-    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=g.mask, scale=scale)
+    gqa = {}
+    if kvh != H:
+        if q.device.type in _NATIVE_GQA:
+            gqa = {"enable_gqa": True}
+        else:  # MPS: expand K/V heads rather than rely on enable_gqa there
+            k = k.repeat_interleave(H // kvh, dim=1)
+            v = v.repeat_interleave(H // kvh, dim=1)
+    o = F.scaled_dot_product_attention(qp, k, v, attn_mask=g.mask, scale=scale, **gqa)
     return o.transpose(1, 2).reshape(S * M, H, D)[layout.pad_index]

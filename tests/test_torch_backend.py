@@ -1,0 +1,263 @@
+"""The torch backend (run on torch's CPU device here) against the numba CPU backend, llama.cpp,
+and a dense attention reference: same logits, same greedy text, batch invariance, prefix
+reuse, sliding window, paged attention through random block tables and chunked queries."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from edgeinfer.backends.base import ForwardBatch  # noqa: E402
+from edgeinfer.backends.torch.attention import StepLayout, paged_attention, write_kv  # noqa: E402
+from edgeinfer.backends.torch.device import (InsufficientMemory, check_fits, choose_backend,  # noqa: E402
+                                             detect)
+from edgeinfer.engine import Engine, EngineConfig, greedy  # noqa: E402
+from edgeinfer.runner import ModelRunner  # noqa: E402
+
+torch.set_num_threads(2)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village"]
+
+
+class _Seq:
+    def __init__(self, block_table):
+        self.block_table = block_table
+
+
+class _Chunk:
+    def __init__(self, seq, start, token_ids, needs_logits=True):
+        self.seq, self.start, self.token_ids, self.needs_logits = seq, start, token_ids, needs_logits
+
+
+def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Submit all prompts at once and step until every one finished; outputs in input order."""
+    events: dict[int, list[int]] = {}
+    ids = []
+    for p in prompts:
+        rid = engine.submit(p, greedy(max_tokens), lambda o: events.setdefault(o.request_id, []).extend(o.token_ids))
+        ids.append(rid)
+    engine._drain_commands()
+    while engine.scheduler.has_work():
+        engine.step()
+    return [events.get(r, []) for r in ids]
+
+
+# -- attention through block tables vs a dense reference --------------------------------------
+def dense_reference(q, k_all, v_all, pos, window, scale):
+    """One query token at `pos` over its sequence's dense K/V [P, KVH, D]."""
+    H, D = q.shape
+    group = H // k_all.shape[1]
+    lo = max(0, pos - window + 1) if window > 0 else 0
+    out = np.empty_like(q)
+    for h in range(H):
+        k = k_all[lo:pos + 1, h // group]
+        v = v_all[lo:pos + 1, h // group]
+        s = (k @ q[h]) * scale
+        w = np.exp(s - s.max())
+        out[h] = (w / w.sum()) @ v
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("window", [0, 7, 20])
+def test_paged_attention_matches_dense(seed, window):
+    rng = np.random.default_rng(seed)
+    bs, kvh, H, D, nblocks = 4, 2, 4, 8, 64
+    S = int(rng.integers(1, 5))
+    kc = torch.zeros(nblocks, bs, kvh, D)
+    vc = torch.zeros(nblocks, bs, kvh, D)
+    free = list(rng.permutation(nblocks))
+    seqs = []
+    for _ in range(S):
+        cached = int(rng.integers(0, 30))
+        chunk = int(rng.integers(1, 12)) if rng.random() < 0.6 else 1   # prefill chunk or decode
+        total = cached + chunk
+        table = [int(free.pop()) for _ in range((total + bs - 1) // bs)]
+        k_all = rng.standard_normal((total, kvh, D)).astype(np.float32)
+        v_all = rng.standard_normal((total, kvh, D)).astype(np.float32)
+        # the earlier steps' K/V already sit in the cache
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached)], dtype=torch.int64)
+        if cached:
+            write_kv(kc, vc, torch.from_numpy(k_all[:cached]), torch.from_numpy(v_all[:cached]), slots)
+        seqs.append((cached, chunk, table, k_all, v_all))
+    order = list(rng.permutation(S))   # sequences appear in the batch in any order
+    tok, pos, seq_of, slot = [], [], [], []
+    width = max(len(s[2]) for s in seqs) + int(rng.integers(0, 3))
+    tables = np.zeros((S, width), np.int32)
+    q_rows, k_rows, v_rows = [], [], []
+    for row, i in enumerate(order):
+        cached, chunk, table, k_all, v_all = seqs[i]
+        tables[row, :len(table)] = table
+        for p in range(cached, cached + chunk):
+            tok.append(0); pos.append(p); seq_of.append(row)
+            slot.append(table[p // bs] * bs + p % bs)
+            q_rows.append(rng.standard_normal((H, D)).astype(np.float32))
+            k_rows.append(k_all[p]); v_rows.append(v_all[p])
+    batch = ForwardBatch(np.array(tok, np.int32), np.array(pos, np.int32), np.array(slot, np.int64),
+                         np.array(seq_of, np.int32), tables, np.array([len(tok) - 1], np.int64))
+    lay = StepLayout.build(batch, bs, torch.device("cpu"))
+    write_kv(kc, vc, torch.from_numpy(np.stack(k_rows)), torch.from_numpy(np.stack(v_rows)), lay.slots)
+    q = torch.from_numpy(np.stack(q_rows))
+    out = paged_attention(q, kc, vc, lay, 0.3, window).numpy()
+    for t in range(len(tok)):
+        cached, chunk, table, k_all, v_all = seqs[order[seq_of[t]]]
+        ref = dense_reference(q_rows[t], k_all, v_all, pos[t], window, 0.3)
+        np.testing.assert_allclose(out[t], ref, rtol=1e-4, atol=1e-5)
+
+
+# -- the real model --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runners(gemma3_path):
+    return (ModelRunner.load(str(gemma3_path), "torch", kv_budget_bytes=96 << 20),
+            ModelRunner.load(str(gemma3_path), "cpu", kv_budget_bytes=96 << 20))
+
+
+def test_weights_format_and_cache(runners):
+    rt, _ = runners
+    assert rt.ops.weights_format == "float32" and rt.ops.device.type == "cpu"
+    assert rt.kv.k[0].dtype == torch.float16 and rt.kv.k[0].shape[1:] == (16, 1, 256)
+
+
+def test_logits_match_numba_with_chunked_prefill_and_decode(runners, gemma3_path):
+    rt, rc = runners
+    from edgeinfer.tokenizer import Tokenizer
+    from edgeinfer.gguf_file import read_gguf
+    tok = Tokenizer.from_gguf(read_gguf(str(gemma3_path)).metadata)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    rng = np.random.default_rng(3)
+    seq = _Seq([int(b) for b in rng.permutation(min(rt.plan.num_blocks, rc.plan.num_blocks))[:8]])
+    # a prefill in two chunks (the second attends over cached keys), then decode steps
+    for r in (rt, rc):
+        r.execute([_Chunk(seq, 0, ids[:13], needs_logits=False)])
+    a = rt.execute([_Chunk(seq, 13, ids[13:])])
+    b = rc.execute([_Chunk(seq, 13, ids[13:])])
+    assert np.abs(a - b).max() < 0.05 * np.abs(b).max()
+    assert a.argmax() == b.argmax()
+    n = len(ids)
+    for i in range(8):
+        t = int(b.argmax())
+        a = rt.execute([_Chunk(seq, n + i, [t])])
+        b = rc.execute([_Chunk(seq, n + i, [t])])
+        assert np.abs(a - b).max() < 0.05 * np.abs(b).max(), i
+        assert a.argmax() == b.argmax()
+
+
+def test_sliding_window_long_prompt_matches_numba(runners, gemma3_path):
+    """> 512 tokens: the local layers must drop keys older than the window (chunked prefill)."""
+    rt, rc = runners
+    ids = [2] + [int(t) for t in np.random.default_rng(5).integers(300, 20000, 639)]
+    seq = _Seq(list(range(40, 80)))
+    out = []
+    for r in (rt, rc):
+        r.execute([_Chunk(seq, 0, ids[:300], needs_logits=False)])
+        out.append(r.execute([_Chunk(seq, 300, ids[300:])]))
+    a, b = out
+    assert np.abs(a - b).max() < 0.05 * np.abs(b).max()
+    assert a.argmax() == b.argmax()
+
+
+def test_logits_top1_vs_llama_cpp_teacher_forcing(runners, gemma3_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    rt, _ = runners
+    llm = llama_cpp.Llama(model_path=str(gemma3_path), n_ctx=256, logits_all=True, n_threads=2,
+                          verbose=False)
+    ids = llm.tokenize(b"Water boils at one hundred degrees Celsius at sea level, and the "
+                       b"boiling point drops as altitude increases because")
+    llm.eval(ids)
+    ref = np.array(llm.scores[:len(ids)], np.float32)
+    llm.close()
+    seq = _Seq(list(range(100, 110)))
+    ours = np.concatenate([rt.execute([_Chunk(seq, i, [ids[i]])]) for i in range(len(ids))])
+    agree = ours.argmax(1) == ref.argmax(1)
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    decisive = (top2[:, 1] - top2[:, 0]) > 2 * np.abs(ours - ref).max(axis=1)
+    assert agree[decisive].all() and agree.mean() >= 0.9, agree
+
+
+# -- through the engine ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines(gemma3_path):
+    cfg = dict(kv_budget_bytes=96 << 20, max_running_seqs=8)
+    return (Engine(str(gemma3_path), EngineConfig(backend="torch", **cfg)),
+            Engine(str(gemma3_path), EngineConfig(backend="cpu", **cfg)))
+
+
+def test_greedy_32_tokens_equal_numba(engines):
+    et, ec = engines
+    for text in PROMPTS:
+        ids = et.encode_raw(text)
+        a = et.generate(ids, greedy(32)).token_ids
+        b = ec.generate(ids, greedy(32)).token_ids
+        assert a == b, text
+
+
+def test_batch_invariance(engines):
+    et, _ = engines
+    prompts = [et.encode_raw(t) for t in PROMPTS + ["Photosynthesis converts light into"]]
+    alone = [et.generate(p, greedy(16)).token_ids for p in prompts]
+    order = list(range(4))
+    random.Random(7).shuffle(order)
+    # staggered arrival: two start together, the others join while those decode
+    events: dict[int, list[int]] = {}
+    sink = lambda o: events.setdefault(o.request_id, []).extend(o.token_ids)  # noqa: E731
+    rid = {}
+    for n, i in enumerate(order):
+        rid[i] = et.submit(prompts[i], greedy(16), sink)
+        if n >= 1:
+            et._drain_commands()
+            for _ in range(n):
+                et.step()
+    et._drain_commands()
+    while et.scheduler.has_work():
+        et.step()
+    for i in range(4):
+        assert events[rid[i]] == alone[i], (i, order)
+
+
+def test_prefix_reuse(engines):
+    et, _ = engines
+    ids = et.encode_raw("In the beginning of the twentieth century, physicists discovered that "
+                        "light behaves both as a wave and as a particle, which led to")
+    assert len(ids) > 16   # at least one full block to share
+    first = et.generate(ids, greedy(16))
+    second = et.generate(ids, greedy(16))
+    assert second.num_cached_tokens > 0
+    assert second.token_ids == first.token_ids
+
+
+# -- device selection and memory refusal ------------------------------------------------------
+def test_detect_and_auto_choice():
+    info = detect()
+    assert info.kind in ("cuda", "mps", "cpu") and info.total_bytes > 0
+    expected = {"cuda": "torch:cuda", "mps": "torch:mps", "cpu": "cpu"}[info.kind]
+    assert choose_backend("auto", "gemma3") == expected
+    assert choose_backend("auto", "phi3") == "llamacpp"
+    assert choose_backend("torch:cpu") == "torch:cpu"
+
+
+def test_refuses_when_model_does_not_fit():
+    info = detect("cpu")
+    with pytest.raises(InsufficientMemory, match="GiB"):
+        check_fits(info, info.free_bytes * 2, "the model")
+    check_fits(info, 1 << 20, "a small model")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_synthetic_models_match_numba(arch):
+    from synth import synthetic_model
+    path = synthetic_model(Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth",
+                           arch, "Q4_K_M")
+    rt = ModelRunner.load(str(path), "torch", kv_budget_bytes=8 << 20)
+    rc = ModelRunner.load(str(path), "cpu", kv_budget_bytes=8 << 20)
+    tokens = [int(t) for t in np.random.default_rng(1).integers(3, 250, 48)]
+    seq = _Seq(list(np.random.default_rng(2).permutation(min(rt.plan.num_blocks, rc.plan.num_blocks))[:5]))
+    a = np.concatenate([rt.execute([_Chunk(seq, 0, tokens[:40])])] +
+                       [rt.execute([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
+    b = np.concatenate([rc.execute([_Chunk(seq, 0, tokens[:40])])] +
+                       [rc.execute([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
+    assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
+    assert (a.argmax(1) == b.argmax(1)).mean() >= 0.85
