@@ -204,9 +204,9 @@ async def test_dashboard_follows_stats_stream(fake):
         screen = app.screen
         assert isinstance(screen, DashboardScreen)
         tps = screen.query_one("#tps", MetricPanel)
-        n0 = len(tps.samples)
+        n0 = tps.pushes
         await pilot.pause(1.0)
-        assert len(tps.samples) - n0 >= 2, "at least two updates a second"
+        assert tps.pushes - n0 >= 2, "at least two updates a second"
         assert tps.value_text == "42.5 tok/s"
         assert screen.query_one("#kv", MetricPanel).value_text == "120 / 512 (23%)"
         assert screen.query_one("#requests", MetricPanel).value_text == "1 running · 2 waiting"
@@ -324,3 +324,245 @@ async def test_daemon_killed_mid_stream_shows_banner(fake):
         await asyncio.to_thread(fake.start)
         await wait_for(pilot, lambda: app.connected is True, timeout=15, what="reconnect")
         assert not banner.has_class("-visible")
+
+
+# ----- snapshots (pytest-textual-snapshot; live figures frozen) ---------------------------
+# Update after a deliberate visual change: pytest tests/test_tui.py --snapshot-update
+
+SERIES = [round(40 + 25 * __import__("math").sin(i / 4), 1) for i in range(60)]
+HAIKU = ("Blocks of sixteen keys,\n*shared* prefixes stay warm —\nthe next prompt flies by.\n\n"
+         "```python\ncache.match(tokens)\n```\n")
+
+
+def freeze(app) -> None:
+    """Stop live updates (connection worker) and cursor blinking."""
+    from textual.widgets import Input
+    app.workers.cancel_group(app, "connection")
+    for w in app.screen.query(Input):
+        w.cursor_blink = False
+
+
+def synthetic_stats(i: int):
+    from edgeinfer.tui.api import LoadedModel, Stats
+    return Stats(tokens_per_s=SERIES[i], running=1 + i % 3, waiting=i % 2,
+                 kv_used=100 + 5 * i, kv_total=512, prefix_hit_rate=min(0.9, i / 60),
+                 rss=700 * 2**20 + i * 2**20, mem_used=int((10 + i / 20) * 2**30),
+                 mem_total=24 * 2**30,
+                 models=(LoadedModel("gemma3:270m", 300 * 2**20,
+                                     datetime(2030, 1, 1, 0, 4, 30, tzinfo=timezone.utc)),))
+
+
+async def chat_scene(pilot, fake) -> None:
+    app = pilot.app
+    await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+    fake.state.reply = [HAIKU[i:i + 6] for i in range(0, len(HAIKU), 6)]
+    await send(pilot, "Write a haiku about prefix caches")
+    status = app.screen.query_one(StreamStatus)
+    await wait_for(pilot, lambda: status.state == "done", what="reply")
+    freeze(app)
+    status.ttft, status.tokens_per_s = 0.125, 38.4
+
+
+async def dashboard_scene(pilot) -> None:
+    app = pilot.app
+    await wait_for(pilot, lambda: app.stats is not None, what="first stats")
+    freeze(app)
+    await pilot.press("f2")
+    for panel in app.screen.query(MetricPanel):
+        panel.samples.clear()
+    for i in range(len(SERIES)):
+        app._publish(synthetic_stats(i))
+    await pilot.pause()
+
+
+@pytest.fixture()
+def quiet_fake(monkeypatch):
+    """A fake daemon that sends one stats event a minute: nothing moves during a snapshot.
+    Times show in UTC so the pictures do not depend on the machine's zone."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    with FakeDaemon(FakeState(stats_interval=60.0)) as d:
+        yield d
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_snapshot_chat(snap_compare, quiet_fake):
+    app = make_app(quiet_fake.host)
+    assert snap_compare(app, terminal_size=SIZE,
+                        run_before=lambda pilot: chat_scene(pilot, quiet_fake))
+
+
+def test_snapshot_dashboard(snap_compare, quiet_fake):
+    assert snap_compare(make_app(quiet_fake.host), terminal_size=SIZE,
+                        run_before=dashboard_scene)
+
+
+def test_snapshot_models(snap_compare, quiet_fake):
+    quiet_fake.state.loaded["gemma3:270m"] = {"name": "gemma3:270m", "size": 1,
+                                              "expires_at": "2030-01-01T00:05:00Z"}
+
+    async def run_before(pilot):
+        app = pilot.app
+        await wait_for(pilot, lambda: app.connected, what="connection")
+        freeze(app)
+        await pilot.press("f3")
+        table = app.screen.query_one("#models")
+        await wait_for(pilot, lambda: table.row_count == 2 and "loaded" in str(
+            table.get_row_at(0)[-1]), what="rows")
+    assert snap_compare(make_app(quiet_fake.host), terminal_size=SIZE, run_before=run_before)
+
+
+def test_snapshot_daemon_down(snap_compare):
+    async def run_before(pilot):
+        app = pilot.app
+        await wait_for(pilot, lambda: app.connected is False, what="down")
+        freeze(app)
+        app.banner = app._down_text()
+    # port 1: nothing listens there, and the banner text names it
+    assert snap_compare(make_app("127.0.0.1:1"), terminal_size=SIZE, run_before=run_before)
+
+
+# ----- against the real daemon (`edgeinfer serve`, bundled gemma3:270m) -------------------
+
+try:
+    from daemon_fixture import register_gemma, shared_daemon, start_daemon, warm  # noqa: F401
+    HAVE_DAEMON = True
+except ImportError:          # the daemon is not in this tree
+    HAVE_DAEMON = False
+
+needs_daemon = pytest.mark.skipif(not HAVE_DAEMON, reason="edgeinfer daemon not available")
+
+
+@pytest.fixture(scope="module")
+def own_daemon(tmp_path_factory, gemma3_path):
+    """A daemon this module may pull into and finally kill."""
+    home = tmp_path_factory.mktemp("tui-daemon-home")
+    register_gemma(home, gemma3_path)
+    d = start_daemon(home)
+    try:
+        warm(d)
+        yield d
+    finally:
+        d.stop()
+
+
+@needs_daemon
+@pytest.mark.asyncio
+async def test_real_daemon_chat_dashboard_models(shared_daemon):
+    app = make_app(f"127.0.0.1:{shared_daemon.port}", clock=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), timeout=30, what="model list")
+        assert app.screen.query_one("#model").value == "gemma3:270m"
+        app.screen.query_one("#temperature").value = "0"
+        await send(pilot, "The capital of France is")
+        status = app.screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.tokens >= 4 and status.tokens_per_s is not None
+                       or status.state in ("done", "error"), timeout=120, what="streamed tokens")
+        assert status.state in ("streaming", "done"), status.detail
+        assert status.ttft is not None and status.tokens_per_s > 0
+        reply = list(app.screen.query(ChatMessage))[-1]
+        await wait_for(pilot, lambda: reply.markdown.source.strip() != "", what="reply text")
+        if status.state == "streaming":
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: status.state == "stopped", what="stop")
+        assert app.screen.history[-1]["role"] == "assistant"
+        assert app.screen.history[-1]["content"].strip()
+        # the dashboard shows live figures from /api/stats/stream
+        await pilot.press("f2")
+        dash = app.screen
+        assert isinstance(dash, DashboardScreen)
+        n0 = dash.query_one("#tps", MetricPanel).pushes
+        await pilot.pause(1.5)
+        assert dash.query_one("#tps", MetricPanel).pushes - n0 >= 3, "updates >= 2 a second"
+        assert dash.query_one("#rss", MetricPanel).value_text.endswith("iB")
+        assert " / " in dash.query_one("#kv", MetricPanel).value_text
+        table = dash.query_one("#loaded")
+        await wait_for(pilot, lambda: table.row_count >= 1, what="loaded model row")
+        assert str(table.get_row_at(0)[0]) == "gemma3:270m"
+        # models screen lists the store
+        await pilot.press("f3")
+        models = app.screen.query_one("#models")
+        await wait_for(pilot, lambda: models.row_count >= 1, what="models")
+        row = [str(c) for c in models.get_row_at(0)]
+        assert row[0] == "gemma3:270m" and row[3] == "Q4_K_M" and row[1] == "gemma3"
+
+
+@needs_daemon
+@pytest.mark.asyncio
+async def test_real_daemon_pull_progress_from_local_server(own_daemon, tmp_path):
+    from httpfault import FaultServer, make_gguf
+    data = make_gguf(tmp_path / "src.gguf", seed=3, n=131072)       # ~1 MiB
+    with FaultServer() as srv:
+        srv.add("/tui-tiny.gguf", data, trickle=0.004)
+        app = make_app(f"127.0.0.1:{own_daemon.port}", clock=None)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("f3")
+            screen = app.screen
+            table = screen.query_one("#models")
+            await wait_for(pilot, lambda: table.row_count >= 1, timeout=30, what="models")
+            n = table.row_count
+            await pilot.press("p")
+            screen.query_one("#pull-name").value = f"{srv.url}/tui-tiny.gguf"
+            await pilot.press("enter")
+            bar = screen.query_one("#pull-bar")
+            seen: list[tuple[float, float | None]] = []
+
+            def finished() -> bool:
+                seen.append((bar.progress, bar.total))
+                return not screen.pulling and table.row_count == n + 1
+            await wait_for(pilot, finished, timeout=60, what="pull")
+            assert bar.total == len(data) and bar.progress == bar.total
+            assert any(t and 0 < p < t for p, t in seen), "no intermediate progress shown"
+            names = {str(table.get_row_at(i)[0]) for i in range(table.row_count)}
+            assert any(name.startswith("tui-tiny") for name in names), names
+
+
+@needs_daemon
+@pytest.mark.asyncio
+async def test_real_daemon_killed_mid_stream_shows_banner(own_daemon):
+    app = make_app(f"127.0.0.1:{own_daemon.port}", clock=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), timeout=30, what="model list")
+        app.screen.select_model("gemma3:270m")
+        await pilot.pause()
+        await send(pilot, "Write a very long story about a dragon.")
+        status = app.screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.tokens >= 2 or status.state != "waiting"
+                       and status.state != "streaming", timeout=120, what="streaming")
+        assert status.state == "streaming", status.detail
+        own_daemon.proc.kill()
+        await asyncio.to_thread(own_daemon.proc.wait, 10)
+        banner = app.screen.query_one(ConnectionBanner)
+        await wait_for(pilot, lambda: banner.has_class("-visible"), what="banner")
+        await wait_for(pilot, lambda: status.state == "error", what="error state")
+        assert "not reachable" in str(banner.render())
+        assert app.connected is False
+        # the app keeps running: screens still switch, and the banner is on each
+        await pilot.press("f2")
+        assert app.screen.query_one(ConnectionBanner).has_class("-visible")
+
+
+# ----- docs screenshots: EDGEINFER_TUI_SCREENSHOTS=1 pytest tests/test_tui.py -k docs --------
+
+@pytest.mark.skipif(not __import__("os").environ.get("EDGEINFER_TUI_SCREENSHOTS"),
+                    reason="writes docs/tui-*.svg; set EDGEINFER_TUI_SCREENSHOTS=1")
+def test_docs_screenshots(quiet_fake):
+    from textual._doc import take_svg_screenshot
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    quiet_fake.state.loaded["gemma3:270m"] = {"name": "gemma3:270m", "size": 1,
+                                              "expires_at": "2030-01-01T00:05:00Z"}
+
+    async def models_scene(pilot):
+        await wait_for(pilot, lambda: pilot.app.connected, what="connection")
+        freeze(pilot.app)
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: pilot.app.screen.query_one("#models").row_count == 2,
+                       what="rows")
+
+    scenes = {"chat": lambda pilot: chat_scene(pilot, quiet_fake),
+              "dashboard": dashboard_scene, "models": models_scene}
+    for name, scene in scenes.items():
+        svg = take_svg_screenshot(app=make_app(quiet_fake.host), terminal_size=(100, 30),
+                                  run_before=scene, title=f"edgeinfer tui: {name}")
+        (docs / f"tui-{name}.svg").write_text(svg, encoding="utf-8")

@@ -27,6 +27,7 @@ class MetricPanel(Vertical):
         self.border_title = title
         self.ceiling = ceiling
         self.samples: deque[float] = deque(maxlen=HISTORY)
+        self.pushes = 0          # samples received in all (for tests and rate checks)
 
     def compose(self) -> ComposeResult:
         yield Static(self.value_text, classes="value")
@@ -38,6 +39,7 @@ class MetricPanel(Vertical):
 
     def push(self, value: float | None, text: str) -> None:
         self.samples.append(float(value or 0.0))
+        self.pushes += 1
         self.value_text = text
         if self.is_mounted:
             self.query_one(Trend).set_data(self.samples)

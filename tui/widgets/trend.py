@@ -25,6 +25,8 @@ class Trend(Widget):
     data: reactive[tuple[float, ...]] = reactive((), layout=False)
 
     def __init__(self, ceiling: float | None = None, *, id: str | None = None) -> None:
+        """`ceiling`: a fixed top of the scale (100 for percentages; bars past 80% of it
+        turn to the warning colour); without it the scale tops at the largest sample."""
         super().__init__(id=id)
         self.ceiling = ceiling
 
@@ -55,7 +57,7 @@ class Trend(Widget):
         for level in self._levels(width, height):
             fill = level - row_from_bottom * 8
             ch = BLOCKS[max(0, min(8, fill))]
-            style = high if level > height * 8 * 0.8 else bar
+            style = high if self.ceiling is not None and level > height * 8 * 0.8 else bar
             segments.append(Segment(ch, style))
         return Strip(Segment.simplify(segments), width)
 
