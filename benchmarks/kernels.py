@@ -95,11 +95,52 @@ def multirow_gflops(qtype, K: int, N: int, M: int, reps: int, rng) -> tuple[floa
     return 2.0 * M * N * K / t / 1e9, 2.0 * M * N * K / t1 / 1e9
 
 
+def model_pass(path: str, reps: int) -> None:
+    """All 2-D weights of the real model as one forward pass would use them.
+
+    decode: one matvec per matrix (the tied embedding as the output projection);
+    prefill: M=512 for every block matrix, output projection for the last position only.
+    Gives the matmul-only ceiling in tokens/s to set against llama.cpp's whole-model figures
+    (~58 decode, ~560 prefill tok/s through llama-cpp-python on the reference machine).
+    """
+    from edgeinfer.gguf_file import read_gguf
+
+    g = read_gguf(path)
+    mats = [QuantMatrix.from_gguf(g, n) for n, t in g.tensors.items() if len(t.shape) == 2]
+    out_proj = max(mats, key=lambda w: w.N)
+    blocks = [w for w in mats if w is not out_proj]
+    rng = np.random.default_rng(1)
+    xs = {w.K: rng.standard_normal((512, w.K)).astype(np.float32) for w in mats}
+
+    def decode():
+        for w in blocks:
+            matmul(xs[w.K][:1], w)
+        matmul(xs[out_proj.K][:1], out_proj)
+
+    def prefill():
+        for w in blocks:
+            matmul(xs[w.K], w)
+        matmul(xs[out_proj.K][:1], out_proj)
+
+    nbytes = sum(w.nbytes for w in mats)
+    td = best_time(decode, reps)
+    td1 = on_threads(1, lambda: best_time(decode, reps))
+    tp = best_time(prefill, max(2, reps // 4))
+    tp1 = on_threads(1, lambda: best_time(prefill, max(2, reps // 4)))
+    print(f"\nwhole model, matmuls only ({len(mats)} matrices, {nbytes / 1e6:.0f} MB)")
+    print(f"decode : {td * 1e3:7.2f} ms/token = {1 / td:6.1f} tok/s  ({nbytes / td / 1e9:.1f} GB/s)"
+          f"   1T: {1 / td1:6.1f} tok/s")
+    print(f"prefill: {tp * 1e3:7.1f} ms/512  = {512 / tp:6.1f} tok/s"
+          f"   1T: {512 / tp1:6.1f} tok/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller big matrices")
     ap.add_argument("--types", default=",".join(ALL))
     ap.add_argument("--big-mb", type=float, default=96.0, help="size of the out-of-cache matrix")
+    ap.add_argument("--model", default=None, help="GGUF for the whole-model section "
+                    "(default: the bundled Gemma 3 270M if it is assembled)")
     args = ap.parse_args()
     types = [t.strip() for t in args.types.split(",") if t.strip()]
     reps = 5 if args.quick else 15
@@ -141,6 +182,16 @@ def main() -> None:
         g8, g8s = multirow_gflops(qt, K, N, 8, reps, rng)
         g512, g512s = multirow_gflops(qt, K, N, 512, max(3, reps // 3), rng)
         print(f"{name:6} {g8:8.1f} {g8s:6.1f} {g512:8.1f} {g512s:6.1f}")
+
+    path = args.model or _bundled_model()
+    if path:
+        model_pass(path, reps)
+
+
+def _bundled_model() -> str | None:
+    from pathlib import Path
+    p = Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "gemma-3-270m-q4_k_m.gguf"
+    return str(p) if p.exists() else None
 
 
 if __name__ == "__main__":

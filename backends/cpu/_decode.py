@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._bits import load_u32
 from ._simd import (bload_bf16, bload_f16, bload_f32, hload, iaddk, iand, ibits, iload_i8, iload_u8,
-                    ior, ishl, ishr, itof, kq_scales, vadd, vlane, vmul, vsplat, vstore, vsub)
+                    ior, ishl, ishr, itof, kq_scales, u32load, vadd, vlane, vmul, vsplat, vstore,
+                    vsub)
 
 # ggml type codes (gguf.GGMLQuantizationType values)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -84,7 +84,7 @@ def q5_hi(w, o, qh, qs):
 @njit(inline="always", nogil=True)
 def dec_q5_0(w, n, b, o, out, oo):
     d = vsplat(hload(w, o))
-    qh = load_u32(w, n, b, 2)
+    qh = u32load(w, o + 2)
     vstore(out, oo, vmul(d, itof(iaddk(q5_lo(w, o, qh, 6), -16))))
     vstore(out, oo + 16, vmul(d, itof(iaddk(q5_hi(w, o, qh, 6), -16))))
 
@@ -93,7 +93,7 @@ def dec_q5_0(w, n, b, o, out, oo):
 def dec_q5_1(w, n, b, o, out, oo):
     d = vsplat(hload(w, o))
     m = vsplat(hload(w, o + 2))
-    qh = load_u32(w, n, b, 4)
+    qh = u32load(w, o + 4)
     vstore(out, oo, vadd(vmul(d, itof(q5_lo(w, o, qh, 8))), m))
     vstore(out, oo + 16, vadd(vmul(d, itof(q5_hi(w, o, qh, 8))), m))
 

@@ -12,12 +12,10 @@ import numpy as np
 from numba import njit
 
 from . import _decode as D
-from ._bits import load_u32
 from ._simd import (bload_bf16, bload_f16, bload_f32, hload, iaddk, iand, iload_i8, iload_u8, ishr,
-                    itof, kq_scales, vadd, vfma, vhsum, vlane, vload, vmul, vsplat, vzero)
+                    itof, kq_scales, u32load, vadd, vfma, vhsum, vlane, vload, vmul, vsplat, vzero)
 
 _f32 = np.float32
-_i32 = np.int32
 
 
 @njit(inline="always", nogil=True)
@@ -110,7 +108,7 @@ def dot_q5_0(w, n, x):
     for b in range(w.shape[1]):
         o = r + b * 22
         d = vsplat(hload(w, o))
-        qh = load_u32(w, n, b, 2)
+        qh = u32load(w, o + 2)
         a0 = vfma(vmul(itof(iaddk(D.q5_lo(w, o, qh, 6), -16)), d), vload(x, b * 32), a0)
         a1 = vfma(vmul(itof(iaddk(D.q5_hi(w, o, qh, 6), -16)), d), vload(x, b * 32 + 16), a1)
     return vhsum(vadd(a0, a1))
@@ -125,7 +123,7 @@ def dot_q5_1(w, n, x):
         o = r + b * 24
         d = vsplat(hload(w, o))
         m = vsplat(hload(w, o + 2))
-        qh = load_u32(w, n, b, 4)
+        qh = u32load(w, o + 4)
         a0 = vfma(vfma(d, itof(D.q5_lo(w, o, qh, 8)), m), vload(x, b * 32), a0)
         a1 = vfma(vfma(d, itof(D.q5_hi(w, o, qh, 8)), m), vload(x, b * 32 + 16), a1)
     return vhsum(vadd(a0, a1))

@@ -5,8 +5,8 @@ Each body is `inline="always"`: numba inlines it at IR level into a two-line per
 wrapper, so the decoder becomes a direct call to a global, the wrapper has one concrete
 signature and caches on disk (`cache=True`), and only the types a model uses get compiled.
 
-numba's disk cache checks only this file's timestamp: after editing _decode, _dot, _simd or
-_bits, touch this file (or clear NUMBA_CACHE_DIR), or stale machine code is loaded.
+numba's disk cache checks only this file's timestamp: after editing _decode, _dot or _simd,
+touch this file (or clear NUMBA_CACHE_DIR), or stale machine code is loaded.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from numba import njit, prange
 
 from . import _decode as D
 from . import _dot as P
-from ._simd import vfma, vhsum, vload, vstore, vzero
+from ._simd import vfma, vhsum, vload, vzero
 
 _f32 = np.float32
 _PAR = dict(nogil=True, cache=True, parallel=True)

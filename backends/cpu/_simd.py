@@ -287,3 +287,11 @@ def kq_scales(typingctx, arr, off):
         hi = builder.and_(builder.lshr(b, ir.Constant(_VI, [2] * 16)), mask_b)
         return builder.or_(lo, hi)
     return i16x(arr, off), codegen
+
+
+@intrinsic
+def u32load(typingctx, arr, off):
+    """The little-endian uint32 at byte offset off of a byte array (unaligned)."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], _I32), align=1)
+    return types.uint32(arr, off), codegen
