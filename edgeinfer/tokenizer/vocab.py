@@ -110,9 +110,7 @@ class Tokenizer:
         for i in sp_ids:
             self._special_ids_by_text.setdefault(tokens[i], []).append(i)
         self._special_lens = self._special_index(sp_ids)
-        self._special_first = regex.compile(
-            "[" + "".join(regex.escape(c) for c in self._special_lens) + "]") \
-            if self._special_lens else None
+        self._special_first = self._special_scanner(sp_ids)
         # phi-3: llama.cpp strips whitespace after most special tokens
         self._rstrip_ids = frozenset(i for i in sp_ids if tokens[i] not in
                                      ("<unk>", "<s>", "<|endoftext|>")) if rstrip_specials \
@@ -407,14 +405,46 @@ class Tokenizer:
             frags = new
         return frags
 
+    def _special_scanner(self, sp_ids: list[int]) -> "regex.Pattern | None":
+        """A regex that stops at every place a special token may start.
+
+        Characters whose special tokens are all runs of themselves (gemma's "\\n\\n\\n",
+        spaces, tabs) match as whole runs, so a run is looked at once, not at every position.
+        """
+        if not self._special_lens:
+            return None
+        runs = {c for c in self._special_lens}
+        for i in sp_ids:
+            t = self.tokens[i]
+            if t.strip(t[0]):
+                runs.discard(t[0])
+        self._special_runs = frozenset(runs)
+        single = [c for c in self._special_lens if c not in runs]
+        alts = [regex.escape(c) + "+" for c in sorted(runs)]
+        if single:
+            alts.append("[" + "".join(regex.escape(c) for c in single) + "]")
+        return regex.compile("|".join(alts))
+
     def _candidates(self, text: str) -> list[int]:
         """Special tokens that occur in `text`, in llama.cpp's processing order."""
         found: set[int] = set()
         by_text = self._special_ids_by_text
         lens = self._special_lens
+        runs = self._special_runs
         for m in self._special_first.finditer(text):
+            s = m.group()
+            c = s[0]
+            if c in runs:
+                # a run of length L holds every shorter run token of that character
+                for k in lens[c]:
+                    if k > len(s):
+                        break
+                    ids = by_text.get(s[:k])
+                    if ids is not None:
+                        found.update(ids)
+                continue
             p = m.start()
-            for k in lens[m.group()]:
+            for k in lens[c]:
                 ids = by_text.get(text[p:p + k])
                 if ids is not None:
                     found.update(ids)
