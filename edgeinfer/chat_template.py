@@ -2,8 +2,9 @@
 
 Templates come from the GGUF (`tokenizer.chat_template`, Hugging Face Jinja) and are untrusted:
 they run in Jinja's immutable sandbox, where reaching for Python internals (`__class__`,
-`__globals__`, ...) raises at once, string/list repetition and ranges are size-capped, and the
-output is capped. The environment mirrors Hugging Face's (trim_blocks, lstrip_blocks,
+`__globals__`, ...) raises at once, everything that can grow a value (repetition, `+`, `~`,
+join, widths, formats, big integers) is size-capped, the output is capped and a render has a
+time budget. The environment mirrors Hugging Face's (trim_blocks, lstrip_blocks,
 loopcontrols, `raise_exception`, `strftime_now`, a non-HTML-escaping `tojson`) so real
 templates render the same text they render in `transformers`.
 
@@ -128,9 +129,12 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             if name in _WIDTH_METHODS:
                 for v in (*args, *kwargs.values()):
                     _check_width(v)
-            elif name == "replace" and len(args) >= 2 and isinstance(args[1], str) \
-                    and len(owner) * max(1, len(args[1])) > MAX_REPEAT:
-                raise SecurityError("the template builds a string that is too long")
+            elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) \
+                    and isinstance(args[1], str):
+                # the exact result length, without building it
+                grow = owner.count(args[0]) * (len(args[1]) - len(args[0]))
+                if len(owner) + grow > MAX_VALUE_CHARS:
+                    raise SecurityError("the template builds a string that is too long")
         return super().call(__context, __obj, *args, **kwargs)
 
     def wrap_str_format(self, value: Any) -> Any:

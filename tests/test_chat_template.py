@@ -235,6 +235,9 @@ def test_guards_leave_ordinary_operations_alone():
                       "{{ 'x' | center(5) }}|{{ messages | tojson(indent=2) | length > 10 }}",
                       CONV[1:2])
     assert out == "abHi|a,b|5|ab| 1.50|  1|  x  |True"
+    big = [{"role": "user", "content": "line\n" * 400_000}]      # a 2 MB message is fine
+    out = render_chat("{{ messages[0].content.replace('\\n', '\\\\n') | length }}", big)
+    assert out == str(400_000 * 6)
     with pytest.raises(ChatTemplateError, match="RecursionError"):
         render_chat("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", CONV)
 
