@@ -147,6 +147,25 @@ def test_qwen25_real_template_default_system_and_tools():
            '"parameters": {}}}' in out
 
 
+def test_llama3_prompt_has_one_bos_and_turn_tokens():
+    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.tokenizer import Tokenizer
+    vocab = TEMPLATES.parent / "ggml-vocab-llama-bpe.gguf"
+    if not vocab.exists():
+        pytest.skip(f"llama.cpp vocab files missing in {TEMPLATES.parent}")
+    md = read_gguf(vocab).metadata
+    tok = Tokenizer.from_gguf(md)
+    specials = special_token_strings(md)
+    assert specials["bos_token"] == "<|begin_of_text|>"
+    prompt = render_chat(real("meta-llama-Llama-3.1-8B-Instruct"), CONV[1:2],
+                         date_string="26 Jul 2024", **specials)
+    ids = encode_prompt(tok, prompt)
+    assert ids[0] == tok.bos_id and ids[1] == tok.token_to_id["<|start_header_id|>"]
+    assert ids.count(tok.bos_id) == 1
+    assert ids.count(tok.token_to_id["<|eot_id|>"]) == 2
+    assert tok.decode(ids, render_special=True) == prompt
+
+
 def test_gemma2_real_template_rejects_system_role_clearly():
     tmpl = real("google-gemma-2-2b-it")
     with pytest.raises(ChatTemplateError, match="System role not supported"):

@@ -211,6 +211,17 @@ def test_bpe_random_text_matches_llamacpp_and_round_trips(name, load):
     check()
 
 
+def test_bpe_incremental_detokenizer_never_splits_a_character(load):
+    tok, _ = load(_vocab("llama-bpe"))
+    text = "emoji 👨‍👩‍👧 ok 日本語 🦙"
+    ids = tok.encode(text, add_special=False)
+    det = IncrementalDetokenizer(tok)
+    chunks = [det.add(i) for i in ids]
+    assert "".join(chunks) + det.flush() == text
+    assert all("\ufffd" not in c for c in chunks)
+    assert any(c == "" for c in chunks)      # some pieces were held back mid-character
+
+
 def test_bpe_llama3_specials_and_bos(load):
     tok, _ = load(_vocab("llama-bpe"))
     assert tok.model == "gpt2" and tok.add_bos
