@@ -180,6 +180,29 @@ async def test_stop_key_cancels_generation(fake):
 
 
 @pytest.mark.asyncio
+async def test_new_chat_while_streaming_drops_the_old_reply(fake):
+    fake.state.reply = [f" w{i}" for i in range(500)]
+    fake.state.token_delay = 0.02
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        screen = app.screen
+        status = screen.query_one(StreamStatus)
+        await send(pilot, "first")
+        await wait_for(pilot, lambda: status.tokens >= 3, what="streaming")
+        await pilot.press("ctrl+n")
+        fake.state.reply = ["fresh", " start"]
+        await send(pilot, "second")
+        await wait_for(pilot, lambda: status.state == "done", what="second reply")
+        await pilot.pause(0.3)
+        assert screen.history == [{"role": "user", "content": "second"},
+                                  {"role": "assistant", "content": "fresh start"}]
+        assert [m.role for m in screen.query(ChatMessage)] == ["user", "assistant"]
+        assert status.state == "done" and not screen.streaming
+        assert fake.state.chats[-1]["messages"] == [{"role": "user", "content": "second"}]
+
+
+@pytest.mark.asyncio
 async def test_chat_error_from_daemon_is_shown_not_raised(fake):
     app = make_app(fake.host)
     async with app.run_test(size=SIZE) as pilot:
@@ -566,3 +589,26 @@ def test_docs_screenshots(quiet_fake):
         svg = take_svg_screenshot(app=make_app(quiet_fake.host), terminal_size=(100, 30),
                                   run_before=scene, title=f"edgeinfer tui: {name}")
         (docs / f"tui-{name}.svg").write_text(svg, encoding="utf-8")
+
+
+@needs_daemon
+@pytest.mark.asyncio
+async def test_real_daemon_started_when_none_answers(tmp_path, monkeypatch):
+    from edgeinfer.server import daemon as server_daemon
+    home = tmp_path / "home"
+    monkeypatch.setenv("EDGEINFER_HOME", str(home))     # its own store, pid file and log
+    monkeypatch.delenv("EDGEINFER_API_KEY", raising=False)
+    port = free_port()
+    app = EdgeInferApp(f"127.0.0.1:{port}", autostart=True)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            banner = app.screen.query_one(ConnectionBanner)
+            await wait_for(pilot, lambda: "Starting" in app.banner or app.connected,
+                           what="start banner")
+            await wait_for(pilot, lambda: app.connected is True, timeout=120,
+                           what="started daemon")
+            assert not banner.has_class("-visible")
+            info = server_daemon.read_pid_file()
+            assert info is not None and info.port == port
+    finally:
+        await asyncio.to_thread(server_daemon.stop_background)

@@ -127,14 +127,18 @@ class EdgeInferApp(App):
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            backoff = 0.5
             self._reason = ""
             self.connected = True
+            loop = asyncio.get_running_loop()
+            since = loop.time()
             await self._follow_stats()
-            # the stream ended or broke: the daemon went away (or is restarting)
+            # the stream ended or broke: the daemon went away (or is restarting, or refuses
+            # us); a connection that keeps breaking at once is retried ever more slowly
+            backoff = 0.5 if loop.time() - since > 10 else min(backoff * 2, 5.0)
             if not self._reason:
                 self._reason = "connection lost"
             self.connected = False
+            await self._sleep(0.2)
 
     async def _follow_stats(self) -> None:
         if not self.stream_stats:
@@ -148,6 +152,8 @@ class EdgeInferApp(App):
         except ApiError as e:
             if e.status in (404, 405, 501):
                 await self._poll_stats()   # a daemon without the stream: poll /api/ps
+            elif e.status in (401, 403):
+                self._reason = f"{e}; set EDGEINFER_API_KEY"
             else:
                 self._reason = str(e)
 

@@ -37,6 +37,7 @@ class ChatScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.history: list[dict[str, str]] = []
+        self._run = 0              # bumped per send and by "new chat": a late finish is dropped
 
     def compose(self) -> ComposeResult:
         yield ConnectionBanner()
@@ -149,6 +150,8 @@ class ChatScreen(Screen):
         status = self.query_one(StreamStatus)
         status.reset()
         status.state = "waiting"
+        self._run += 1
+        run = self._run
         self.streaming = True
         stream = Markdown.get_stream(reply.markdown)
         parts: list[str] = []
@@ -186,25 +189,29 @@ class ChatScreen(Screen):
             self.notify(str(e), title="Chat failed", severity="error")
         finally:
             await stream.stop()
-            if final is not None:
-                if final.eval_count is not None:
-                    status.tokens = final.eval_count
-                if final.eval_count and final.eval_duration_s:
-                    status.tokens_per_s = final.eval_count / final.eval_duration_s
-                status.prompt_tokens = final.prompt_eval_count
-                if final.done_reason and final.done_reason != "stop":
-                    status.detail = f"finish: {final.done_reason}"
-            if not parts and outcome == "done":
-                await reply.markdown.update("*(empty reply)*")
-            status.state = outcome
-            if parts and outcome in ("done", "stopped"):
-                self.history.append({"role": "assistant", "content": "".join(parts)})
-            elif outcome != "done" and self.history and self.history[-1]["role"] == "user":
-                # keep the question out of the context if it got no answer
-                self.history.pop()
-            if outcome == "stopped":
-                reply.border_subtitle = f"{model} · stopped"
-            self.streaming = False
+            if run == self._run:       # not superseded by "new chat" or a newer send
+                self.streaming = False
+                await self._finish(reply, status, model, parts, final, outcome)
+
+    async def _finish(self, reply: ChatMessage, status: StreamStatus, model: str,
+                      parts: list[str], final, outcome: str) -> None:
+        if final is not None:
+            if final.eval_count is not None:
+                status.tokens = final.eval_count
+            if final.eval_count and final.eval_duration_s:
+                status.tokens_per_s = final.eval_count / final.eval_duration_s
+            status.prompt_tokens = final.prompt_eval_count
+            if final.done_reason and final.done_reason != "stop":
+                status.detail = f"finish: {final.done_reason}"
+        if not parts and outcome == "done":
+            await reply.markdown.update("*(empty reply)*")
+        status.state = outcome
+        if parts and outcome in ("done", "stopped"):
+            self.history.append({"role": "assistant", "content": "".join(parts)})
+        elif outcome != "done" and self.history and self.history[-1]["role"] == "user":
+            self.history.pop()       # keep an unanswered question out of the context
+        if outcome == "stopped":
+            reply.border_subtitle = f"{model} · stopped"
 
     # ----- actions ------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple) -> bool | None:
@@ -217,7 +224,9 @@ class ChatScreen(Screen):
             self.workers.cancel_group(self, "chat")
 
     async def action_new_chat(self) -> None:
+        self._run += 1
         self.workers.cancel_group(self, "chat")
+        self.streaming = False
         self.history.clear()
         await self.query_one("#messages", VerticalScroll).remove_children()
         self.query_one(StreamStatus).reset()
