@@ -45,13 +45,13 @@ def _mv_body(dot, w, x, out):
             out[n] = dot(w, n, x)
 
 
-@njit(inline="always")
+@njit(inline="always", nogil=True)
 def _put(out, m, n, M, N, v):
     if m < M and n < N:
         out[m, n] = vhsum(v)
 
 
-@njit(inline="always")
+@njit(nogil=True, cache=True)
 def _micro4x4(buf, wo, xp, xo, K, out, m0, n0, M, N):
     """out[m0:m0+4, n0:n0+4] = x rows (from xp at xo) . decoded weight rows (buf at wo).
 
@@ -96,7 +96,8 @@ def _mm_body(dec, bs, w, xp, out):
 
     xp is x padded with zero rows to a multiple of 4. Each work item decodes 16 weight rows
     at a time (exactly, into an L2-sized float buffer) and runs the 4x4 register-blocked
-    micro-kernel over all x rows, so each weight byte is decoded once per call.
+    micro-kernel over all x rows, so each weight byte is decoded once per call. The
+    micro-kernel is type-independent and compiled once, not inlined into every type.
     """
     N = w.shape[0]
     nb = w.shape[1]
