@@ -41,7 +41,9 @@ def engine(gemma3_path):
 
 @pytest.fixture(scope="module")
 def reference(gemma3_path):
-    llm = llama_cpp.Llama(model_path=str(gemma3_path), n_ctx=512, n_threads=2, verbose=False)
+    # our context lets llama.cpp choose flash attention (on, on the CPU); results depend on it
+    llm = llama_cpp.Llama(model_path=str(gemma3_path), n_ctx=512, n_threads=2, verbose=False,
+                          flash_attn=True)
     cache: dict[str, str] = {}
 
     def complete(prompt: str, n: int = 32) -> str:
