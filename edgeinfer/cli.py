@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edgeinfer import run_cmd; run_cmd.add_commands(subparsers)  # run
     from edgeinfer import client_cli; client_cli.add_commands(subparsers)  # serve daemon ps stop
     from edgeinfer.tui import command as tui_cmd; tui_cmd.add_commands(subparsers)  # tui
+    from edgeinfer import info_cmd; info_cmd.add_commands(subparsers)  # info
     # --- end of registrations ---
     return parser
 
@@ -42,6 +43,11 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     try:
         from edgeinfer.store import StoreError
         errors.append(StoreError)
+    except ImportError:
+        pass
+    try:
+        from edgeinfer.backends.torch.device import InsufficientMemory
+        errors.append(InsufficientMemory)
     except ImportError:
         pass
     return tuple(errors)

@@ -261,3 +261,10 @@ def test_synthetic_models_match_numba(arch):
                        [rc.execute([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
     assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
     assert (a.argmax(1) == b.argmax(1)).mean() >= 0.85
+
+
+def test_info_command(capsys):
+    from edgeinfer.cli import main
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "auto picks" in out and choose_backend("auto") in out and "GiB" in out
