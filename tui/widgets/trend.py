@@ -36,7 +36,9 @@ class Trend(Widget):
     def _levels(self, width: int, height: int) -> list[int]:
         """Bar heights in eighths of a row for the newest `width` samples (right-aligned)."""
         values = list(self.data)[-width:]
-        top = self.ceiling if self.ceiling is not None else max(values, default=0.0)
+        # without a ceiling: a little headroom over the largest sample, so a steady
+        # figure reads as a steady bar rather than a solid block
+        top = self.ceiling if self.ceiling is not None else max(values, default=0.0) * 1.15
         steps = height * 8
         if top <= 0:
             levels = [0] * len(values)
