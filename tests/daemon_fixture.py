@@ -1,8 +1,8 @@
 """A real daemon for tests: `python -m edgeinfer serve --port <free>` in a subprocess with a
 temporary EDGEINFER_HOME where gemma3:270m is registered (hard link to the cached file).
 
-`shared_daemon` is session-scoped: the OpenAI and Ollama test modules share one process (one
-model load, one JIT warm-up). `start_daemon()` starts extra ones with other settings.
+`shared_daemon` is module-scoped: each test module that imports it gets one daemon for all
+its tests. `start_daemon()` starts extra ones with other settings.
 """
 from __future__ import annotations
 
@@ -80,6 +80,8 @@ def daemon_env(home: Path, **extra: str) -> dict:
                NUMBA_CACHE_DIR=os.environ.get("NUMBA_CACHE_DIR", str(REPO / ".cache" / "numba")),
                EDGEINFER_KV_BUDGET_MB="64",       # small pool: quick to allocate, plenty here
                PYTHONUNBUFFERED="1")
+    # 2 shared cores: spinning OpenMP workers starve each other (10x slower steps here)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.update(extra)
     return env
 
@@ -123,7 +125,7 @@ def warm(d: Daemon) -> None:
     assert r.status_code == 200, r.text
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_daemon(tmp_path_factory, gemma3_path):
     home = tmp_path_factory.mktemp("daemon-home")
     register_gemma(home, gemma3_path)

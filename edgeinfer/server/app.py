@@ -8,7 +8,7 @@ import hmac
 import json
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -17,6 +17,7 @@ from edgeinfer import __version__
 
 from . import ollama_api, openai_api
 from .errors import APIError
+from .generation import ClientGone
 from .metrics import Metrics
 from .model_manager import ModelManager, ServerConfig
 
@@ -138,6 +139,10 @@ def create_app(config: ServerConfig | None = None, api_key: str | None = None,
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"
         return error_response(request, APIError(exc.status_code, msg))
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):   # nobody reads this; nginx's 499
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):   # a bug: one line, keep serving
