@@ -142,3 +142,10 @@ def test_one_compiled_signature_per_kernel():
         get_rows(w, ids)
     for kernel in _kernels.KERNELS[int(T.Q8_0)]:
         assert len(kernel.signatures) == 1, kernel.signatures
+
+
+def test_kernel_cache_stamp_is_current():
+    """numba keys its disk cache on _kernels.py alone; the hash there must cover its inlined deps."""
+    assert _kernels._DEPS_HASH == _kernels.deps_hash(), (
+        f"update _DEPS_HASH in backends/cpu/_kernels.py to {_kernels.deps_hash()!r}")
+    assert _kernels._CACHE

@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit
 
 from ._simd import (bload_bf16, bload_f16, bload_f32, hload, iaddk, iand, ibits, iload_i8, iload_u8,
-                    ior, ishl, ishr, itof, kq_scales, u32load, vadd, vlane, vmul, vsplat, vstore,
+                    ior, ishl, ishr, itof, kq_scales, q3k_scales, u32load, vadd, vlane, vmul, vsplat, vstore,
                     vsub)
 
 # ggml type codes (gguf.GGMLQuantizationType values)
@@ -122,14 +122,6 @@ def dec_q2_k(w, n, b, o, out, oo):
 
 
 @njit(inline="always", nogil=True)
-def q3k_scale(w, n, b, k):
-    """Signed 6-bit scale of group k (0..15) of a Q3_K block."""
-    lo = (_i32(w[n, b, 96 + (k & 7)]) >> (4 * (k >> 3))) & 15
-    hi = (_i32(w[n, b, 104 + (k & 3)]) >> (2 * (k >> 2))) & 3
-    return (lo | (hi << 4)) - 32
-
-
-@njit(inline="always", nogil=True)
 def q3k_group(w, o, k):
     """The 16 signed 3-bit values of group k; element i = 32s + l."""
     s = k >> 1
@@ -141,10 +133,9 @@ def q3k_group(w, o, k):
 
 @njit(inline="always", nogil=True)
 def dec_q3_k(w, n, b, o, out, oo):
-    d = hload(w, o + 108)
+    dl = vmul(vsplat(hload(w, o + 108)), itof(q3k_scales(w, o + 94)))
     for k in range(16):
-        dl = vsplat(d * _f32(q3k_scale(w, n, b, k)))
-        vstore(out, oo + 16 * k, vmul(dl, itof(q3k_group(w, o, k))))
+        vstore(out, oo + 16 * k, vmul(vlane(dl, k), itof(q3k_group(w, o, k))))
 
 
 @njit(inline="always", nogil=True)

@@ -13,7 +13,7 @@ from numba import njit
 
 from . import _decode as D
 from ._simd import (bload_bf16, bload_f16, bload_f32, hload, iaddk, iand, iload_i8, iload_u8, ishr,
-                    itof, kq_scales, u32load, vadd, vfma, vhsum, vlane, vload, vmul, vsplat, vzero)
+                    itof, kq_scales, q3k_scales, u32load, vadd, vfma, vhsum, vlane, vload, vmul, vsplat, vzero)
 
 _f32 = np.float32
 
@@ -154,12 +154,10 @@ def dot_q3_k(w, n, x):
     r = _row0(w, n)
     for b in range(w.shape[1]):
         o = r + b * 110
-        d = hload(w, o + 108)
+        dl = vmul(vsplat(hload(w, o + 108)), itof(q3k_scales(w, o + 94)))
         for k in range(0, 16, 2):
-            d0 = vsplat(d * _f32(D.q3k_scale(w, n, b, k)))
-            d1 = vsplat(d * _f32(D.q3k_scale(w, n, b, k + 1)))
-            a0 = vfma(vmul(d0, itof(D.q3k_group(w, o, k))), vload(x, b * 256 + 16 * k), a0)
-            a1 = vfma(vmul(d1, itof(D.q3k_group(w, o, k + 1))), vload(x, b * 256 + 16 * k + 16), a1)
+            a0 = vfma(vmul(vlane(dl, k), itof(D.q3k_group(w, o, k))), vload(x, b * 256 + 16 * k), a0)
+            a1 = vfma(vmul(vlane(dl, k + 1), itof(D.q3k_group(w, o, k + 1))), vload(x, b * 256 + 16 * k + 16), a1)
     return vhsum(vadd(a0, a1))
 
 

@@ -5,10 +5,16 @@ Each body is `inline="always"`: numba inlines it at IR level into a two-line per
 wrapper, so the decoder becomes a direct call to a global, the wrapper has one concrete
 signature and caches on disk (`cache=True`), and only the types a model uses get compiled.
 
-numba's disk cache checks only this file's timestamp: after editing _decode, _dot or _simd,
-touch this file (or clear NUMBA_CACHE_DIR), or stale machine code is loaded.
+numba's disk cache is keyed on the content of this file only, yet the kernels inline code
+from _decode, _dot and _simd. So this file carries a hash of those three (`_DEPS_HASH`): an
+edit there changes this file too, which invalidates the cache. If the hash is stale (an edit
+without updating it), caching is switched off rather than loading stale machine code, and
+tests/test_matmul.py fails with the value to paste here.
 """
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import numpy as np
 from numba import njit, prange
@@ -17,8 +23,24 @@ from . import _decode as D
 from . import _dot as P
 from ._simd import vfma, vhsum, vload, vzero
 
+_DEPS = ("_decode.py", "_dot.py", "_simd.py")
+_DEPS_HASH = "4f06f192c1417d0a"
+
+
+def deps_hash() -> str:
+    """sha256 prefix of the sources inlined into these kernels."""
+    h = hashlib.sha256()
+    try:
+        for name in _DEPS:
+            h.update((Path(__file__).parent / name).read_bytes())
+    except OSError:
+        return "unavailable"
+    return h.hexdigest()[:16]
+
+
+_CACHE = deps_hash() == _DEPS_HASH
 _f32 = np.float32
-_PAR = dict(nogil=True, cache=True, parallel=True)
+_PAR = dict(nogil=True, cache=_CACHE, parallel=True)
 _CHUNK_ROWS = 16        # output rows per work item (prange schedules these statically)
 
 
@@ -51,7 +73,7 @@ def _put(out, m, n, M, N, v):
         out[m, n] = vhsum(v)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=_CACHE)
 def _micro4x4(buf, wo, xp, xo, K, out, m0, n0, M, N):
     """out[m0:m0+4, n0:n0+4] = x rows (from xp at xo) . decoded weight rows (buf at wo).
 

@@ -295,3 +295,26 @@ def u32load(typingctx, arr, off):
     def codegen(context, builder, sig, args):
         return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], _I32), align=1)
     return types.uint32(arr, off), codegen
+
+
+@intrinsic
+def q3k_scales(typingctx, arr, off):
+    """The 16 signed 6-bit scales of a Q3_K block as int32 lanes.
+
+    `off` is the byte offset of the block's scale bytes minus 2 (16 bytes are read and must
+    stay inside the block, which ends 2 bytes after the scales). Scale k is
+    ((b[k % 8] >> 4 * (k // 8)) & 15) | (((b[8 + k % 4] >> 2 * (k // 4)) & 3) << 4), minus 32.
+    """
+    def codegen(context, builder, sig, args):
+        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], _V8)
+        v = builder.zext(builder.load(p, align=1), _VI)
+        u = ir.Constant(_VI, ir.Undefined)
+        a = builder.shuffle_vector(v, u, ir.Constant(_VI, [2 + (k & 7) for k in range(16)]))
+        b = builder.shuffle_vector(v, u, ir.Constant(_VI, [10 + (k & 3) for k in range(16)]))
+        lo = builder.and_(builder.lshr(a, ir.Constant(_VI, [4 * (k >> 3) for k in range(16)])),
+                          ir.Constant(_VI, [15] * 16))
+        hi = builder.and_(builder.lshr(b, ir.Constant(_VI, [2 * (k >> 2) for k in range(16)])),
+                          ir.Constant(_VI, [3] * 16))
+        sc = builder.or_(lo, builder.shl(hi, ir.Constant(_VI, [4] * 16)))
+        return builder.sub(sc, ir.Constant(_VI, [32] * 16))
+    return i16x(arr, off), codegen
