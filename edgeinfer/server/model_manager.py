@@ -220,6 +220,11 @@ class ModelManager:
         need = ref.size + cfg.kv_budget_bytes
         async with self._global:
             budget = cfg.budget()
+            if need > budget:
+                raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} "
+                               f"(weights {_gib(ref.size)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
+                               f"but the memory budget is {_gib(budget)}",
+                               code="insufficient_memory")
             # LRU: unload idle models until the new one fits the budget and the count.
             while True:
                 used = sum(m.size for m in self.models.values())
@@ -227,18 +232,13 @@ class ModelManager:
                     break
                 idle = [k for k, m in self.models.items() if m.active == 0]
                 if not idle:
-                    raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} and "
-                                   f"the loaded models, all busy, use {_gib(used)} of the "
-                                   f"{_gib(budget)} budget ({len(self.models)} of "
-                                   f"{cfg.max_loaded_models} models)", code="insufficient_memory")
+                    raise APIError(503, f"cannot load {ref.full_name} now: it needs {_gib(need)} "
+                                   f"and the busy models use {_gib(used)} of the {_gib(budget)} "
+                                   f"budget ({len(self.models)} of {cfg.max_loaded_models} "
+                                   "models); retry when they finish", code="insufficient_memory")
                 victim = min(idle, key=lambda k: self.models[k].last_used)
                 log.info("unloading %s to make room for %s", victim[0], ref.full_name)
                 await self._unload(victim)
-            if need > budget:
-                raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} "
-                               f"(weights {_gib(ref.size)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
-                               f"but the memory budget is {_gib(budget)}",
-                               code="insufficient_memory")
             free = psutil.virtual_memory().available
             if need > free:
                 raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} "
