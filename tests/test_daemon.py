@@ -150,3 +150,63 @@ def test_openapi_document_is_current():
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/api/generate",
             "/api/chat", "/api/tags", "/api/ps", "/api/show", "/api/pull", "/api/delete",
             "/api/copy", "/api/version"} <= paths
+
+
+# ----- the model manager in-process (loads only; no text is generated) -------------------------
+
+@pytest.mark.parametrize("value,seconds", [
+    (None, 300.0), ("", 300.0), (0, 0.0), ("0", 0.0), (30, 30.0), ("30s", 30.0), ("5m", 300.0),
+    ("1h30m", 5400.0), ("250ms", 0.25), (-1, float("inf")), ("-1m", float("inf")),
+])
+def test_parse_keep_alive(value, seconds):
+    from edgeinfer.server.model_manager import parse_keep_alive
+    assert parse_keep_alive(value, 300.0) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "1x", True])
+def test_parse_keep_alive_rejects(value):
+    from edgeinfer.server.errors import APIError
+    from edgeinfer.server.model_manager import parse_keep_alive
+    with pytest.raises(APIError) as e:
+        parse_keep_alive(value, 300.0)
+    assert e.value.status == 400 and e.value.param == "keep_alive"
+
+
+@pytest.mark.asyncio
+async def test_manager_lru_budget_and_keep_alive(tmp_path, gemma3_path):
+    from edgeinfer.server.errors import APIError
+    from edgeinfer.server.model_manager import ModelManager, ServerConfig
+    from edgeinfer.store import Store
+    home = tmp_path / "home"
+    register_gemma(home, gemma3_path)
+    store = Store(home)
+    store.copy("gemma3:270m", "second:v1")
+    kv = 16 << 20
+    one = store.resolve("gemma3:270m").size + kv
+    # room for one model, not two: loading the second unloads the idle first (LRU)
+    mm = ModelManager(ServerConfig(kv_budget_bytes=kv, memory_budget_bytes=one + (one >> 1)),
+                      store)
+    mm.start()
+    try:
+        a, load_a = await mm.acquire("gemma3:270m")
+        assert load_a > 0 and a.active == 1 and a.size >= one - kv
+        again, load_again = await mm.acquire("gemma3:270m")
+        assert again is a and load_again == 0 and a.active == 2
+        mm.release(a)
+        # the first is still busy: the second cannot be loaded, and says why
+        with pytest.raises(APIError) as e:
+            await mm.acquire("second:v1")
+        assert e.value.status == 503 and "busy" in e.value.message
+        mm.release(a)
+        b, _ = await mm.acquire("second:v1")
+        assert [lm.name for lm in mm.models.values()] == ["second:v1"]
+        # keep_alive 0: unloaded as soon as its last request ends
+        b.keep_alive = 0
+        mm.release(b)
+        await mm.reap()
+        assert mm.models == {}
+        with pytest.raises(APIError) as e:
+            await mm.acquire("missing:v1")
+        assert e.value.status == 404
+    finally:
+        await mm.close()
