@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import collections
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -202,9 +203,23 @@ class Metrics:
             },
             "process": {"pid": os.getpid(), "rss_bytes": self._proc.memory_info().rss},
             "system": {"memory_total_bytes": vm.total, "memory_available_bytes": vm.available,
+                       "memory_used_bytes": vm.total - vm.available,
                        "memory_used_percent": vm.percent},
+            "gpu": _gpu(),
             "models": models,
         }
+
+
+def _gpu() -> dict | None:
+    """CUDA memory when a torch backend has brought torch in; never imports it ourselves."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return {"memory_used_bytes": total - free, "memory_total_bytes": total}
+    except Exception:
+        return None
 
 
 def _engine_stats(lm: LoadedModel) -> dict:
