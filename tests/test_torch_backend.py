@@ -268,3 +268,22 @@ def test_info_command(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "auto picks" in out and choose_backend("auto") in out and "GiB" in out
+
+
+def test_bf16_weights_opt_in(gemma3_path, runners):
+    """EDGEINFER_TORCH_DTYPE=bfloat16 (the GPU default) on the CPU: same top-1, looser logits."""
+    from edgeinfer.backends.torch.ops import TorchOps
+    from edgeinfer.runner import plan_kv
+    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.model_config import load_model_config
+    gf = read_gguf(str(gemma3_path))
+    cfg = load_model_config(gf)
+    ops = TorchOps("cpu", dtype="bfloat16")
+    assert ops.weights_format == "bfloat16"
+    r = ModelRunner(gf, cfg, ops, plan_kv(cfg, 8 << 20, 2))
+    _, rc = runners
+    seq = _Seq([0, 1])
+    ids = [2, 818, 5279, 529, 7001, 563]
+    a, b = r.execute([_Chunk(seq, 0, ids)]), rc.execute([_Chunk(seq, 0, ids)])
+    assert a.argmax() == b.argmax()
+    assert np.abs(a - b).max() < 0.1 * np.abs(b).max()

@@ -75,10 +75,16 @@ def _mps_available(torch) -> bool:
     return bool(mps is not None and mps.is_available())
 
 
-def compute_dtype(kind: str):
+def compute_dtype(kind: str, override: str | None = None):
     """Weights/activations dtype per device: bf16 on GPUs that have it (Gemma's activations
-    overflow fp16), fp16 otherwise, float32 on the CPU (torch's CPU half matmuls are slow)."""
+    overflow fp16), fp16 otherwise, float32 on the CPU (exact parity with the numba backend).
+    `override` names a dtype (float32, bfloat16, float16) to use instead."""
     import torch
+    if override:
+        dt = getattr(torch, override, None)
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise ValueError(f"unknown torch dtype {override!r} (use float32, bfloat16 or float16)")
+        return dt
     if kind == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if kind == "mps":

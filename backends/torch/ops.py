@@ -8,6 +8,7 @@ drive it; K/V are stored in 16 bits (f16 on the CPU, as llama.cpp does).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,10 +36,13 @@ class TorchOps:
     name = "torch"
     kv_bytes_per_value = 2
 
-    def __init__(self, device: str | None = None, check_memory: bool = True):
+    def __init__(self, device: str | None = None, check_memory: bool = True,
+                 dtype: str | None = None):
         self.info = dev.detect(device.split(":")[0] if device else None)
         self.device = torch.device(device if device and ":" in device else self.info.torch_device)
-        self.dtype = dev.compute_dtype(self.info.kind)
+        # EDGEINFER_TORCH_DTYPE=bfloat16 halves weight memory and traffic (faster CPU decode,
+        # at some accuracy); the default is the device's own choice
+        self.dtype = dev.compute_dtype(self.info.kind, dtype or os.environ.get("EDGEINFER_TORCH_DTYPE"))
         # CPU: compute in f32 but keep the cache in f16 (half the memory, llama.cpp's rounding).
         self.kv_dtype = torch.float16 if self.info.kind == "cpu" else self.dtype
         self.weights_format = str(self.dtype).removeprefix("torch.")
