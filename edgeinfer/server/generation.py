@@ -51,7 +51,7 @@ def params_or_400(**kw) -> SamplingParams:
 class Generation:
     """Holds a model for one request; `events()` yields (choice, RequestOutput)."""
 
-    def __init__(self, manager: ManagerLike, metrics: Metrics, lm: LoadedModel,
+    def __init__(self, manager: ModelManager, metrics: Metrics, lm: LoadedModel,
                  load_duration: float, n: int):
         self.manager, self.metrics, self.lm, self.n = manager, metrics, lm, n
         self.usage = Usage(load_duration=load_duration, arrival=time.monotonic())
@@ -122,10 +122,6 @@ class Generation:
                     engine.abort(rid)
                     self.metrics.on_abort(self.lm.name)
             self.release()
-
-
-class ManagerLike:  # for type hints only; ModelManager satisfies it
-    def release(self, lm: LoadedModel, sequences: int = 1) -> None: ...
 
 
 async def start(manager: ModelManager, metrics: Metrics, model: str, n: int,

@@ -213,7 +213,10 @@ class ModelManager:
         lm.active = max(0, lm.active - sequences)
         lm.refresh_expiry()
         if lm.active == 0 and lm.keep_alive == 0:
-            asyncio.get_running_loop().create_task(self.reap())
+            try:
+                asyncio.get_running_loop().create_task(self.reap())
+            except RuntimeError:    # called from a finalizer off the loop: the reaper will do
+                pass
 
     async def _load(self, key: tuple[str, str], ref) -> LoadedModel:
         cfg = self.config

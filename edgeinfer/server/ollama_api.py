@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
 
@@ -164,7 +165,9 @@ def _stream(gen: Generation, events, agen: AsyncIterator[bytes]) -> StreamingRes
         finally:
             await events.aclose()
             gen.release()
-    return StreamingResponse(body(), media_type="application/x-ndjson")
+    it = body()
+    weakref.finalize(it, gen.release)      # see openai_api._stream
+    return StreamingResponse(it, media_type="application/x-ndjson")
 
 
 @router.post("/generate")

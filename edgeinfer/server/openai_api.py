@@ -4,10 +4,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from edgeinfer.chat_template import ChatTemplateError
 from edgeinfer.engine import RequestOutput
@@ -112,7 +113,11 @@ def _stream(gen: Generation, agen: AsyncIterator[bytes]) -> StreamingResponse:
         finally:
             await agen.aclose()
             gen.release()
-    return StreamingResponse(body(), media_type="text/event-stream",
+    it = body()
+    # A client gone before the first chunk means body() never starts, so its finally never
+    # runs: release when the unstarted generator is collected instead.
+    weakref.finalize(it, gen.release)
+    return StreamingResponse(it, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
