@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._kernels import KERNELS, run
+from ._kernels import KERNELS
 from .quants import QuantMatrix
 
 __all__ = ["QuantMatrix", "matmul", "numba_threads", "warm_kernels"]
@@ -46,9 +46,9 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None) -> np.n
     if M == 0:
         pass
     elif M == 1:
-        run(KERNELS[code][1], w.blocks, x2[0], out2[0])
+        KERNELS[code][1](w.blocks, x2[0], out2[0])
     else:
-        run(KERNELS[code][2], w.blocks, _pad4(x2), out2)
+        KERNELS[code][2](w.blocks, _pad4(x2), out2)
     if vec and out.ndim == 2:
         return out.reshape(w.N)
     return out
