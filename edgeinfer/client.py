@@ -42,6 +42,7 @@ class GenerationStats:
     load_duration: float
     prompt_eval_duration: float
     eval_duration: float
+    cached_tokens: int = 0          # prompt tokens served from the prefix cache
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -59,7 +60,7 @@ class GenerationStats:
         return cls(d.get("model", ""), d.get("done_reason", "stop"),
                    int(d.get("prompt_eval_count") or 0), int(d.get("eval_count") or 0),
                    s("total_duration"), s("load_duration"), s("prompt_eval_duration"),
-                   s("eval_duration"))
+                   s("eval_duration"), int(d.get("prompt_cached_count") or 0))
 
 
 def _error_message(r: httpx.Response) -> str:

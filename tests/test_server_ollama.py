@@ -251,3 +251,21 @@ def test_metrics_text(shared_daemon):  # noqa: F811
         assert name in text, name
     total = [l for l in text.splitlines() if l.startswith("edgeinfer_kv_blocks_total{")]
     assert total and float(total[0].split()[-1]) > 0
+
+
+def test_ndjson_disconnect_frees_the_sequence_and_prefix_is_reused(ol, shared_daemon):  # noqa: F811
+    from test_server_openai import wait_idle
+    d = shared_daemon
+    body = {"model": MODEL, "prompt": "Tell me a long story about a lighthouse keeper.",
+            "options": {"temperature": 0, "num_predict": 500}}
+    ref = ol.generate(model=MODEL, prompt=body["prompt"], options=GREEDY)
+    base = wait_idle(d)["kv_blocks_used"]
+    with httpx.stream("POST", d.url + "/api/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(lines))
+        assert first["done"] is False
+    wait_idle(d, base)
+    again = d.post("/api/generate", {**body, "options": GREEDY, "stream": False}).json()
+    assert again["response"] == ref.response
+    # the same prompt again: its full blocks come from the prefix cache
+    assert again["prompt_cached_count"] > 0

@@ -83,7 +83,8 @@ def _timings(gen: Generation, t0: float) -> dict[str, Any]:
     first = u.first_token or end
     return {"total_duration": _ns(time.monotonic() - t0), "load_duration": _ns(u.load_duration),
             "prompt_eval_count": u.prompt_tokens, "prompt_eval_duration": _ns(first - u.arrival),
-            "eval_count": u.completion_tokens, "eval_duration": _ns(end - first)}
+            "eval_count": u.completion_tokens, "eval_duration": _ns(end - first),
+            "prompt_cached_count": u.cached_tokens}       # edgeinfer: prefix-cache hits
 
 
 def _ndjson(obj: Any) -> bytes:
