@@ -73,13 +73,17 @@ class ChatScreen(Screen):
         except ApiError as e:
             self.notify(str(e), title="Could not list models", severity="error")
             return
+        if not self.is_attached:
+            return
+        try:
+            self._set_models([m.name for m in models])
+        except NoMatches:   # the app is shutting down under us
+            pass
+
+    def _set_models(self, names: list[str]) -> None:
         select = self.query_one("#model", Select)
         current = select.value
-        names = [m.name for m in models]
-        try:
-            select.set_options([(n, n) for n in names])
-        except NoMatches:   # the app is shutting down
-            return
+        select.set_options([(n, n) for n in names])
         wanted = self.app.preferred_model
         if wanted in names:
             select.value = wanted
