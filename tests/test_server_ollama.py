@@ -155,6 +155,12 @@ def test_bad_input_400(shared_daemon, body, word):  # noqa: F811
     assert isinstance(err, str) and word in err
 
 
+def test_prompt_over_context_400_streaming(ol, shared_daemon):  # noqa: F811
+    with pytest.raises(ollama.ResponseError) as e:
+        list(ol.generate(model=MODEL, prompt="word " * 1100, raw=True, stream=True))
+    assert e.value.status_code == 400 and "context" in e.value.error
+
+
 def test_missing_model_and_bad_json_400(shared_daemon):  # noqa: F811
     r = shared_daemon.post("/api/chat", {"messages": []})
     assert r.status_code == 400 and "model" in r.json()["error"]

@@ -173,6 +173,11 @@ def test_prompt_over_context_is_400(oa, shared_daemon):  # noqa: F811
     assert "context" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         _chat(oa, messages=[{"role": "user", "content": "word " * (ctx + 10)}])
+    with pytest.raises(openai.BadRequestError):       # refused before the stream starts
+        _chat(oa, messages=[{"role": "user", "content": "word " * (ctx + 10)}], stream=True)
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(oa, logit_bias={"99999999": 1}, stream=True)
+    assert e.value.body["param"] == "logit_bias"
 
 
 def test_overload_is_429(oa):

@@ -49,47 +49,56 @@ def params_or_400(**kw) -> SamplingParams:
 
 
 class Generation:
-    """Holds a model for one request; `events()` yields (choice, RequestOutput)."""
+    """Holds a model for one request. `submit()` queues the n choices (bad input raises
+    APIError before any response starts); `events()` yields (choice, RequestOutput);
+    `release()` aborts whatever is unfinished and gives the model back (idempotent)."""
 
     def __init__(self, manager: ModelManager, metrics: Metrics, lm: LoadedModel,
                  load_duration: float, n: int):
         self.manager, self.metrics, self.lm, self.n = manager, metrics, lm, n
         self.usage = Usage(load_duration=load_duration, arrival=time.monotonic())
         self._released = False
+        self._ids: list[int] = []
+        self._done: set[int] = set()
+        self._q: asyncio.Queue = asyncio.Queue()
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.manager.release(self.lm, self.n)
+        if self._released:
+            return
+        self._released = True
+        for i, rid in enumerate(self._ids):
+            if i not in self._done:          # the engine's abort event finds no reader
+                self.lm.engine.abort(rid)
+                self.metrics.on_abort(self.lm.name)
+        self.manager.release(self.lm, self.n)
 
-    async def events(self, prompt_ids: list[int], params: SamplingParams,
-                     disconnected: Disconnected | None = None
-                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               prompt_param: str = "messages") -> None:
         engine = self.lm.engine
-        ids: list[int] = []
-        done: set[int] = set()
-        u = self.usage
         try:
-            try:
-                params.validate(engine.cfg.vocab_size)   # token ids in logit_bias and friends
-            except ValueError as e:
-                msg = str(e)
-                raise APIError(400, msg, param=msg.split(" ", 1)[0],
-                               code="invalid_parameter") from None
-            try:
-                for i in range(self.n):
-                    def sink(out: RequestOutput, i: int = i) -> None:
-                        loop.call_soon_threadsafe(q.put_nowait, (i, out))
-                    ids.append(engine.submit(prompt_ids, params, sink, choice=i))
-            except RequestError as e:
-                raise APIError(400, str(e), param="messages", code="invalid_prompt") from None
-            u.prompt_tokens = len(prompt_ids)
+            params.validate(engine.cfg.vocab_size)   # token ids in logit_bias and friends
+        except ValueError as e:
+            msg = str(e)
+            raise APIError(400, msg, param=msg.split(" ", 1)[0],
+                           code="invalid_parameter") from None
+        loop, q = asyncio.get_running_loop(), self._q
+        try:
+            for i in range(self.n):
+                def sink(out: RequestOutput, i: int = i) -> None:
+                    loop.call_soon_threadsafe(q.put_nowait, (i, out))
+                self._ids.append(engine.submit(prompt_ids, params, sink, choice=i))
+        except RequestError as e:
+            raise APIError(400, str(e), param=prompt_param, code="invalid_prompt") from None
+        self.usage.prompt_tokens = len(prompt_ids)
+
+    async def events(self, disconnected: Disconnected | None = None
+                     ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        u, done = self.usage, self._done
+        try:
             checked = time.monotonic()
-            while len(done) < self.n:
+            while len(done) < len(self._ids):
                 try:
-                    i, out = await asyncio.wait_for(q.get(), 0.5)
+                    i, out = await asyncio.wait_for(self._q.get(), 0.5)
                 except asyncio.TimeoutError:
                     i, out = -1, None
                 # Events come every step, so look for a gone client by the clock.
@@ -117,10 +126,6 @@ class Generation:
                         raise APIError(500, out.error or "generation failed", code="engine_error")
                 yield i, out
         finally:
-            for i, rid in enumerate(ids):
-                if i not in done:            # the engine's abort event finds no reader
-                    engine.abort(rid)
-                    self.metrics.on_abort(self.lm.name)
             self.release()
 
 

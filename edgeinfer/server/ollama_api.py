@@ -129,7 +129,8 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape) -> Any:
                     "done_reason": gen.usage.finish_reasons.get(0, "stop"), **_timings(gen, t0)}
 
         if body.stream:
-            events = gen.events(prompt, params)
+            gen.submit(prompt, params)
+            events = gen.events()
 
             async def lines() -> AsyncIterator[bytes]:
                 try:
@@ -143,7 +144,8 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape) -> Any:
                     yield _ndjson(e.ollama_body())
             return _stream(gen, events, lines())
         text, lps = "", []
-        async for _, out in gen.events(prompt, params, lambda: request.is_disconnected()):
+        gen.submit(prompt, params)
+        async for _, out in gen.events(lambda: request.is_disconnected()):
             text += out.text
             if body.logprobs:
                 lps += _logprobs(out, tok)

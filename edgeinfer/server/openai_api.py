@@ -161,12 +161,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         pieces = _Pieces(gen.lm.engine.tokenizer)
         if body.stream:
             usage_on = bool(body.stream_options and body.stream_options.include_usage)
-            events = gen.events(prompt, params)
+            gen.submit(prompt, params)
+            events = gen.events()
             return _stream(gen, _chat_chunks(gen, events, rid, created, model, body.n,
                                              want_lp, usage_on, pieces))
         texts = [""] * body.n
         lps: list[list] = [[] for _ in range(body.n)]
-        async for i, out in gen.events(prompt, params, lambda: request.is_disconnected()):
+        gen.submit(prompt, params)
+        async for i, out in gen.events(lambda: request.is_disconnected()):
             texts[i] += out.text
             if want_lp:
                 lps[i] += pieces.chat_logprobs(out)
@@ -252,7 +254,8 @@ async def completions(body: CompletionRequest, request: Request):
         tok = gen.lm.engine.tokenizer
         echo = [tok.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
-            events = gen.events(prompt, params)
+            gen.submit(prompt, params, "prompt")
+            events = gen.events()
             return _stream(gen, _completion_chunks(gen, events, rid, created, model, echo[0],
                                                    body, tok))
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
@@ -261,7 +264,8 @@ async def completions(body: CompletionRequest, request: Request):
             try:
                 texts = [echo[pi]] * body.n
                 lps: list[dict] = [_empty_lp() for _ in range(body.n)]
-                async for i, out in g.events(ids, params, lambda: request.is_disconnected()):
+                g.submit(ids, params, "prompt")
+                async for i, out in g.events(lambda: request.is_disconnected()):
                     if body.logprobs is not None:
                         _add_lp(lps[i], out, tok, len(texts[i]))
                     texts[i] += out.text
