@@ -118,6 +118,19 @@ def wait_healthy(d: Daemon, limit_s: float = 120) -> None:
     raise RuntimeError(f"daemon did not become healthy:\n{d.log_text()}")
 
 
+def wait_idle(d, baseline_used: int = 0) -> dict:
+    """Poll /api/stats until no sequence runs and KV use is back to the baseline (a guard
+    against hanging, not a timing assertion)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        m = d.stats()["models"]
+        if m and m[0]["running"] == 0 and m[0]["waiting"] == 0 and \
+                m[0]["kv_blocks_used"] == baseline_used and m[0]["active_requests"] == 0:
+            return m[0]
+        time.sleep(0.1)
+    raise AssertionError(f"the engine did not go idle: {d.stats()}")
+
+
 def warm(d: Daemon) -> None:
     """Load the model and compile (or load from cache) every kernel once."""
     r = d.post("/api/generate", {"model": "gemma3:270m", "prompt": "Hi", "stream": False,

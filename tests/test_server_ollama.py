@@ -12,7 +12,7 @@ import httpx
 import ollama
 import pytest
 
-from daemon_fixture import shared_daemon  # noqa: F401  (session fixture)
+from daemon_fixture import shared_daemon, wait_idle  # noqa: F401  (module fixture)
 
 MODEL = "gemma3:270m"
 GREEDY = {"temperature": 0, "num_predict": 5}
@@ -260,7 +260,6 @@ def test_metrics_text(shared_daemon):  # noqa: F811
 
 
 def test_ndjson_disconnect_frees_the_sequence_and_prefix_is_reused(ol, shared_daemon):  # noqa: F811
-    from test_server_openai import wait_idle
     d = shared_daemon
     body = {"model": MODEL, "prompt": "Tell me a long story about a lighthouse keeper.",
             "options": {"temperature": 0, "num_predict": 500}}

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from daemon_fixture import shared_daemon  # noqa: F401  (session fixture)
+from daemon_fixture import shared_daemon, wait_idle  # noqa: F401  (module fixture)
 
 MODEL = "gemma3:270m"
 HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -28,19 +28,6 @@ def _chat(oa, **kw):
     args = dict(model=MODEL, messages=HELLO, max_tokens=6, temperature=0)
     args.update(kw)
     return oa.chat.completions.create(**args)
-
-
-def wait_idle(d, baseline_used: int = 0) -> dict:
-    """Poll /api/stats until no sequence runs and KV use is back to the baseline (a guard
-    against hanging, not a timing assertion)."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        m = d.stats()["models"]
-        if m and m[0]["running"] == 0 and m[0]["waiting"] == 0 and \
-                m[0]["kv_blocks_used"] == baseline_used and m[0]["active_requests"] == 0:
-            return m[0]
-        time.sleep(0.1)
-    raise AssertionError(f"the engine did not go idle: {d.stats()}")
 
 
 def test_models(oa):
