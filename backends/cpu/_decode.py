@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._simd import (bload_bf16, bload_f16, bload_f32, hload, iaddk, iand, ibits, iload_i8, iload_u8,
+from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iaddk, iand, ibits, iload_i8, iload_u8,
                     ior, ishl, ishr, itof, kq_scales, q3k_scales, u32load, vadd, vlane, vmul, vsplat, vstore,
                     vsub)
 
@@ -115,8 +115,8 @@ def q2k_group(w, o, k):
 @njit(inline="always", nogil=True)
 def dec_q2_k(w, n, b, o, out, oo):
     sc = iload_u8(w, o)                  # 16 bytes: scale in the low nibble, min in the high
-    dl = vmul(vsplat(hload(w, o + 80)), itof(iand(sc, 15)))
-    ml = vmul(vsplat(hload(w, o + 82)), itof(ishr(sc, 4)))
+    dl = vmul(vsplat(hload_end(w, o + 80)), itof(iand(sc, 15)))
+    ml = vmul(vsplat(hload_end(w, o + 82)), itof(ishr(sc, 4)))
     for k in range(16):
         vstore(out, oo + 16 * k, vsub(vmul(vlane(dl, k), itof(q2k_group(w, o, k))), vlane(ml, k)))
 
@@ -133,7 +133,7 @@ def q3k_group(w, o, k):
 
 @njit(inline="always", nogil=True)
 def dec_q3_k(w, n, b, o, out, oo):
-    dl = vmul(vsplat(hload(w, o + 108)), itof(q3k_scales(w, o + 94)))
+    dl = vmul(vsplat(hload_end(w, o + 108)), itof(q3k_scales(w, o + 94)))
     for k in range(16):
         vstore(out, oo + 16 * k, vmul(vlane(dl, k), itof(q3k_group(w, o, k))))
 
@@ -189,6 +189,6 @@ def q6k_group(w, o, k):
 
 @njit(inline="always", nogil=True)
 def dec_q6_k(w, n, b, o, out, oo):
-    dsv = vmul(vsplat(hload(w, o + 208)), itof(iload_i8(w, o + 192)))
+    dsv = vmul(vsplat(hload_end(w, o + 208)), itof(iload_i8(w, o + 192)))
     for k in range(16):
         vstore(out, oo + 16 * k, vmul(vlane(dsv, k), itof(q6k_group(w, o, k))))

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from . import _decode as D
-from ._simd import (bload_bf16, bload_f16, bload_f32, hload, iaddk, iand, iload_i8, iload_u8, ishr,
+from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iaddk, iand, iload_i8, iload_u8, ishr,
                     itof, kq_scales, q3k_scales, u32load, vadd, vfma, vhsum, vlane, vload, vmul, vsplat, vzero)
 
 _f32 = np.float32
@@ -137,8 +137,8 @@ def dot_q2_k(w, n, x):
     for b in range(w.shape[1]):
         o = r + b * 84
         sc = iload_u8(w, o)
-        dl = vmul(vsplat(hload(w, o + 80)), itof(iand(sc, 15)))
-        nml = vmul(vsplat(-hload(w, o + 82)), itof(ishr(sc, 4)))
+        dl = vmul(vsplat(hload_end(w, o + 80)), itof(iand(sc, 15)))
+        nml = vmul(vsplat(-hload_end(w, o + 82)), itof(ishr(sc, 4)))
         for k in range(0, 16, 2):
             w0 = vfma(vlane(dl, k), itof(D.q2k_group(w, o, k)), vlane(nml, k))
             w1 = vfma(vlane(dl, k + 1), itof(D.q2k_group(w, o, k + 1)), vlane(nml, k + 1))
@@ -154,7 +154,7 @@ def dot_q3_k(w, n, x):
     r = _row0(w, n)
     for b in range(w.shape[1]):
         o = r + b * 110
-        dl = vmul(vsplat(hload(w, o + 108)), itof(q3k_scales(w, o + 94)))
+        dl = vmul(vsplat(hload_end(w, o + 108)), itof(q3k_scales(w, o + 94)))
         for k in range(0, 16, 2):
             a0 = vfma(vmul(vlane(dl, k), itof(D.q3k_group(w, o, k))), vload(x, b * 256 + 16 * k), a0)
             a1 = vfma(vmul(vlane(dl, k + 1), itof(D.q3k_group(w, o, k + 1))), vload(x, b * 256 + 16 * k + 16), a1)
@@ -206,7 +206,7 @@ def dot_q6_k(w, n, x):
     r = _row0(w, n)
     for b in range(w.shape[1]):
         o = r + b * 210
-        dsv = vmul(vsplat(hload(w, o + 208)), itof(iload_i8(w, o + 192)))
+        dsv = vmul(vsplat(hload_end(w, o + 208)), itof(iload_i8(w, o + 192)))
         for k in range(0, 16, 2):
             a0 = vfma(vmul(vlane(dsv, k), itof(D.q6k_group(w, o, k))), vload(x, b * 256 + 16 * k), a0)
             a1 = vfma(vmul(vlane(dsv, k + 1), itof(D.q6k_group(w, o, k + 1))), vload(x, b * 256 + 16 * k + 16), a1)

@@ -246,13 +246,31 @@ def bload_bf16(typingctx, arr, off):
 
 # ----------------------------------------------------------------- scalars and lanes
 
+def _half_lane(context, builder, arrty, arr, off, lane):
+    # Widen a whole 16-byte vector of halves (vcvtph2ps with a memory operand) and keep one
+    # lane. A scalar 16-bit load is lowered to vpinsrw, which merges into whatever register
+    # LLVM picks: in Q8_0 that was the accumulator, a false dependency chaining every block
+    # to the previous block's FMA.
+    p = _byte_ptr(context, builder, arrty, arr, off, ir.VectorType(ir.HalfType(), 8))
+    f = builder.fpext(builder.load(p, align=1), ir.VectorType(_F, 8))
+    return builder.extract_element(f, ir.Constant(_I32, lane))
+
+
 @intrinsic
 def hload(typingctx, arr, off):
-    """The IEEE half at byte offset off of a byte array, widened to float32 by the hardware
-    conversion (exact; a signaling NaN comes back quiet)."""
+    """The IEEE half at byte offset off of a byte array, as float32 (exact hardware widening;
+    a signaling NaN comes back quiet). Reads 16 bytes from off: they must exist."""
     def codegen(context, builder, sig, args):
-        p = _byte_ptr(context, builder, sig.args[0], args[0], args[1], ir.HalfType())
-        return builder.fpext(builder.load(p, align=1), _F)
+        return _half_lane(context, builder, sig.args[0], args[0], args[1], 0)
+    return types.float32(arr, off), codegen
+
+
+@intrinsic
+def hload_end(typingctx, arr, off):
+    """Like hload for a half near the end of a block: reads the 16 bytes ending with it."""
+    def codegen(context, builder, sig, args):
+        start = builder.sub(args[1], ir.Constant(args[1].type, 14))
+        return _half_lane(context, builder, sig.args[0], args[0], start, 7)
     return types.float32(arr, off), codegen
 
 
