@@ -203,6 +203,18 @@ async def test_new_chat_while_streaming_drops_the_old_reply(fake):
 
 
 @pytest.mark.asyncio
+async def test_empty_store_points_to_models_screen():
+    with FakeDaemon(FakeState(models=[])) as d:
+        app = make_app(d.host)
+        async with app.run_test(size=SIZE) as pilot:
+            select = app.screen.query_one("#model")
+            await wait_for(pilot, lambda: select.prompt == "no models: F3", what="hint")
+            await send(pilot, "anyone?")
+            await pilot.pause(0.2)
+            assert d.state.chats == [] and not app.screen.query(ChatMessage)
+
+
+@pytest.mark.asyncio
 async def test_chat_error_from_daemon_is_shown_not_raised(fake):
     app = make_app(fake.host)
     async with app.run_test(size=SIZE) as pilot:

@@ -83,6 +83,7 @@ class ChatScreen(Screen):
     def _set_models(self, names: list[str]) -> None:
         select = self.query_one("#model", Select)
         current = select.value
+        select.prompt = "model" if names else "no models: F3"
         select.set_options([(n, n) for n in names])
         wanted = self.app.preferred_model
         if wanted in names:
