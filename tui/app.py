@@ -62,6 +62,7 @@ class EdgeInferApp(App):
         self._clock = clock or (lambda: datetime.now(timezone.utc))
         self._wake = asyncio.Event()
         self._reason = ""
+        self._tried_start = False      # the app starts a daemon at most once
         self.sub_title = self.api.host
 
     def now(self) -> datetime:
@@ -73,7 +74,6 @@ class EdgeInferApp(App):
 
     async def on_unmount(self) -> None:
         await self.api.close()
-        await asyncio.to_thread(self.launcher.stop)
 
     # ----- connection ---------------------------------------------------------------------
     def report_unreachable(self, reason: str) -> None:
@@ -104,22 +104,34 @@ class EdgeInferApp(App):
 
     @work(exclusive=True, group="connection", exit_on_error=False)
     async def follow_daemon(self) -> None:
+        """Runs for the app's life. Nothing it meets ends it: an unexpected error becomes
+        the banner's reason and the loop goes on reconnecting."""
+        while True:
+            try:
+                await self._connection_loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:   # a bug or a daemon answering nonsense: keep going
+                self._reason = f"{type(e).__name__}: {e}"
+                self.connected = False
+                await self._sleep(5.0)
+
+    async def _connection_loop(self) -> None:
         backoff = 0.5
-        tried_start = False
         while True:
             if not await self.api.health():
-                if self.autostart and not tried_start:
-                    tried_start = True
+                if self.autostart and not self._tried_start:
+                    self._tried_start = True
                     self.banner = f"Starting the edgeinfer daemon at {self.api.host}…"
                     try:
                         how = await asyncio.to_thread(self.launcher.start)
                     except (OSError, LaunchError) as e:
                         how = ""
                         self._reason = f"could not start it: {e}"
-                    if how and await wait_healthy(self.api, START_TIMEOUT, self.launcher):
+                    if how and await wait_healthy(self.api, START_TIMEOUT):
                         continue
                     if not self._reason:
-                        self._reason = "it did not start; see `edgeinfer serve` output"
+                        self._reason = "it did not start; see `edgeinfer daemon logs`"
                 if not self._reason:
                     self._reason = "connection refused"
                 self.connected = False
