@@ -146,6 +146,7 @@ def test_unknown_model_404(ol):
     ({"options": {"num_ctx": 2}}, "num_ctx"),
     ({"keep_alive": "soon"}, "keep_alive"),
     ({"images": ["aGVsbG8="]}, "images"),
+    ({"options": {"backend": "abacus"}}, "backend"),
 ])
 def test_bad_input_400(shared_daemon, body, word):  # noqa: F811
     r = shared_daemon.post("/api/generate", {"model": MODEL, "prompt": "hi", "stream": False,
@@ -274,3 +275,15 @@ def test_ndjson_disconnect_frees_the_sequence_and_prefix_is_reused(ol, shared_da
     assert again["response"] == ref.response
     # the same prompt again: its full blocks come from the prefix cache
     assert again["prompt_cached_count"] > 0
+
+
+def test_backend_option_through_the_daemon(ol, shared_daemon):  # noqa: F811
+    """`run --backend llamacpp` keeps its meaning through the daemon: a second engine of the
+    same model on that backend, listed separately in ps."""
+    r = ol.generate(model=MODEL, prompt="1, 2, 3,", raw=True,
+                    options={"temperature": 0, "num_predict": 3, "backend": "llamacpp"})
+    assert r.done and r.eval_count == 3 and r.response
+    ps = shared_daemon.get("/api/ps").json()["models"]
+    assert "llamacpp" in {m["backend"] for m in ps}
+    ol.generate(model=MODEL, keep_alive=0)        # unloads every copy of the model
+    assert ol.ps().models == []

@@ -188,6 +188,9 @@ class ModelManager:
         Returns it and the seconds spent loading (0 when it was loaded already). The caller
         must call release() exactly once."""
         backend = backend or self.config.backend
+        if backend not in ("cpu", "torch", "llamacpp", "auto") and not backend.startswith("torch:"):
+            raise APIError(400, f"unknown backend {backend!r}: use cpu, torch, torch:DEVICE, "
+                           "llamacpp or auto", param="backend", code="invalid_parameter")
         ref = await asyncio.to_thread(self.resolve, model)
         key = (ref.full_name, backend)
         lock = self._locks.setdefault(key, asyncio.Lock())
