@@ -153,6 +153,21 @@ def test_wrong_type_and_bad_json_are_400(shared_daemon):  # noqa: F811
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+def test_huge_body_is_413(shared_daemon):  # noqa: F811
+    # headers only: the daemon answers before reading (or buffering) any of the body
+    with socket.create_connection(("127.0.0.1", shared_daemon.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n" % (33 << 20))
+        head = b""
+        while b"}}" not in head:                      # status line, headers, JSON body
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            head += chunk
+        head = head.decode()
+    assert head.startswith("HTTP/1.1 413") and "request_too_large" in head
+
+
 def test_prompt_over_context_is_400(oa, shared_daemon):  # noqa: F811
     ctx = shared_daemon.stats()["models"][0]["context_length"]
     with pytest.raises(openai.BadRequestError) as e:

@@ -24,6 +24,7 @@ from .model_manager import ModelManager, ServerConfig
 log = logging.getLogger("edgeinfer.server")
 
 PUBLIC_PATHS = ("/health", "/")       # answer without a key: liveness probes
+MAX_BODY_BYTES = 32 << 20              # far beyond any context; stops memory abuse early
 
 
 def _is_openai(request: Request) -> bool:
@@ -73,6 +74,11 @@ class AuthAndCount:
             if metrics:
                 metrics.on_request(scope["path"], 401)
             return await error_response(request, err)(scope, receive, send)
+        size = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if size.isdigit() and int(size) > MAX_BODY_BYTES:
+            err = APIError(413, f"the request body is {int(size)} bytes; the limit is "
+                           f"{MAX_BODY_BYTES}", code="request_too_large")
+            return await error_response(Request(scope), err)(scope, receive, send)
         if scope["method"] in ("POST", "DELETE") and scope["path"].startswith(("/api/", "/v1/")):
             scope = _as_json(scope)
         status = [500]
