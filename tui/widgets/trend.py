@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rich.segment import Segment
-from rich.style import Style
 from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
