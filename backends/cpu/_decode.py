@@ -8,16 +8,15 @@ a time with the `_simd` vectors. The float32 operations happen in exactly the or
 are compiled without fastmath, so results are equal bit for bit to the reference.
 Layouts follow ggml (ggml-common.h); float types use 32-element pseudo-blocks so every
 type has the same "row of blocks" shape.
-
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iaddk, iand, ibits, iload_i8, iload_u8,
-                    ior, ishl, ishr, itof, kq_scales, q3k_scales, u32load, vadd, vlane, vmul, vsplat, vstore,
-                    vsub)
+from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iaddk, iand, ibits,
+                    iload_i8, iload_u8, ior, ishl, ishr, itof, kq_scales, q3k_scales, u32load,
+                    vadd, vlane, vmul, vsplat, vstore, vsub)
 
 # ggml type codes (gguf.GGMLQuantizationType values)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8

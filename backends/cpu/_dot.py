@@ -5,8 +5,9 @@
 are reduced once per row. Four accumulators (alternate blocks or sub-blocks, one per 16-lane
 half) keep four independent FMA chains in flight for the 32-value types, where two left the
 4-cycle FMA latency as the limit (Q8_0: 34 -> 39 GB/s per core). The k-quants are bound by
-instruction throughput instead; Q2_K, Q3_K and Q6_K keep two chains (four measured slower). Mins (Q4_1, Q5_1, K-quants) are folded in
-with `fma(scale, q, -min)`, so no separate sum of x is needed.
+instruction throughput instead; Q2_K, Q3_K and Q6_K keep two chains (four measured slower).
+Mins (Q4_1, Q5_1, K-quants) are folded in with `fma(scale, q, -min)`, so no separate sum of
+x is needed.
 
 Each type is a block step `_b_*(w, o, x, xo, accumulators...)` (o: byte offset of the
 block, xo: its first x index) driven by `_row32` or `_row256`.
@@ -17,8 +18,9 @@ import numpy as np
 from numba import njit
 
 from . import _decode as D
-from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iaddk, iand, iload_i8, iload_u8, ishr,
-                    itof, kq_scales, q3k_scales, u32load, vadd, vfma, vhsum, vlane, vload, vmul, vsplat, vzero)
+from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iand, iload_i8, iload_u8,
+                    ishr, itof, kq_scales, q3k_scales, u32load, vadd, vfma, vhsum, vlane, vload,
+                    vmul, vsplat, vzero)
 
 _f32 = np.float32
 

@@ -24,7 +24,7 @@ from . import _dot as P
 from ._simd import vfma, vhsum, vload, vzero
 
 _DEPS = ("_decode.py", "_dot.py", "_simd.py")
-_DEPS_HASH = "aaa7240ae6e57dae"
+_DEPS_HASH = "4aebc3645fe4e8bf"
 
 
 def deps_hash() -> str:
