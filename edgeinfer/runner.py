@@ -71,6 +71,9 @@ class ModelRunner:
         gf = read_gguf(path)
         cfg = load_model_config(gf)
         ops = make_ops(backend)
+        fit = getattr(ops, "fit_kv_budget", None)
+        if fit is not None:  # device backends: refuse early, size the pool from free memory
+            kv_budget_bytes = fit(gf, kv_budget_bytes)
         plan = plan_kv(cfg, kv_budget_bytes, ops.kv_bytes_per_value, block_size, min_kv_tokens)
         return cls(gf, cfg, ops, plan)
 

@@ -33,6 +33,18 @@ class _Chunk:
         self.seq, self.start, self.token_ids, self.needs_logits = seq, start, token_ids, needs_logits
 
 
+def exact_cpu(runner):
+    """Put a numba-CPU runner in plain float32 numerics (no llama.cpp-style 8-bit activation
+    rounding), the same math as the torch backend, so the two can be compared closely."""
+    from edgeinfer.backends.cpu.ops import CpuOps
+    try:
+        ops = CpuOps(numerics="f32")
+    except TypeError:   # a CpuOps without the option computes in float32 already
+        ops = CpuOps()
+    runner.ops = runner.model.ops = ops
+    return runner
+
+
 def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Submit all prompts at once and step until every one finished; outputs in input order."""
     events: dict[int, list[int]] = {}
@@ -113,7 +125,7 @@ def test_paged_attention_matches_dense(seed, window):
 @pytest.fixture(scope="module")
 def runners(gemma3_path):
     return (ModelRunner.load(str(gemma3_path), "torch", kv_budget_bytes=96 << 20),
-            ModelRunner.load(str(gemma3_path), "cpu", kv_budget_bytes=96 << 20))
+            exact_cpu(ModelRunner.load(str(gemma3_path), "cpu", kv_budget_bytes=96 << 20)))
 
 
 def test_weights_format_and_cache(runners):
@@ -182,8 +194,9 @@ def test_logits_top1_vs_llama_cpp_teacher_forcing(runners, gemma3_path):
 @pytest.fixture(scope="module")
 def engines(gemma3_path):
     cfg = dict(kv_budget_bytes=96 << 20, max_running_seqs=8)
-    return (Engine(str(gemma3_path), EngineConfig(backend="torch", **cfg)),
-            Engine(str(gemma3_path), EngineConfig(backend="cpu", **cfg)))
+    ec = Engine(str(gemma3_path), EngineConfig(backend="cpu", **cfg))
+    exact_cpu(ec.runner)
+    return Engine(str(gemma3_path), EngineConfig(backend="torch", **cfg)), ec
 
 
 def test_greedy_32_tokens_equal_numba(engines):
@@ -252,7 +265,7 @@ def test_synthetic_models_match_numba(arch):
     path = synthetic_model(Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth",
                            arch, "Q4_K_M")
     rt = ModelRunner.load(str(path), "torch", kv_budget_bytes=8 << 20)
-    rc = ModelRunner.load(str(path), "cpu", kv_budget_bytes=8 << 20)
+    rc = exact_cpu(ModelRunner.load(str(path), "cpu", kv_budget_bytes=8 << 20))
     tokens = [int(t) for t in np.random.default_rng(1).integers(3, 250, 48)]
     seq = _Seq(list(np.random.default_rng(2).permutation(min(rt.plan.num_blocks, rc.plan.num_blocks))[:5]))
     a = np.concatenate([rt.execute([_Chunk(seq, 0, tokens[:40])])] +
@@ -287,3 +300,22 @@ def test_bf16_weights_opt_in(gemma3_path, runners):
     a, b = r.execute([_Chunk(seq, 0, ids)]), rc.execute([_Chunk(seq, 0, ids)])
     assert a.argmax() == b.argmax()
     assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
+
+
+def test_load_refused_or_kv_capped_by_free_memory(gemma3_path, monkeypatch):
+    """The model is refused before any weight loads when it cannot fit; otherwise the KV pool
+    is sized from what remains free after the weights."""
+    from edgeinfer.backends.torch import device as dev
+    from edgeinfer.backends.torch.device import DeviceInfo
+    from edgeinfer.backends.torch.weights import dense_bytes
+    from edgeinfer.gguf_file import read_gguf
+    need = dense_bytes(read_gguf(str(gemma3_path)), torch.float32)
+    small = DeviceInfo("cpu", "test", 4 << 30, need // 2, 2)
+    monkeypatch.setattr(dev, "detect", lambda kind=None: small)
+    with pytest.raises(InsufficientMemory, match=r"needs 1\.\d\d GiB .* has 0\.\d\d GiB free"):
+        ModelRunner.load(str(gemma3_path), "torch", kv_budget_bytes=1 << 30)
+    from edgeinfer.backends.torch.ops import TorchOps
+    roomy = DeviceInfo("cpu", "test", 4 << 30, int(need * 1.25), 2)
+    monkeypatch.setattr(dev, "detect", lambda kind=None: roomy)
+    budget = TorchOps("cpu").fit_kv_budget(read_gguf(str(gemma3_path)), 1 << 30)
+    assert 0 < budget <= int(need * 1.25 * 0.9) - need < 1 << 30

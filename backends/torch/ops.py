@@ -58,6 +58,16 @@ class TorchOps:
         dev.check_fits(self.info, dense_bytes(gf, self.dtype),
                        f"the model as {self.weights_format} weights")
 
+    def fit_kv_budget(self, gguf_file, requested: int) -> int:
+        """Before loading: refuse if the weights cannot fit, and cap the KV pool's budget at
+        what the device has left after them (the same 10% reserve)."""
+        need = dense_bytes(gguf_file, self.dtype)
+        if self.check_memory:
+            dev.check_fits(self.info, need, f"the model as {self.weights_format} weights")
+            self._checked = True
+            return max(0, min(requested, int(self.info.free_bytes * 0.9) - need))
+        return requested
+
     def matrix(self, gguf_file, name: str) -> torch.Tensor:
         """[out, in] dense weight (ggml stores rows of `in` values)."""
         self._check_model_fits(gguf_file)
