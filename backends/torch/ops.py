@@ -77,12 +77,6 @@ class TorchOps:
         return load_tensor(gguf_file, name, self.device, torch.float32).reshape(-1)
 
     # -- per-step tensors ------------------------------------------------------------------
-    def _ids(self, batch: ForwardBatch, key: str, arr: np.ndarray) -> torch.Tensor:
-        t = batch.cache.get(key)
-        if t is None:
-            t = batch.cache[key] = torch.from_numpy(arr.astype(np.int64)).to(self.device)
-        return t
-
     def _layout(self, batch: ForwardBatch, block_size: int) -> StepLayout:
         lay = batch.cache.get("torch_layout")
         if lay is None:
@@ -112,12 +106,14 @@ class TorchOps:
         key = ("torch_rope", base, scale, D)
         tables = batch.cache.get(key)
         if tables is None:  # once per step and rope base, shared by every layer
-            inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64, device=self.device) / D)
+            # float64 on the host (MPS has no float64), like the CPU backend's tables
+            inv = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)
             if freq_factors is not None:
-                inv = inv / freq_factors.to(torch.float64)
-            pos = self._ids(batch, "torch_positions", batch.positions).to(torch.float64) / scale
-            ang = pos[:, None] * inv[None, :]
-            tables = batch.cache[key] = (ang.cos().float()[:, None, :], ang.sin().float()[:, None, :])
+                inv = inv / freq_factors.detach().cpu().numpy().astype(np.float64)
+            ang = np.outer(batch.positions.astype(np.float64) / scale, inv)
+            cos, sin = (torch.from_numpy(f(ang).astype(np.float32))[:, None, :].to(self.device)
+                        for f in (np.cos, np.sin))
+            tables = batch.cache[key] = (cos, sin)
         cos, sin = tables
         xf = x.float()
         if neox:
