@@ -65,6 +65,11 @@ class ModelRunner:
         self.kv = ops.new_kv_cache(cfg.n_layers, plan.num_blocks, plan.block_size,
                                    cfg.n_kv_head, cfg.head_dim)
 
+    @property
+    def weights_format(self) -> str:
+        """How weights sit in memory, for `show`/`ps` (the llama.cpp runner has one too)."""
+        return getattr(self.ops, "weights_format", "gguf (quantized)")
+
     @classmethod
     def load(cls, path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
              block_size: int = 16, min_kv_tokens: int = 0) -> "ModelRunner":
