@@ -15,6 +15,21 @@ _JIT = dict(nogil=True, cache=True, fastmath=False)
 _PJIT = dict(nogil=True, cache=True, parallel=True, fastmath=False)
 
 
+@njit(inline="always", nogil=True)
+def round_f16(v):
+    """Round a float32 to the nearest float16 value (ties to even), returned as float32."""
+    a = abs(v)
+    if a == 0.0 or not np.isfinite(a):
+        return v
+    if a >= 65520.0:
+        return np.float32(np.inf) if v > 0 else np.float32(-np.inf)
+    m, e = math.frexp(a)            # a = m * 2^e, m in [0.5, 1)
+    exp = e - 1
+    q = 2.0 ** (exp - 10) if exp >= -14 else 2.0 ** -24
+    r = np.float32(np.rint(a / q) * q)
+    return r if v > 0 else -r
+
+
 @njit(**_PJIT)
 def rms_norm(x, w, eps, out):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for each row r of a 2-D array."""
@@ -105,13 +120,15 @@ def copy_blocks(k_cache, v_cache, src, dst):
 
 
 @njit(**_PJIT)
-def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale, out):
+def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                    ggml_rounding, out):
     """Causal attention for a flat batch of query tokens, reading K/V through block tables.
 
     q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
     row token_seq[t] of block_tables[S, max_blocks] and sits at positions[t]; it attends to
     that sequence's positions [pos - window + 1, pos] (window <= 0: all of [0, pos]).
     Mixed prefill chunks and decode tokens of many sequences go in one call.
+    ggml_rounding: round q and the softmax weights to f16 as llama.cpp's f16-cache matmuls do.
     """
     T, H, D = q.shape
     bs = k_cache.shape[1]
@@ -127,7 +144,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
             start = pos - window + 1
         n = pos - start + 1
         scores = np.empty(n, np.float32)
-        qv = q[t, h]
+        qv = np.empty(D, np.float32)
+        for d in range(D):
+            qv[d] = round_f16(q[t, h, d]) if ggml_rounding else q[t, h, d]
         m = -np.inf
         for j in range(n):
             p = start + j
@@ -140,12 +159,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
             scores[j] = acc
             if acc > m:
                 m = acc
-        total = np.float32(0.0)
+        total = 0.0  # float64, as ggml's softmax sums
         for j in range(n):
             e = np.exp(scores[j] - m)
             scores[j] = e
             total += e
-        inv = np.float32(1.0) / total
+        inv = np.float32(1.0 / total)
+        for j in range(n):
+            w = scores[j] * inv
+            scores[j] = round_f16(w) if ggml_rounding else w
         o = out[t, h]
         for d in range(D):
             o[d] = 0.0
@@ -153,7 +175,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
             p = start + j
             blk = block_tables[s, p // bs]
             vv = v_cache[blk, p % bs, kvh]
-            w = scores[j] * inv
+            w = scores[j]
             for d in range(D):
                 o[d] += w * vv[d]
     return out
@@ -167,3 +189,91 @@ def rope_tables(positions: np.ndarray, head_dim: int, base: float, scale: float 
         inv = inv / freq_factors.astype(np.float64)
     ang = np.outer(positions.astype(np.float64) / scale, inv)
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+# -- llama.cpp-compatible numerics ---------------------------------------------------------
+# ggml's CPU matmuls quantize the activation row to 8 bits (Q8_0 blocks of 32 for the legacy
+# quants, Q8_K blocks of 256 for the k-quants, f16 for f16 weights) and tabulate GELU in f16.
+# Rounding our activations the same way makes our logits match llama.cpp's to float
+# summation order, so greedy text agrees token for token instead of drifting at near-ties.
+
+@njit(**_PJIT)
+def act_round_q8_0(x, out):
+    """x -> the values of its Q8_0 quantization (d = amax/127 stored in f16)."""
+    rows, n = x.shape
+    nb = n // 32
+    for rb in prange(rows * nb):
+        r = rb // nb
+        b0 = (rb % nb) * 32
+        amax = np.float32(0.0)
+        for j in range(32):
+            a = abs(x[r, b0 + j])
+            if a > amax:
+                amax = a
+        if amax == 0.0:
+            for j in range(32):
+                out[r, b0 + j] = 0.0
+            continue
+        d = round_f16(amax / np.float32(127.0))
+        idv = np.float32(127.0) / amax
+        for j in range(32):
+            out[r, b0 + j] = np.float32(np.rint(x[r, b0 + j] * idv)) * d
+    return out
+
+
+@njit(**_PJIT)
+def act_round_q8_k(x, out):
+    """x -> the values of its Q8_K quantization (scale from the signed max, -127/max)."""
+    rows, n = x.shape
+    nb = n // 256
+    for rb in prange(rows * nb):
+        r = rb // nb
+        b0 = (rb % nb) * 256
+        amax = np.float32(0.0)
+        mx = np.float32(0.0)
+        for j in range(256):
+            v = x[r, b0 + j]
+            if abs(v) > amax:
+                amax = abs(v)
+                mx = v
+        if amax == 0.0:
+            for j in range(256):
+                out[r, b0 + j] = 0.0
+            continue
+        iscale = np.float32(-127.0) / mx
+        d = np.float32(1.0) / iscale
+        for j in range(256):
+            q = np.rint(iscale * x[r, b0 + j])
+            if q > 127.0:
+                q = 127.0
+            out[r, b0 + j] = np.float32(q) * d
+    return out
+
+
+@njit(**_PJIT)
+def act_round_f16(x, out):
+    rows, n = x.shape
+    for r in prange(rows):
+        for i in range(n):
+            out[r, i] = round_f16(x[r, i])
+    return out
+
+
+@njit(**_PJIT)
+def gelu_tanh_mul_f16(gate, up, out):
+    """GeGLU as ggml computes it: GELU of the f16-rounded input, result rounded to f16."""
+    rows, n = gate.shape
+    k = np.float32(math.sqrt(2.0 / math.pi))
+    for r in prange(rows):
+        for i in range(n):
+            g = gate[r, i]
+            if g <= -10.0:
+                y = np.float32(0.0)
+            elif g >= 10.0:
+                y = g
+            else:
+                h = round_f16(g)
+                y = round_f16(np.float32(0.5) * h * (np.float32(1.0) + np.tanh(
+                    k * h * (np.float32(1.0) + np.float32(0.044715) * h * h))))
+            out[r, i] = y * up[r, i]
+    return out

@@ -13,6 +13,15 @@ from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
 
 
+_Q = GGMLQuantizationType
+# The activation format ggml's CPU backend quantizes to before each weight type's dot product.
+_ACT_ROUNDING = {
+    **{int(t): K.act_round_q8_0 for t in (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0)},
+    **{int(t): K.act_round_q8_k for t in (_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)},
+    int(_Q.F16): K.act_round_f16,
+}
+
+
 @dataclass
 class CpuKVCache:
     """Per layer K and V pools [num_blocks, block_size, KVH, D], float32."""
@@ -29,9 +38,14 @@ class CpuOps:
     name = "cpu"
     kv_bytes_per_value = 4
 
-    def __init__(self, kv_f16_rounding: bool = True):
-        # llama.cpp keeps K/V in f16; rounding ours the same way keeps the engines comparable.
-        self.kv_f16_rounding = kv_f16_rounding
+    def __init__(self, numerics: str = "ggml"):
+        """numerics="ggml" rounds activations, K/V and GELU as llama.cpp's CPU backend does
+        (8-bit activation blocks per weight type, f16 K/V and GELU), so greedy text matches it
+        token for token; "f32" keeps every intermediate in float32."""
+        if numerics not in ("ggml", "f32"):
+            raise ValueError(f"numerics must be 'ggml' or 'f32', not {numerics!r}")
+        self.numerics = numerics
+        self.kv_f16_rounding = numerics == "ggml"
 
     # -- weights ---------------------------------------------------------------------------
     def matrix(self, gguf_file, name: str) -> QuantMatrix:
@@ -49,6 +63,11 @@ class CpuOps:
         return get_rows(table, ids)
 
     def matmul(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+        if self.numerics == "ggml":
+            rounder = _ACT_ROUNDING.get(int(w.qtype))
+            if rounder is not None:
+                x2 = x.reshape(-1, x.shape[-1])
+                x = rounder(x2, np.empty_like(x2))
         return matmul(x, w)
 
     def add_bias(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -72,6 +91,8 @@ class CpuOps:
         return x
 
     def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self.numerics == "ggml":
+            return K.gelu_tanh_mul_f16(gate, up, gate)
         return K.gelu_tanh_mul(gate, up, gate)
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -109,7 +130,8 @@ class CpuOps:
         K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slot_mapping)
         out = np.empty_like(q)
         return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
-                                 batch.token_seq, batch.positions, window, np.float32(scale), out)
+                                 batch.token_seq, batch.positions, window, np.float32(scale),
+                                 self.numerics == "ggml", out)
 
     def copy_blocks(self, cache: CpuKVCache, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
