@@ -1,11 +1,13 @@
 """`edgeinfer run MODEL [PROMPT]`: stream a completion, or chat interactively.
 
-The engine runs in this process (its own thread); tokens stream to stdout as they are
-sampled. Without PROMPT (and with a terminal) it is a chat that keeps the conversation.
+A store name runs through the daemon (started when none answers), as Ollama does, so the
+model stays loaded between commands; `--no-daemon`, or a path to a .gguf file, runs the engine
+in this process. Without PROMPT (and with a terminal) it is a chat that keeps the conversation.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import sys
 import time
@@ -64,8 +66,9 @@ def load_engine(path: str, backend: str, num_ctx: int | None):
         raise UserError(f"{path}: {e}") from None
 
 
-def stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> tuple[str, RunStats]:
+def stream(engine, prompt_ids: list[int], params, out=None) -> tuple[str, RunStats]:
     """Submit, print text as it arrives, return the text and timings. Ctrl-C aborts."""
+    out = out or sys.stdout
     from edgeinfer.engine import RequestError
     events: queue.SimpleQueue = queue.SimpleQueue()
     t0 = time.monotonic()
@@ -98,7 +101,78 @@ def stream(engine, prompt_ids: list[int], params, out=sys.stdout) -> tuple[str, 
     return "".join(text), stats
 
 
-def chat_loop(engine, params, system: str | None, verbose: bool) -> int:
+class LocalSession:
+    """The engine in this process."""
+
+    def __init__(self, path: str, backend: str, num_ctx: int | None, params):
+        t = time.monotonic()
+        self.engine = load_engine(path, backend, num_ctx)
+        self.load_s = time.monotonic() - t
+        self.backend, self.params = backend, params
+
+    def generate(self, messages: list[dict] | None, prompt: str | None, raw: bool) -> RunStats:
+        if messages is not None:
+            ids = self.engine.encode_chat(messages)
+        elif raw:
+            ids = self.engine.encode_raw(prompt)
+        else:
+            ids = self.engine.encode_chat([{"role": "user", "content": prompt}])
+        return stream(self.engine, ids, self.params)[1]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class DaemonSession:
+    """Generation through the daemon's Ollama API; the model stays loaded after we exit."""
+
+    def __init__(self, model: str, backend: str, num_ctx: int | None, params):
+        from edgeinfer.client import ClientError, connect
+        try:
+            self.client = connect(autostart=True)
+        except ClientError as e:
+            raise UserError(f"{e} (or run with --no-daemon)") from None
+        self.model, self.load_s, self.backend = model, 0.0, backend
+        opts = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+                "min_p": params.min_p, "repeat_penalty": params.repeat_penalty,
+                "num_predict": params.max_tokens if params.max_tokens is not None else -1}
+        if params.seed is not None:
+            opts["seed"] = params.seed
+        if params.stop:
+            opts["stop"] = list(params.stop)
+        if num_ctx:
+            opts["num_ctx"] = num_ctx
+        if backend != "auto":
+            opts["backend"] = backend
+        self.options = opts
+
+    def generate(self, messages: list[dict] | None, prompt: str | None, raw: bool) -> RunStats:
+        from edgeinfer.client import ClientError, GenerationStats, stream_generate
+        kw = dict(messages=messages) if messages is not None else dict(prompt=prompt, raw=raw)
+        t0 = time.monotonic()
+        first = None
+        final = None
+        try:
+            for item in stream_generate(self.model, options=self.options, client=self.client, **kw):
+                if isinstance(item, GenerationStats):
+                    final = item
+                else:
+                    first = first or time.monotonic()
+                    sys.stdout.write(item)
+                    sys.stdout.flush()
+        except ClientError as e:
+            raise UserError(str(e)) from None
+        if final is None:
+            raise UserError("the daemon ended the stream early")
+        self.load_s = final.load_duration
+        return RunStats(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
+                        (first or time.monotonic()) - t0, final.eval_duration, final.done_reason)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def chat_loop(session, system: str | None, verbose: bool) -> int:
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     print("Chatting with the model. /bye or Ctrl-D to quit, /clear to start over, "
           "Ctrl-C to stop a reply.", file=sys.stderr)
@@ -120,8 +194,10 @@ def chat_loop(engine, params, system: str | None, verbose: bool) -> int:
             print("(conversation cleared)", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
+        reply: list[str] = []
         try:
-            reply, stats = stream(engine, engine.encode_chat(messages), params)
+            with _capture(reply):
+                stats = session.generate(messages, None, False)
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)
             messages.pop()
@@ -131,38 +207,63 @@ def chat_loop(engine, params, system: str | None, verbose: bool) -> int:
             messages.pop()
             continue
         print()
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": "".join(reply)})
         if verbose:
             print(stats.format(), file=sys.stderr)
 
 
+class _capture:
+    """Tee what a session writes to stdout into a list (the chat history needs the reply)."""
+
+    def __init__(self, sink: list[str]):
+        self.sink = sink
+
+    def __enter__(self):
+        self.orig = sys.stdout
+        sink, orig = self.sink, self.orig
+
+        class _Tee:
+            def write(self, s):
+                sink.append(s)
+                return orig.write(s)
+
+            def flush(self):
+                orig.flush()
+        sys.stdout = _Tee()
+        return self
+
+    def __exit__(self, *exc):
+        sys.stdout = self.orig
+        return False
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from edgeinfer.show_cmd import resolve_model_file
-    path = resolve_model_file(args.model)
-    backend = choose_backend(args.backend, path)
     params = sampling_from_args(args)
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    t_load = time.monotonic()
-    engine = load_engine(path, backend, args.num_ctx)
-    load_s = time.monotonic() - t_load
+    if args.no_daemon or args.model.endswith(".gguf") or os.path.exists(args.model):
+        path = resolve_model_file(args.model)
+        session = LocalSession(path, choose_backend(args.backend, path), args.num_ctx, params)
+    else:
+        session = DaemonSession(args.model, args.backend, args.num_ctx, params)
     try:
         if prompt is None:
-            return chat_loop(engine, params, args.system, args.verbose)
-        if args.raw:
-            ids = engine.encode_raw(prompt)
-        else:
-            msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-            ids = engine.encode_chat(msgs + [{"role": "user", "content": prompt}])
-        _, stats = stream(engine, ids, params)
+            return chat_loop(session, args.system, args.verbose)
+        msgs = None
+        if not args.raw:
+            msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                [{"role": "user", "content": prompt}]
+        stats = session.generate(msgs, prompt, args.raw)
         print()
         if args.verbose:
-            print(f"backend: {backend}, model load {load_s * 1000:.0f} ms", file=sys.stderr)
+            print(f"backend: {session.backend}, model load {session.load_s * 1000:.0f} ms",
+                  file=sys.stderr)
             print(stats.format(), file=sys.stderr)
         return 0
     finally:
-        engine.shutdown()
+        session.close()
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -187,5 +288,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--backend", choices=["auto", "cpu", "llamacpp", "torch"], default="auto")
     p.add_argument("--num-ctx", type=int, default=None, help="context length (default 8192)")
     p.add_argument("--verbose", action="store_true", help="print TTFT and prefill/decode tok/s")
+    p.add_argument("--no-daemon", action="store_true",
+                   help="run the engine in this process instead of through the daemon")
     p.set_defaults(func=cmd_run)
 
