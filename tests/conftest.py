@@ -9,7 +9,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("EDGEINFER_TEST_CACHE", REPO / ".cache" / "test-models"))
 
-os.environ.setdefault("NUMBA_CACHE_DIR", str(REPO / ".cache" / "numba"))
+# NUMBA_CACHE_DIR defaults (edgeinfer/__init__.py) to the per-user cache install.sh warms.
 
 
 @pytest.fixture(scope="session")
