@@ -45,6 +45,7 @@ class TorchOps:
         self.dtype = dev.compute_dtype(self.info.kind, dtype or os.environ.get("EDGEINFER_TORCH_DTYPE"))
         # CPU: compute in f32 but keep the cache in f16 (half the memory, llama.cpp's rounding).
         self.kv_dtype = torch.float16 if self.info.kind == "cpu" else self.dtype
+        self.kv_bytes_per_value = torch.empty((), dtype=self.kv_dtype).element_size()
         self.weights_format = str(self.dtype).removeprefix("torch.")
         self.name = f"torch:{self.info.kind}"
         self.check_memory = check_memory
@@ -152,7 +153,7 @@ class TorchOps:
                      head_dim: int) -> TorchKVCache:
         shape = (num_blocks, block_size, n_kv_head, head_dim)
         if self.check_memory:
-            need = 2 * n_layers * num_blocks * block_size * n_kv_head * head_dim * 2
+            need = 2 * n_layers * num_blocks * block_size * n_kv_head * head_dim * self.kv_bytes_per_value
             dev.check_fits(dev.detect(self.info.kind), need, f"the KV cache ({num_blocks} blocks)")
         mk = lambda: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # noqa: E731
         return TorchKVCache([mk() for _ in range(n_layers)], [mk() for _ in range(n_layers)],
