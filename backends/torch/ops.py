@@ -153,7 +153,8 @@ class TorchOps:
                      head_dim: int) -> TorchKVCache:
         shape = (num_blocks, block_size, n_kv_head, head_dim)
         if self.check_memory:
-            need = 2 * n_layers * num_blocks * block_size * n_kv_head * head_dim * self.kv_bytes_per_value
+            need = 2 * n_layers * num_blocks * block_size * n_kv_head * head_dim
+            need *= self.kv_bytes_per_value
             dev.check_fits(dev.detect(self.info.kind), need, f"the KV cache ({num_blocks} blocks)")
         mk = lambda: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # noqa: E731
         return TorchKVCache([mk() for _ in range(n_layers)], [mk() for _ in range(n_layers)],
