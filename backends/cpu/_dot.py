@@ -10,7 +10,10 @@ Mins (Q4_1, Q5_1, K-quants) are folded in with `fma(scale, q, -min)`, so no sepa
 x is needed.
 
 Each type is a block step `_b_*(w, o, x, xo, accumulators...)` (o: byte offset of the
-block, xo: its first x index) driven by `_row32` or `_row256`.
+block, xo: its first x index) driven by `_row32` or `_row256`, except Q4_K: its dot reads x
+in a permuted order with the sub-block sums appended (`q4k_x`, made once per call), which
+removes the per-block zero-extending shuffles and the separate mins FMAs (12 -> 16.7 GB/s
+per core).
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from numba import njit
 
 from . import _decode as D
 from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iand, iload_i8, iload_u8,
-                    ishr, itof, kq_scales, q3k_scales, u32load, vadd, vfma, vhsum, vlane, vload,
-                    vmul, vsplat, vzero)
+                    iload_w32, ishr, itof, kq_scales, q3k_scales, u32load, vadd, vfma, vhsum,
+                    vlane, vload, vmul, vpair, vsplat, vzero)
 
 _f32 = np.float32
 
@@ -144,21 +147,61 @@ def _b_q3_k(w, o, x, xo, a0, a1, a2, a3):
     return a0, a1, a2, a3
 
 
+def q4k_x_order() -> np.ndarray:
+    """Order of the 256 x values of a super-block as the Q4_K dot reads them.
+
+    The dot loads the 128 nibble bytes as 2 x 16 uint32 lanes (4 bytes per lane) and takes
+    them apart with shifts: vector (g, k, h) holds nibble h of byte k of each lane, i.e.
+    elements 32 * (2 * (2g + i // 8) + h) + 4 * (i % 8) + k for lanes i. matmul passes x
+    permuted to match (once per call), so no zero-extending shuffles are needed per block.
+    """
+    order = np.empty(256, np.int64)
+    for g in range(2):
+        for k in range(4):
+            for h in range(2):
+                for i in range(16):
+                    order[g * 128 + k * 32 + h * 16 + i] = 32 * (2 * (2 * g + i // 8) + h) + 4 * (i % 8) + k
+    return order
+
+
+def q4k_x(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The x vector the Q4_K matvec takes: x in q4k_x_order, then per super-block 16 floats,
+    zeros then the sums of x over its 8 sub-blocks (the mins' term, one FMA per block)."""
+    sums = np.zeros((x.size // 256, 16), np.float32)
+    sums[:, 8:] = x.reshape(-1, 8, 32).sum(axis=2)
+    return np.concatenate([x[index], sums.reshape(-1)])
+
+
 @njit(inline="always", nogil=True)
-def _b_q4_k(w, o, x, xo, a0, a1, a2, a3):
-    sm = itof(kq_scales(w, o + 4))       # lanes 0-7 scales, 8-15 mins
-    dsv = vmul(vsplat(hload(w, o)), sm)
-    ndmv = vmul(vsplat(-hload(w, o + 2)), sm)
-    for j in range(0, 8, 2):             # sub-block j on a0/a1, j + 1 on a2/a3
-        ds = vlane(dsv, j)
-        ndm = vlane(ndmv, j + 8)
-        a0 = vfma(vfma(ds, itof(D.q4k_half(w, o, j, 0)), ndm), vload(x, xo + 32 * j), a0)
-        a1 = vfma(vfma(ds, itof(D.q4k_half(w, o, j, 1)), ndm), vload(x, xo + 32 * j + 16), a1)
-        ds = vlane(dsv, j + 1)
-        ndm = vlane(ndmv, j + 9)
-        a2 = vfma(vfma(ds, itof(D.q4k_half(w, o, j + 1, 0)), ndm), vload(x, xo + 32 * j + 32), a2)
-        a3 = vfma(vfma(ds, itof(D.q4k_half(w, o, j + 1, 1)), ndm), vload(x, xo + 32 * j + 48), a3)
-    return a0, a1, a2, a3
+def dot_q4_k(w, n, x):
+    """x from q4k_x: values in q4k_x_order, then the sub-block sums at offset K."""
+    a0 = vzero()
+    a1 = vzero()
+    am = vzero()
+    nb = w.shape[1]
+    K = nb * 256
+    r = n * (nb * 144)
+    for b in range(nb):
+        o = r + b * 144
+        xo = b * 256
+        sm = itof(kq_scales(w, o + 4))           # lanes 0-7 scales, 8-15 mins
+        dsv = vmul(vsplat(hload(w, o)), sm)
+        am = vfma(vmul(vsplat(-hload(w, o + 2)), sm), vload(x, K + 16 * b), am)   # - sum dmin*m*sum(x)
+        for g in range(2):
+            v = iload_w32(w, o + 16 + 64 * g)
+            # lanes 0-7 belong to sub-block 4g + h, lanes 8-15 to sub-block 4g + 2 + h
+            xb = xo + g * 128
+            t = vmul(itof(iand(v, 15)), vload(x, xb))
+            t = vfma(itof(iand(ishr(v, 8), 15)), vload(x, xb + 32), t)
+            t = vfma(itof(iand(ishr(v, 16), 15)), vload(x, xb + 64), t)
+            t = vfma(itof(iand(ishr(v, 24), 15)), vload(x, xb + 96), t)
+            a0 = vfma(vpair(dsv, 4 * g, 4 * g + 2), t, a0)
+            u = vmul(itof(iand(ishr(v, 4), 15)), vload(x, xb + 16))
+            u = vfma(itof(iand(ishr(v, 12), 15)), vload(x, xb + 48), u)
+            u = vfma(itof(iand(ishr(v, 20), 15)), vload(x, xb + 80), u)
+            u = vfma(itof(ishr(v, 28)), vload(x, xb + 112), u)
+            a1 = vfma(vpair(dsv, 4 * g + 1, 4 * g + 3), u, a1)
+    return vhsum(vadd(vadd(a0, a1), am))
 
 
 @njit(inline="always", nogil=True)
@@ -238,11 +281,6 @@ def dot_q2_k(w, n, x):
 @njit(inline="always", nogil=True)
 def dot_q3_k(w, n, x):
     return _row256(_b_q3_k, w, n, x)
-
-
-@njit(inline="always", nogil=True)
-def dot_q4_k(w, n, x):
-    return _row256(_b_q4_k, w, n, x)
 
 
 @njit(inline="always", nogil=True)

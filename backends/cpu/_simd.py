@@ -336,3 +336,22 @@ def q3k_scales(typingctx, arr, off):
         sc = builder.or_(lo, builder.shl(hi, ir.Constant(_VI, [4] * 16)))
         return builder.sub(sc, ir.Constant(_VI, [32] * 16))
     return i16x(arr, off), codegen
+
+
+@intrinsic
+def iload_w32(typingctx, arr, off):
+    """64 bytes at byte offset off as 16 little-endian uint32 lanes (4 consecutive bytes per
+    lane): bytes are then taken apart with shifts, without the vpmovzx shuffles."""
+    def codegen(context, builder, sig, args):
+        return builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1], _VI), align=1)
+    return i16x(arr, off), codegen
+
+
+@intrinsic
+def vpair(typingctx, v, a, b):
+    """Lanes 0-7 set to lane a of v, lanes 8-15 to lane b (constants after unrolling)."""
+    def codegen(context, builder, sig, args):
+        xa = _splat(builder, builder.extract_element(args[0], _as_i32(context, builder, sig.args[1], args[1])), _VF)
+        xb = _splat(builder, builder.extract_element(args[0], _as_i32(context, builder, sig.args[2], args[2])), _VF)
+        return builder.shuffle_vector(xa, xb, ir.Constant(_VI, list(range(8)) + list(range(24, 32))))
+    return f16x(v, a, b), codegen

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._kernels import KERNELS
+from ._kernels import KERNELS, X_LAYOUT
 from .quants import QuantMatrix
 
 __all__ = ["QuantMatrix", "matmul", "numba_threads", "warm_kernels"]
@@ -46,7 +46,10 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None) -> np.n
     if M == 0:
         pass
     elif M == 1:
-        KERNELS[code][1](w.blocks, x2[0], out2[0])
+        xv = x2[0]
+        if code in X_LAYOUT:
+            xv = X_LAYOUT[code][1](xv, _x_index(code, K))
+        KERNELS[code][1](w.blocks, xv, out2[0])
     else:
         KERNELS[code][2](w.blocks, _pad4(x2), out2)
     if vec and out.ndim == 2:
@@ -67,6 +70,19 @@ def warm_kernels(qtypes=None) -> None:
         matmul(x[0], w)
         matmul(x, w)
         get_rows(w, [0])
+
+
+_X_INDEX: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _x_index(code: int, K: int) -> np.ndarray:
+    """Gather index putting x in the order the type's matvec reads it (see X_LAYOUT)."""
+    idx = _X_INDEX.get((code, K))
+    if idx is None:
+        order = X_LAYOUT[code][0]
+        idx = (np.arange(K // order.size)[:, None] * order.size + order).reshape(-1)
+        _X_INDEX[(code, K)] = idx
+    return idx
 
 
 def _pad4(x: np.ndarray) -> np.ndarray:
