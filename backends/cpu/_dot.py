@@ -5,15 +5,16 @@
 are reduced once per row. Four accumulators (alternate blocks or sub-blocks, one per 16-lane
 half) keep four independent FMA chains in flight for the 32-value types, where two left the
 4-cycle FMA latency as the limit (Q8_0: 34 -> 39 GB/s per core). The k-quants are bound by
-instruction throughput instead; Q2_K, Q3_K and Q6_K keep two chains (four measured slower).
+instruction throughput instead; Q2_K and Q3_K keep two chains (four measured slower).
 Mins (Q4_1, Q5_1, K-quants) are folded in with `fma(scale, q, -min)`, so no separate sum of
 x is needed.
 
 Each type is a block step `_b_*(w, o, x, xo, accumulators...)` (o: byte offset of the
-block, xo: its first x index) driven by `_row32` or `_row256`, except Q4_K: its dot reads x
-in a permuted order with the sub-block sums appended (`q4k_x`, made once per call), which
-removes the per-block zero-extending shuffles and the separate mins FMAs (12 -> 16.7 GB/s
-per core).
+block, xo: its first x index) driven by `_row32` or `_row256`, except Q4_K and Q6_K: their
+dots read the quant bytes as uint32 lanes and take them apart with shifts, with x permuted
+to match once per call (`q4k_x`, `q6k_x`; Q4_K also gets its sub-block sums appended for
+the mins). That removes the per-block zero-extending shuffles: Q4_K 12 -> 16.7, Q6_K
+15.7 -> 19 GB/s per core.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from numba import njit
 
 from . import _decode as D
 from ._simd import (bload_bf16, bload_f16, bload_f32, hload, hload_end, iand, iload_i8, iload_u8,
-                    iload_w32, ishr, itof, kq_scales, q3k_scales, u32load, vadd, vfma, vhsum,
-                    vlane, vload, vmul, vpair, vsplat, vzero)
+                    iload_w32, iload_w32_dup, ior, ishl, ishr, ishr2, itof, iaddk, kq_scales,
+                    q3k_scales, u32load, vadd, vfma, vhsum, vlane, vload, vmul, vpair, vquad,
+                    vsplat, vzero)
 
 _f32 = np.float32
 
@@ -221,14 +223,55 @@ def _b_q5_k(w, o, x, xo, a0, a1, a2, a3):
     return a0, a1, a2, a3
 
 
+def q6k_x_order() -> np.ndarray:
+    """Order of the 256 x values of a super-block as the Q6_K dot reads them.
+
+    Vector (h, s, k), lane i: nibble s of byte k of uint32 lane i of ql[64h : 64h + 64], i.e.
+    chunk c = 4h + 2s + i // 8 (ggml's 32-value chunks), position l = 4 * (i % 8) + k.
+    """
+    order = np.empty(256, np.int64)
+    for h in range(2):
+        for s in range(2):
+            for k in range(4):
+                for i in range(16):
+                    c = 4 * h + 2 * s + i // 8
+                    order[((h * 2 + s) * 4 + k) * 16 + i] = 32 * c + 4 * (i % 8) + k
+    return order
+
+
+def q6k_x(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The x vector the Q6_K matvec takes: x in q6k_x_order."""
+    return x[index]
+
+
 @njit(inline="always", nogil=True)
-def _b_q6_k(w, o, x, xo, a0, a1, a2, a3):
-    # two chains are enough here (four measured slower: 13.7 vs 15.7 GB/s per core)
-    dsv = vmul(vsplat(hload_end(w, o + 208)), itof(iload_i8(w, o + 192)))
-    for k in range(0, 16, 2):
-        a0 = vfma(vmul(vlane(dsv, k), itof(D.q6k_group(w, o, k))), vload(x, xo + 16 * k), a0)
-        a1 = vfma(vmul(vlane(dsv, k + 1), itof(D.q6k_group(w, o, k + 1))), vload(x, xo + 16 * k + 16), a1)
-    return a0, a1, a2, a3
+def dot_q6_k(w, n, x):
+    """x from q6k_x. Bytes are taken apart as uint32 lanes (no vpmovzx shuffles); the scale
+    of each lane comes from one permute per (h, s)."""
+    a0 = vzero()
+    a1 = vzero()
+    nb = w.shape[1]
+    r = n * (nb * 210)
+    for b in range(nb):
+        o = r + b * 210
+        dsv = vmul(vsplat(hload_end(w, o + 208)), itof(iload_i8(w, o + 192)))
+        for h in range(2):
+            ql = iload_w32(w, o + 64 * h)
+            qh = iload_w32_dup(w, o + 128 + 32 * h)
+            for s in range(2):
+                c0 = 4 * h + 2 * s                   # lanes 0-7 in chunk c0, lanes 8-15 in c0 + 1
+                sc = vquad(dsv, 2 * c0, 2 * c0 + 1, 2 * c0 + 2, 2 * c0 + 3)
+                xb = b * 256 + (h * 2 + s) * 64
+                t = vzero()
+                for k in range(4):
+                    lo = iand(ishr(ql, 8 * k + 4 * s), 15)
+                    hi = iand(ishr2(qh, 8 * k + 4 * s, 8 * k + 4 * s + 2), 3)
+                    t = vfma(itof(iaddk(ior(lo, ishl(hi, 4)), -32)), vload(x, xb + 16 * k), t)
+                if s == 0:
+                    a0 = vfma(sc, t, a0)
+                else:
+                    a1 = vfma(sc, t, a1)
+    return vhsum(vadd(a0, a1))
 
 
 # ----------------------------------------------------------------- row dots (kernel entry points)
@@ -288,6 +331,3 @@ def dot_q5_k(w, n, x):
     return _row256(_b_q5_k, w, n, x)
 
 
-@njit(inline="always", nogil=True)
-def dot_q6_k(w, n, x):
-    return _row256(_b_q6_k, w, n, x)

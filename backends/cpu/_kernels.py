@@ -24,7 +24,7 @@ from . import _dot as P
 from ._simd import vfma, vhsum, vload, vzero
 
 _DEPS = ("_decode.py", "_dot.py", "_simd.py")
-_DEPS_HASH = "eb1e049c3f90ab24"
+_DEPS_HASH = "25b8a8738e5de4af"
 
 
 def deps_hash() -> str:
@@ -256,7 +256,7 @@ def mm_q6_k(w, x, out): _mm_body(D.dec_q6_k, 256, w, x, out)
 
 # type code -> (order within each 256-value super-block in which that type's matvec reads x,
 # function (x, gather index) -> the x array that matvec takes)
-X_LAYOUT = {D.Q4_K: (P.q4k_x_order(), P.q4k_x)}
+X_LAYOUT = {D.Q4_K: (P.q4k_x_order(), P.q4k_x), D.Q6_K: (P.q6k_x_order(), P.q6k_x)}
 
 # type code -> (rows kernel, matvec kernel, multi-row kernel)
 KERNELS = {

@@ -355,3 +355,37 @@ def vpair(typingctx, v, a, b):
         xb = _splat(builder, builder.extract_element(args[0], _as_i32(context, builder, sig.args[2], args[2])), _VF)
         return builder.shuffle_vector(xa, xb, ir.Constant(_VI, list(range(8)) + list(range(24, 32))))
     return f16x(v, a, b), codegen
+
+
+@intrinsic
+def iload_w32_dup(typingctx, arr, off):
+    """32 bytes at byte offset off as 8 uint32 lanes, repeated in lanes 8-15."""
+    def codegen(context, builder, sig, args):
+        v8 = builder.load(_byte_ptr(context, builder, sig.args[0], args[0], args[1],
+                                    ir.VectorType(_I32, 8)), align=1)
+        return builder.shuffle_vector(v8, ir.Constant(ir.VectorType(_I32, 8), ir.Undefined),
+                                      ir.Constant(_VI, list(range(8)) * 2))
+    return i16x(arr, off), codegen
+
+
+@intrinsic
+def ishr2(typingctx, v, a, b):
+    """Lanes 0-7 shifted right by a, lanes 8-15 by b (logical)."""
+    def codegen(context, builder, sig, args):
+        sa = _splat(builder, _as_i32(context, builder, sig.args[1], args[1]), _VI)
+        sb = _splat(builder, _as_i32(context, builder, sig.args[2], args[2]), _VI)
+        sh = builder.shuffle_vector(sa, sb, ir.Constant(_VI, list(range(8)) + list(range(24, 32))))
+        return builder.lshr(args[0], sh)
+    return i16x(v, a, b), codegen
+
+
+@intrinsic
+def vquad(typingctx, v, a, b, c, d):
+    """Lanes 0-3, 4-7, 8-11, 12-15 set to lanes a, b, c, d of v."""
+    def codegen(context, builder, sig, args):
+        parts = [_splat(builder, builder.extract_element(args[0], _as_i32(context, builder, t, x)), _VF)
+                 for t, x in zip(sig.args[1:], args[1:])]
+        lo = builder.shuffle_vector(parts[0], parts[1], ir.Constant(_VI, [0, 1, 2, 3, 16, 17, 18, 19] + [0] * 8))
+        hi = builder.shuffle_vector(parts[2], parts[3], ir.Constant(_VI, [0, 1, 2, 3, 16, 17, 18, 19] + [0] * 8))
+        return builder.shuffle_vector(lo, hi, ir.Constant(_VI, list(range(8)) + list(range(16, 24))))
+    return f16x(v, a, b, c, d), codegen
