@@ -166,12 +166,23 @@ def q4k_x_order() -> np.ndarray:
     return order
 
 
-def q4k_x(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+@njit(nogil=True, cache=True)
+def q4k_x(x, index):
     """The x vector the Q4_K matvec takes: x in q4k_x_order, then per super-block 16 floats,
     zeros then the sums of x over its 8 sub-blocks (the mins' term, one FMA per block)."""
-    sums = np.zeros((x.size // 256, 16), np.float32)
-    sums[:, 8:] = x.reshape(-1, 8, 32).sum(axis=2)
-    return np.concatenate([x[index], sums.reshape(-1)])
+    K = x.shape[0]
+    nsb = K // 256
+    out = np.empty(K + 16 * nsb, np.float32)
+    for i in range(K):
+        out[i] = x[index[i]]
+    for b in range(nsb):
+        for j in range(8):
+            out[K + 16 * b + j] = 0.0
+            acc = _f32(0.0)
+            for i in range(32):
+                acc += x[256 * b + 32 * j + i]
+            out[K + 16 * b + 8 + j] = acc
+    return out
 
 
 @njit(inline="always", nogil=True)
@@ -239,9 +250,13 @@ def q6k_x_order() -> np.ndarray:
     return order
 
 
-def q6k_x(x: np.ndarray, index: np.ndarray) -> np.ndarray:
+@njit(nogil=True, cache=True)
+def q6k_x(x, index):
     """The x vector the Q6_K matvec takes: x in q6k_x_order."""
-    return x[index]
+    out = np.empty(x.shape[0], np.float32)
+    for i in range(x.shape[0]):
+        out[i] = x[index[i]]
+    return out
 
 
 @njit(inline="always", nogil=True)

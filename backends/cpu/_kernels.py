@@ -24,7 +24,7 @@ from . import _dot as P
 from ._simd import vfma, vhsum, vload, vzero
 
 _DEPS = ("_decode.py", "_dot.py", "_simd.py")
-_DEPS_HASH = "25b8a8738e5de4af"
+_DEPS_HASH = "e59820164470a0ef"
 
 
 def deps_hash() -> str:
