@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-import numpy as np
-
 from edgeinfer.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
 from edgeinfer.kv_manager import KVCacheManager
 from edgeinfer.model_config import ModelConfig
@@ -320,4 +318,4 @@ def greedy(max_tokens: int = 64, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestError", "greedy", "np"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "RequestError", "greedy"]
