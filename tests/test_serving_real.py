@@ -238,22 +238,22 @@ def test_chunked_prefill_does_not_stall_decodes(path):
 
     long_prompt = tokens(engine, 1500, seed=41)
     long = submit(engine, long_prompt, 4)
-    long_id = long.last.request_id if long.last else None
-    prefill_steps = 0
+    chunks = []                                   # (start, length) of the long prompt's chunks
     while not long.token_ids:
         out = engine.step()
         engine.scheduler.check_invariants()
         decodes = {c.seq.seq_id for c in out.chunks if c.is_decode}
         assert set(ids) <= decodes, "a decode stream was left out of a prefill step"
-        prefills = [c for c in out.chunks if not c.is_decode]
         assert out.num_tokens <= 256
-        if prefills:
-            prefill_steps += 1
-            long_id = prefills[0].seq.seq_id
-    assert prefill_steps >= 1500 // 256          # the prompt went in chunks
+        prefills = [c for c in out.chunks if not c.is_decode]
+        assert len(prefills) == 1 and prefills[0].seq.seq_id not in ids
+        chunks.append((prefills[0].start, prefills[0].num_tokens))
+    # the prompt went in budget-sized chunks, each continuing the previous one
+    assert len(chunks) >= 1500 // 256 + 1
+    assert [s for s, _ in chunks] == [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
+    assert sum(n for _, n in chunks) == 1500
     after = [len(s.token_ids) for s in streams]
-    assert all(a - b >= prefill_steps for a, b in zip(after, before))
-    assert long_id is not None
+    assert all(a - b >= len(chunks) for a, b in zip(after, before))
     run_to_end(engine)
     assert all(s.finished for s in streams + [long])
     assert engine.stats()["kv_blocks_used"] == 0
