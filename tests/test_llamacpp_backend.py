@@ -146,3 +146,16 @@ def test_non_native_architecture_through_auto(tmp_path):
     llm.close()
     e.runner.close()
     assert ref and out.token_ids[:len(ref)] == ref
+
+
+def test_llama_tokenizer_fallback_agrees(engine):
+    """The fallback used for vocabularies our tokenizer cannot read agrees with ours here."""
+    from edgeinfer.backends.llamacpp.tokenizer import LlamaTokenizer
+    ours = engine.tokenizer
+    theirs = LlamaTokenizer(engine.runner.ctx, engine.runner.gf.metadata)
+    text = "Hello world! Ünïcödé and <start_of_turn>user\n  spaces"
+    for special in (False, True):
+        ids = ours.encode(text, add_special=True, parse_special=special)
+        assert theirs.encode(text, add_special=True, parse_special=special) == ids
+    assert theirs.decode(ids) == ours.decode(ids)
+    assert theirs.bos_id == ours.bos_id and theirs.eot_ids == ours.eot_ids
