@@ -41,6 +41,11 @@ class EngineConfig:
     max_running_seqs: int = 16
     max_tokens_per_step: int = 512
     block_size: int = 16
+    # True: a request's tokens do not depend on what it is batched with (one matmul kernel for
+    # every batch size), at about 2.4x the single-stream decode time until a fused small-batch
+    # kernel exists. Default: the fast single-row kernel for lone decodes.
+    batch_invariant: bool = field(
+        default_factory=lambda: os.environ.get("EDGEINFER_BATCH_INVARIANT", "0") == "1")
 
 
 @dataclass
@@ -90,7 +95,8 @@ class Engine:
                                   kv_budget_bytes=self._kv_budget(path, config),
                                   block_size=config.block_size,
                                   max_running_seqs=config.max_running_seqs,
-                                  max_tokens_per_step=config.max_tokens_per_step)
+                                  max_tokens_per_step=config.max_tokens_per_step,
+                                  batch_invariant=config.batch_invariant)
         self.cfg: ModelConfig = self.runner.cfg
         md = self.runner.gf.metadata
         # the llama.cpp runner brings its own when our tokenizer cannot read the vocabulary

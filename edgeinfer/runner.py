@@ -47,10 +47,10 @@ def plan_kv(cfg: ModelConfig, budget_bytes: int, bytes_per_value: int, block_siz
     return KVPlan(max(1, tokens // block_size), block_size, per_token)
 
 
-def make_ops(backend: str):
+def make_ops(backend: str, batch_invariant: bool = True):
     if backend == "cpu":
         from edgeinfer.backends.cpu.ops import CpuOps
-        return CpuOps()
+        return CpuOps(batch_invariant=batch_invariant)
     if backend == "torch" or backend.startswith("torch:"):
         from edgeinfer.backends.torch.ops import TorchOps
         return TorchOps(device=backend.partition(":")[2] or None)
@@ -72,10 +72,11 @@ class ModelRunner:
 
     @classmethod
     def load(cls, path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
-             block_size: int = 16, min_kv_tokens: int = 0) -> "ModelRunner":
+             block_size: int = 16, min_kv_tokens: int = 0,
+             batch_invariant: bool = True) -> "ModelRunner":
         gf = read_gguf(path)
         cfg = load_model_config(gf)
-        ops = make_ops(backend)
+        ops = make_ops(backend, batch_invariant)
         fit = getattr(ops, "fit_kv_budget", None)
         if fit is not None:  # device backends: refuse early, size the pool from free memory
             kv_budget_bytes = fit(gf, kv_budget_bytes)
@@ -121,7 +122,7 @@ class ModelRunner:
 
 def make_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
                 block_size: int = 16, min_kv_tokens: int = 0, max_running_seqs: int = 16,
-                max_tokens_per_step: int = 512):
+                max_tokens_per_step: int = 512, batch_invariant: bool = True):
     """A ModelRunner on a native backend, or the llama.cpp runner (same interface).
     "auto" picks torch on cuda/mps, else the numba cpu backend, and llama.cpp for
     architectures the native models do not cover."""
@@ -137,4 +138,5 @@ def make_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
                                    max_running_seqs=max_running_seqs,
                                    max_tokens_per_step=max_tokens_per_step)
     return ModelRunner.load(path, backend, kv_budget_bytes=kv_budget_bytes,
-                            block_size=block_size, min_kv_tokens=min_kv_tokens)
+                            block_size=block_size, min_kv_tokens=min_kv_tokens,
+                            batch_invariant=batch_invariant)

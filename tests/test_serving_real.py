@@ -8,21 +8,18 @@ Numerics: the CPU matmul has two paths, a fused matvec for one activation row an
 decode-then-GEMM path for several, and they sum in different orders. So a decode token
 computed inside a batch (GEMM) and alone (matvec) can differ in the last bits, and greedy
 text can part at a near-tie; the same holds for a recomputed (preempted) or cached token.
-The `row_invariant` fixture sends every row through the one-row kernel, which makes a
-row's result independent of its batch: then any difference in output is a serving bug
+Engines here run with batch_invariant=True (every row through the one multi-row kernel, whose
+per-row result does not depend on the batch): then any difference in output is a serving bug
 (a wrong block table, position, cached block or chunk), and equality must be exact.
-Scenarios that only prefill in GEMM chunks (prefix reuse) are exact with the real kernels.
-benchmarks/serving.py reports how many batched outputs match with the production kernels.
+benchmarks/serving.py reports how many batched outputs match with the default (fast) kernels.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
-import edgeinfer.backends.cpu.ops as cpu_ops
 from edgeinfer.engine import Engine, EngineConfig, RequestOutput, greedy
 
 SENTENCES = (
@@ -91,21 +88,6 @@ def alone(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
     return out.token_ids
 
 
-@pytest.fixture()
-def row_invariant(monkeypatch):
-    """Every activation row through the one-row (decode) kernel: batch-independent rows."""
-    one_row = cpu_ops.matmul
-
-    def per_row(x, w):
-        rows = x.reshape(-1, x.shape[-1])
-        out = np.empty((rows.shape[0], w.N), np.float32)
-        for r in range(rows.shape[0]):
-            one_row(np.ascontiguousarray(rows[r]), w, out[r])
-        return out.reshape(*x.shape[:-1], w.N)
-
-    monkeypatch.setattr(cpu_ops, "matmul", per_row)
-
-
 @pytest.fixture(scope="module")
 def path(gemma3_path) -> str:
     return str(gemma3_path)
@@ -113,10 +95,11 @@ def path(gemma3_path) -> str:
 
 def make(path: str, **kw) -> Engine:
     kw.setdefault("kv_budget_bytes", 128 << 20)
+    kw.setdefault("batch_invariant", True)
     return Engine(path, EngineConfig(**kw))
 
 
-def test_batch_invariance_random_arrivals(path, row_invariant):
+def test_batch_invariance_random_arrivals(path):
     ref_engine = make(path)
     prompts = [tokens(ref_engine, n, seed) for seed, n in enumerate((3, 17, 40, 75, 130, 210))]
     expected = [alone(ref_engine, p, 32) for p in prompts]
@@ -164,7 +147,7 @@ def test_prefix_reuse(path):
     cold.scheduler.check_invariants()
 
 
-def test_multi_turn_reuses_previous_turn(path, row_invariant):
+def test_multi_turn_reuses_previous_turn(path):
     engine, cold = make(path), make(path)
     # turn 2 = turn 1's prompt + its reply + a new message
     turn1 = tokens(engine, 90, seed=8)
@@ -179,7 +162,7 @@ def test_multi_turn_reuses_previous_turn(path, row_invariant):
     cold.scheduler.check_invariants()
 
 
-def test_preemption_under_tiny_pool(path, row_invariant):
+def test_preemption_under_tiny_pool(path):
     ref = make(path)
     prompts = [tokens(ref, n, seed=20 + n) for n in (20, 26, 31, 37)]
     expected = [alone(ref, p, 32) for p in prompts]

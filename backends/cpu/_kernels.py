@@ -109,6 +109,23 @@ def _micro4x4(buf, wo, xp, xo, K, out, m0, n0, M, N):
     _put(out, m0 + 3, n0 + 2, M, N, a32); _put(out, m0 + 3, n0 + 3, M, N, a33)
 
 
+@njit(nogil=True, cache=_CACHE)
+def _micro1x4(buf, wo, xp, xo, K, out, m, n0, N):
+    """out[m, n0:n0+4] for one x row: per output the very same FMA chain and lane sum as
+    _micro4x4, so a row's result does not depend on how many rows share the call (batch
+    invariance: a request decodes the same alone or batched, chunked or not)."""
+    a0 = vzero(); a1 = vzero(); a2 = vzero(); a3 = vzero()
+    for k in range(0, K, 16):
+        x0 = vload(xp, xo + k)
+        a0 = vfma(x0, vload(buf, wo + k), a0)
+        a1 = vfma(x0, vload(buf, wo + K + k), a1)
+        a2 = vfma(x0, vload(buf, wo + 2 * K + k), a2)
+        a3 = vfma(x0, vload(buf, wo + 3 * K + k), a3)
+    M = out.shape[0]
+    _put(out, m, n0, M, N, a0); _put(out, m, n0 + 1, M, N, a1)
+    _put(out, m, n0 + 2, M, N, a2); _put(out, m, n0 + 3, M, N, a3)
+
+
 _GEMM_ROWS = 16         # weight rows decoded per step (4 micro-kernel columns)
 _GEMM_MT = 64           # x rows per pass over a decoded chunk (64 x K floats stay in L2)
 _GEMM_SPLIT = 64        # work items for prange; each owns one decode buffer
@@ -118,7 +135,8 @@ _GEMM_SPLIT = 64        # work items for prange; each owns one decode buffer
 def _mm_body(dec, bs, w, xp, out):
     """out[m, n] = dot(x[m], row n of w) for M = out.shape[0] >= 1 rows.
 
-    xp is x padded with zero rows to a multiple of 4. Each work item decodes 16 weight rows
+    Rows go four at a time through the 4x4 micro-kernel and the remainder one at a time through
+    the 1x4 one; both give a row bit-identical results. Each work item decodes 16 weight rows
     at a time (exactly, into an L2-sized float buffer) and runs the 4x4 register-blocked
     micro-kernel over all x rows, so each weight byte is decoded once per call. The
     micro-kernel is type-independent and compiled once, not inlined into every type.
@@ -127,7 +145,7 @@ def _mm_body(dec, bs, w, xp, out):
     nb = w.shape[1]
     ts = w.shape[2]
     M = out.shape[0]
-    Mp = xp.shape[0]
+    M4 = M // 4 * 4
     K = xp.shape[1]
     nch = (N + _GEMM_ROWS - 1) // _GEMM_ROWS
     nsplit = min(nch, _GEMM_SPLIT)
@@ -141,10 +159,13 @@ def _mm_body(dec, bs, w, xp, out):
                 if n < N:
                     for b in range(nb):
                         dec(w, n, b, (n * nb + b) * ts, buf, r * K + b * bs)
-            for mt in range(0, Mp, _GEMM_MT):
+            for mt in range(0, M4, _GEMM_MT):
                 for j in range(0, _GEMM_ROWS, 4):
-                    for m0 in range(mt, min(Mp, mt + _GEMM_MT), 4):
+                    for m0 in range(mt, min(M4, mt + _GEMM_MT), 4):
                         _micro4x4(buf, j * K, xp, m0 * K, K, out, m0, n0 + j, M, N)
+            for m in range(M4, M):
+                for j in range(0, _GEMM_ROWS, 4):
+                    _micro1x4(buf, j * K, xp, m * K, K, out, m, n0 + j, N)
 
 
 # Three two-line wrappers per type, written out rather than made by a factory: numba's disk

@@ -26,8 +26,13 @@ def numba_threads() -> int:
     return numba.get_num_threads()
 
 
-def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None) -> np.ndarray:
-    """float32[M, N] = x @ W^T for x float32[M, K] (a 1-D x gives a 1-D result)."""
+def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None,
+           batch_invariant: bool = False) -> np.ndarray:
+    """float32[M, N] = x @ W^T for x float32[M, K] (a 1-D x gives a 1-D result).
+
+    batch_invariant: a single row too goes through the multi-row kernel, whose per-row result
+    is bit-identical for any M; the fused matvec is faster for M == 1 but rounds differently.
+    """
     x = np.asarray(x)
     vec = x.ndim == 1
     x2 = np.ascontiguousarray(x.reshape(1, -1) if vec else x, dtype=np.float32)
@@ -45,13 +50,13 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None) -> np.n
     code = int(w.qtype)
     if M == 0:
         pass
-    elif M == 1:
+    elif M == 1 and not batch_invariant:
         xv = x2[0]
         if code in X_LAYOUT:
             xv = X_LAYOUT[code][1](xv, _x_index(code, K))
         KERNELS[code][1](w.blocks, xv, out2[0])
     else:
-        KERNELS[code][2](w.blocks, _pad4(x2), out2)
+        KERNELS[code][2](w.blocks, x2, out2)
     if vec and out.ndim == 2:
         return out.reshape(w.N)
     return out
@@ -83,13 +88,3 @@ def _x_index(code: int, K: int) -> np.ndarray:
         idx = (np.arange(K // order.size)[:, None] * order.size + order).reshape(-1)
         _X_INDEX[(code, K)] = idx
     return idx
-
-
-def _pad4(x: np.ndarray) -> np.ndarray:
-    """x with zero rows appended up to a multiple of 4 rows (the micro-kernel height)."""
-    M = x.shape[0]
-    if M % 4 == 0:
-        return x
-    xp = np.zeros(((M + 3) // 4 * 4, x.shape[1]), np.float32)
-    xp[:M] = x
-    return xp

@@ -38,13 +38,16 @@ class CpuOps:
     name = "cpu"
     kv_bytes_per_value = 4
 
-    def __init__(self, numerics: str = "ggml"):
+    def __init__(self, numerics: str = "ggml", batch_invariant: bool = True):
         """numerics="ggml" rounds activations, K/V and GELU as llama.cpp's CPU backend does
         (8-bit activation blocks per weight type, f16 K/V and GELU), so greedy text matches it
         token for token; "f32" keeps every intermediate in float32."""
         if numerics not in ("ggml", "f32"):
             raise ValueError(f"numerics must be 'ggml' or 'f32', not {numerics!r}")
         self.numerics = numerics
+        # Every row through the same kernel whatever the batch size, so a request's tokens do
+        # not depend on what it was batched with (see matmul's batch_invariant).
+        self.batch_invariant = batch_invariant
         self.kv_f16_rounding = numerics == "ggml"
 
     # -- weights ---------------------------------------------------------------------------
@@ -68,7 +71,7 @@ class CpuOps:
             if rounder is not None:
                 x2 = x.reshape(-1, x.shape[-1])
                 x = rounder(x2, np.empty_like(x2))
-        return matmul(x, w)
+        return matmul(x, w, batch_invariant=self.batch_invariant)
 
     def add_bias(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
         x += b
