@@ -9,25 +9,30 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 _JIT = dict(nogil=True, cache=True, fastmath=False)
 _PJIT = dict(nogil=True, cache=True, parallel=True, fastmath=False)
 
 
+@intrinsic
+def _f16_round(typingctx, x):
+    """float32 -> nearest float16 (ties to even) -> float32: LLVM's fptrunc/fpext, one
+    vcvtps2ph/vcvtph2ps pair on x86 (F16C) and native on ARM64."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
 @njit(inline="always", nogil=True)
 def round_f16(v):
-    """Round a float32 to the nearest float16 value (ties to even), returned as float32."""
-    a = abs(v)
-    if a == 0.0 or not np.isfinite(a):
-        return v
-    if a >= 65520.0:
-        return np.float32(np.inf) if v > 0 else np.float32(-np.inf)
-    m, e = math.frexp(a)            # a = m * 2^e, m in [0.5, 1)
-    exp = e - 1
-    q = 2.0 ** (exp - 10) if exp >= -14 else 2.0 ** -24
-    r = np.float32(np.rint(a / q) * q)
-    return r if v > 0 else -r
+    """Round to the nearest float16 value, returned as float32."""
+    return _f16_round(np.float32(v))
 
 
 @njit(**_PJIT)
@@ -119,7 +124,7 @@ def copy_blocks(k_cache, v_cache, src, dst):
         v_cache[dst[i]] = v_cache[src[i]]
 
 
-@njit(**_PJIT)
+@njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
 def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
                     ggml_rounding, out):
     """Causal attention for a flat batch of query tokens, reading K/V through block tables.
