@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.model_config import ModelConfig
-from edgeinfer.models.llama import attention, load_layers
+from edgeinfer.models.llama import attention, load_head, load_layers
 
 
 class Gemma3Model:
     def __init__(self, cfg: ModelConfig, ops, gf):
         self.cfg, self.ops = cfg, ops
-        self.tok_embd = ops.matrix(gf, "token_embd.weight")
-        self.output_norm = ops.vector(gf, "output_norm.weight")
-        self.output = self.tok_embd if cfg.tied_output else ops.matrix(gf, "output.weight")
+        self.tok_embd, self.output_norm, self.output = load_head(cfg, ops, gf)
         self.layers = load_layers(cfg, ops, gf)
 
     def forward(self, batch: ForwardBatch, kv):

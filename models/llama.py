@@ -70,12 +70,17 @@ def attention(cfg: ModelConfig, ops, w: LayerWeights, h, batch: ForwardBatch, kv
     return ops.matmul(a.reshape(T, cfg.q_dim), w.wo)
 
 
+def load_head(cfg: ModelConfig, ops, gf):
+    """Token embedding, final norm and output projection (the embedding when tied)."""
+    tok_embd = ops.matrix(gf, "token_embd.weight")
+    output = tok_embd if cfg.tied_output else ops.matrix(gf, "output.weight")
+    return tok_embd, ops.vector(gf, "output_norm.weight"), output
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, ops, gf):
         self.cfg, self.ops = cfg, ops
-        self.tok_embd = ops.matrix(gf, "token_embd.weight")
-        self.output_norm = ops.vector(gf, "output_norm.weight")
-        self.output = self.tok_embd if cfg.tied_output else ops.matrix(gf, "output.weight")
+        self.tok_embd, self.output_norm, self.output = load_head(cfg, ops, gf)
         self.rope_freqs = ops.vector(gf, "rope_freqs.weight") if cfg.has_rope_freqs else None
         self.layers = load_layers(cfg, ops, gf)
 

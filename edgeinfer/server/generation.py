@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi.responses import StreamingResponse
 
 from edgeinfer.engine import RequestError, RequestOutput
 from edgeinfer.sampling import SamplingParams
@@ -133,3 +136,21 @@ async def start(manager: ModelManager, metrics: Metrics, model: str, n: int,
                 backend: str | None = None, keep_alive: float | None = None) -> Generation:
     lm, load = await manager.acquire(model, backend, sequences=n, keep_alive=keep_alive)
     return Generation(manager, metrics, lm, load, n)
+
+
+def streaming_response(gen: "Generation", agen: AsyncIterator[bytes], media_type: str,
+                       source=None, headers: dict | None = None) -> StreamingResponse:
+    """Stream agen's chunks; when the stream ends or the client goes, close `source` (the
+    event iterator agen reads, or agen itself) and release the generation's requests."""
+    async def body():
+        try:
+            async for chunk in agen:
+                yield chunk
+        finally:
+            await (source or agen).aclose()
+            gen.release()
+    it = body()
+    # A client gone before the first chunk means body() never starts, so its finally never
+    # runs: release when the unstarted generator is collected instead.
+    weakref.finalize(it, gen.release)
+    return StreamingResponse(it, media_type=media_type, headers=headers)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import weakref
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
 
@@ -161,16 +160,7 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape) -> Any:
 
 
 def _stream(gen: Generation, events, agen: AsyncIterator[bytes]) -> StreamingResponse:
-    async def body():
-        try:
-            async for chunk in agen:
-                yield chunk
-        finally:
-            await events.aclose()
-            gen.release()
-    it = body()
-    weakref.finalize(it, gen.release)      # see openai_api._stream
-    return StreamingResponse(it, media_type="application/x-ndjson")
+    return generation.streaming_response(gen, agen, "application/x-ndjson", source=events)
 
 
 @router.post("/generate")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-import weakref
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -106,19 +105,8 @@ async def _with_disconnect(request: Request):
 
 
 def _stream(gen: Generation, agen: AsyncIterator[bytes]) -> StreamingResponse:
-    async def body():
-        try:
-            async for chunk in agen:
-                yield chunk
-        finally:
-            await agen.aclose()
-            gen.release()
-    it = body()
-    # A client gone before the first chunk means body() never starts, so its finally never
-    # runs: release when the unstarted generator is collected instead.
-    weakref.finalize(it, gen.release)
-    return StreamingResponse(it, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return generation.streaming_response(
+        gen, agen, "text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _sse(obj: Any) -> bytes:
