@@ -69,6 +69,20 @@ def _mv_body(dot, w, x, out):
             out[n] = dot(w, n, x)
 
 
+@njit(inline="always")
+def _mvm_body(dot, w, x, out):
+    """out[m, n] = dot(row n of w, x[m]) for a few x rows (batched decode). Each weight row
+    comes from memory once and stays in L1 for the M dots, and a row's result is the
+    matvec's, bit for bit, whatever M is."""
+    N = w.shape[0]
+    M = x.shape[0]
+    nch = (N + _CHUNK_ROWS - 1) // _CHUNK_ROWS
+    for c in prange(nch):
+        for n in range(c * _CHUNK_ROWS, min(N, (c + 1) * _CHUNK_ROWS)):
+            for m in range(M):
+                out[m, n] = dot(w, n, x[m])
+
+
 @njit(inline="always", nogil=True)
 def _put(out, m, n, M, N, v):
     if m < M and n < N:
@@ -274,6 +288,41 @@ def mv_q6_k(w, x, out): _mv_body(P.dot_q6_k, w, x, out)
 @njit(**_PAR)
 def mm_q6_k(w, x, out): _mm_body(D.dec_q6_k, 256, w, x, out)
 
+
+# Few-row matvecs (batched decode), one per type; see _mvm_body.
+@njit(**_PAR)
+def mvm_f32(w, x, out): _mvm_body(P.dot_f32, w, x, out)
+@njit(**_PAR)
+def mvm_f16(w, x, out): _mvm_body(P.dot_f16, w, x, out)
+@njit(**_PAR)
+def mvm_bf16(w, x, out): _mvm_body(P.dot_bf16, w, x, out)
+@njit(**_PAR)
+def mvm_q4_0(w, x, out): _mvm_body(P.dot_q4_0, w, x, out)
+@njit(**_PAR)
+def mvm_q4_1(w, x, out): _mvm_body(P.dot_q4_1, w, x, out)
+@njit(**_PAR)
+def mvm_q5_0(w, x, out): _mvm_body(P.dot_q5_0, w, x, out)
+@njit(**_PAR)
+def mvm_q5_1(w, x, out): _mvm_body(P.dot_q5_1, w, x, out)
+@njit(**_PAR)
+def mvm_q8_0(w, x, out): _mvm_body(P.dot_q8_0, w, x, out)
+@njit(**_PAR)
+def mvm_q2_k(w, x, out): _mvm_body(P.dot_q2_k, w, x, out)
+@njit(**_PAR)
+def mvm_q3_k(w, x, out): _mvm_body(P.dot_q3_k, w, x, out)
+@njit(**_PAR)
+def mvm_q4_k(w, x, out): _mvm_body(P.dot_q4_k, w, x, out)
+@njit(**_PAR)
+def mvm_q5_k(w, x, out): _mvm_body(P.dot_q5_k, w, x, out)
+@njit(**_PAR)
+def mvm_q6_k(w, x, out): _mvm_body(P.dot_q6_k, w, x, out)
+
+
+FEW_ROW_KERNELS = {
+    D.F32: mvm_f32, D.F16: mvm_f16, D.BF16: mvm_bf16, D.Q4_0: mvm_q4_0, D.Q4_1: mvm_q4_1,
+    D.Q5_0: mvm_q5_0, D.Q5_1: mvm_q5_1, D.Q8_0: mvm_q8_0, D.Q2_K: mvm_q2_k, D.Q3_K: mvm_q3_k,
+    D.Q4_K: mvm_q4_k, D.Q5_K: mvm_q5_k, D.Q6_K: mvm_q6_k,
+}
 
 # type code -> (order within each 256-value super-block in which that type's matvec reads x,
 # function (x, gather index) -> the x array that matvec takes)

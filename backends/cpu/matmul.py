@@ -15,10 +15,16 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._kernels import KERNELS, X_LAYOUT
+from ._kernels import FEW_ROW_KERNELS, KERNELS, X_LAYOUT
 from .quants import QuantMatrix
 
 __all__ = ["QuantMatrix", "matmul", "numba_threads", "warm_kernels"]
+
+
+# Up to this many rows (batched decode of a few streams) each row is a matvec of its own,
+# reading every weight row from memory once for all of them; beyond it the register-blocked
+# kernel's reuse wins (benchmarks/kernels.py, benchmarks/serving.py).
+FEW_ROWS = 4
 
 
 def numba_threads() -> int:
@@ -30,8 +36,10 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None,
            batch_invariant: bool = False) -> np.ndarray:
     """float32[M, N] = x @ W^T for x float32[M, K] (a 1-D x gives a 1-D result).
 
-    batch_invariant: a single row too goes through the multi-row kernel, whose per-row result
-    is bit-identical for any M; the fused matvec is faster for M == 1 but rounds differently.
+    Paths: M == 1 the fused matvec; M <= FEW_ROWS the same dot per row (bit-identical to
+    M == 1); larger M the register-blocked multi-row kernel, which rounds differently.
+    batch_invariant: every M, M == 1 included, through the multi-row kernel, whose per-row
+    result is bit-identical for any M (slower for small M).
     """
     x = np.asarray(x)
     vec = x.ndim == 1
@@ -55,6 +63,11 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None,
         if code in X_LAYOUT:
             xv = X_LAYOUT[code][1](xv, _x_index(code, K))
         KERNELS[code][1](w.blocks, xv, out2[0])
+    elif M <= FEW_ROWS and not batch_invariant:
+        if code in X_LAYOUT:
+            idx = _x_index(code, K)
+            x2 = np.stack([X_LAYOUT[code][1](x2[m], idx) for m in range(M)])
+        FEW_ROW_KERNELS[code](w.blocks, x2, out2)
     else:
         KERNELS[code][2](w.blocks, x2, out2)
     if vec and out.ndim == 2:
@@ -71,9 +84,10 @@ def warm_kernels(qtypes=None) -> None:
     for qt in (SUPPORTED_TYPES if qtypes is None else qtypes):
         K = 256
         w = QuantMatrix.from_bytes(random_quant_rows(qt, 4, K, rng), qt, K, 4)
-        x = np.zeros((3, K), np.float32)
-        matmul(x[0], w)
-        matmul(x, w)
+        x = np.zeros((FEW_ROWS + 1, K), np.float32)
+        matmul(x[0], w)                 # matvec
+        matmul(x[:2], w)                # few-row matvec
+        matmul(x, w)                    # register-blocked multi-row
         get_rows(w, [0])
 
 
