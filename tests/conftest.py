@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,18 @@ REPO = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("EDGEINFER_TEST_CACHE", REPO / ".cache" / "test-models"))
 
 # NUMBA_CACHE_DIR defaults (edgeinfer/__init__.py) to the per-user cache install.sh warms.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Client commands look for a daemon at EDGEINFER_HOST (default 127.0.0.1:11435). A daemon the
+# user left running there, with another store, must never answer the tests' CLI calls: point
+# them at a port nobody listens on. Tests that want a daemon start their own.
+os.environ["EDGEINFER_HOST"] = f"127.0.0.1:{_free_port()}"
 
 
 @pytest.fixture(scope="session")
