@@ -8,11 +8,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def setup_env(threads: int) -> None:
-    """Call before numba is imported. Passive OpenMP waiting: numba's workers sleep between
-    kernels instead of spinning, which on an oversubscribed 2-core machine keeps them from
-    stealing the cores the other side needs (set OMP_WAIT_POLICY=ACTIVE to compare)."""
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(REPO / ".cache" / "numba"))
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """Call before numba is imported. OpenMP waiting and the JIT cache stay as the package sets
+    them (edgeinfer/__init__.py), so the numbers are what users get; set OMP_WAIT_POLICY to
+    compare."""
     os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
 
 

@@ -13,7 +13,7 @@
     TTFT < 1 s and TPOT < 100 ms (requests meeting both, per second of the run).
 (d) the same arrival schedule and prompts against llama.cpp one request at a time.
 The engine runs on its own thread, driven through submit() like the HTTP server drives it.
-OMP_WAIT_POLICY defaults to PASSIVE (benchmarks/common.py); absolute numbers on the shared
+OpenMP waits as the package sets it (edgeinfer/__init__.py); absolute numbers on the shared
 2-core machine drift run to run, the ratios within one run are the figures to read.
 """
 from __future__ import annotations
@@ -358,7 +358,8 @@ def main() -> None:
     setup_env(args.threads)
     import os
     path = model_path(args.model)
-    print(f"model {path}; threads {args.threads}; OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+    print(f"model {path}; threads {args.threads}; OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     eng = EngineClient(path)
     llm = None if args.no_llama else LlamaClient(path, args.threads)
     results: dict = {}

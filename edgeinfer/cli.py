@@ -37,19 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Domain errors whose message is meant for the user (module, class); looked up only when an
+# error happens, so a command never imports a backend it did not use.
+_USER_FACING = (
+    ("edgeinfer.gguf_file", "GGUFError"),
+    ("edgeinfer.store", "StoreError"),
+    ("edgeinfer.backends.torch.device", "InsufficientMemory"),
+    ("edgeinfer.backends.llamacpp.context", "LlamaError"),
+)
+
+
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from edgeinfer.gguf_file import GGUFError
-    errors: list[type[BaseException]] = [UserError, GGUFError]
-    try:
-        from edgeinfer.store import StoreError
-        errors.append(StoreError)
-    except ImportError:
-        pass
-    try:
-        from edgeinfer.backends.torch.device import InsufficientMemory
-        errors.append(InsufficientMemory)
-    except ImportError:
-        pass
+    import importlib
+    errors: list[type[BaseException]] = [UserError]
+    for module, name in _USER_FACING:
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
     return tuple(errors)
 
 

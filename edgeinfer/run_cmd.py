@@ -46,15 +46,16 @@ def sampling_from_args(args: argparse.Namespace):
 
 
 def choose_backend(requested: str, path: str) -> str:
-    """`auto`: the native engine when it runs the architecture, llama.cpp otherwise."""
+    """`auto`: torch on CUDA, then torch on MPS, then the native CPU engine; llama.cpp for
+    architectures the native models do not cover (edgeinfer.backends.torch.device)."""
     if requested != "auto":
         return requested
+    from edgeinfer.backends.torch.device import choose_backend as choose
     from edgeinfer.gguf_file import read_gguf
-    from edgeinfer.model_config import NATIVE_ARCHS
     f = read_gguf(path)
     arch = f.metadata.get("general.architecture")
     f.close()
-    return "cpu" if arch in NATIVE_ARCHS else "llamacpp"
+    return choose("auto", arch if isinstance(arch, str) else None)
 
 
 def load_engine(path: str, backend: str, num_ctx: int | None):
@@ -285,7 +286,10 @@ def add_commands(subparsers) -> None:
                    help="send PROMPT as plain text (BOS per the model, no chat template)")
     p.add_argument("--system", help="a system prompt")
     add_sampling_args(p)
-    p.add_argument("--backend", choices=["auto", "cpu", "llamacpp", "torch"], default="auto")
+    p.add_argument("--backend", default="auto",
+                   choices=["auto", "cpu", "llamacpp", "torch", "torch:cuda", "torch:mps", "torch:cpu"],
+                   help="auto: torch on CUDA, then MPS, then the native CPU engine; llama.cpp "
+                        "for architectures without a native model")
     p.add_argument("--num-ctx", type=int, default=None, help="context length (default 8192)")
     p.add_argument("--verbose", action="store_true", help="print TTFT and prefill/decode tok/s")
     p.add_argument("--no-daemon", action="store_true",
