@@ -225,11 +225,17 @@ class Store:
         ref = self._ref(n, m)
         return ref if ref.path.is_file() else None
 
-    def resolve(self, model: str) -> ModelRef:
-        """`name[:tag]` -> its registered blob; a path to a .gguf -> an unregistered ref.
-        `gemma3:270m` falls back to (and registers) the bundled package."""
+    def resolve(self, model: str, allow_path: bool = True) -> ModelRef:
+        """`name[:tag]` -> its registered blob; a path to a .gguf -> an unregistered ref
+        (only with allow_path: the daemon passes False, so a request can never make it open
+        a file outside the store). `gemma3:270m` falls back to (and registers) the bundled
+        package."""
         if not isinstance(model, str) or not model.strip():
             raise InvalidModelName("empty model name")
+        if _is_path_like(model) and not allow_path:
+            raise InvalidModelName(
+                f"{model!r} is a file path, not a model name; import the file first with "
+                f"`edgeinfer pull ./FILE.gguf --name NAME:TAG` and use that name")
         if _is_path_like(model):
             p = Path(model).expanduser()
             if not p.is_file():
@@ -375,8 +381,8 @@ class Store:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def copy(self, src: str, dst: str) -> ModelRef:
-        ref = self.resolve(src)
+    def copy(self, src: str, dst: str, allow_path: bool = True) -> ModelRef:
+        ref = self.resolve(src, allow_path=allow_path)
         if not ref.registered:
             return self.register_file(ref.path, dst)
         n = parse_name(dst)

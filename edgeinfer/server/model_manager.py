@@ -168,7 +168,7 @@ class ModelManager:
     def resolve(self, model: str):
         """Store lookup with API errors (404 unknown, 400 malformed)."""
         try:
-            return self.store.resolve(model)
+            return self.store.resolve(model, allow_path=False)
         except ModelNotFound as e:
             raise not_found(model, str(e)) from None
         except StoreError as e:        # InvalidModelName and friends
@@ -176,7 +176,7 @@ class ModelManager:
 
     def find_loaded(self, model: str) -> list[LoadedModel]:
         try:
-            full = self.store.resolve(model).full_name if ":" not in model else model
+            full = self.store.resolve(model, allow_path=False).full_name if ":" not in model else model
         except StoreError:
             full = model
         return [lm for (name, _), lm in self.models.items() if name in (model, full)]

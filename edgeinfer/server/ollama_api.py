@@ -297,7 +297,7 @@ async def delete(body: ModelNameRequest, request: Request):
 async def copy(body: CopyRequest, request: Request):
     store = request.app.state.manager.store
     try:
-        await asyncio.to_thread(store.copy, body.source, body.destination)
+        await asyncio.to_thread(store.copy, body.source, body.destination, False)
     except ModelNotFound as e:
         raise not_found(body.source, str(e)) from None
     except StoreError as e:
