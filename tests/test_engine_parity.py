@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from edgeinfer.engine import Engine, EngineConfig, greedy
+from edgeinfer.gguf_file import read_gguf
 from edgeinfer.runner import ModelRunner
+from edgeinfer.tokenizer import Tokenizer
 from synth import synthetic_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -79,9 +81,6 @@ def test_synthetic_parity(arch, ftype):
 
 def test_gemma3_logits_long_prompt(gemma3_path):
     """A 700-token prompt: past the 512-token sliding window of the local layers."""
-    tok = Engine.__new__(Engine)
-    from edgeinfer.gguf_file import read_gguf
-    from edgeinfer.tokenizer import Tokenizer
     tk = Tokenizer.from_gguf(read_gguf(gemma3_path).metadata)
     text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones."
                     for i in range(60))
@@ -91,7 +90,6 @@ def test_gemma3_logits_long_prompt(gemma3_path):
     ours = our_logits(gemma3_path, tokens, 690)
     stats = check_agreement(ours, ref[689:], rel_tol=0.12)
     assert stats["top5"] >= 0.8, stats
-    del tok
 
 
 NOISE_FLOOR = 1.5
