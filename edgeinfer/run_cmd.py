@@ -45,19 +45,6 @@ def sampling_from_args(args: argparse.Namespace):
         raise UserError(str(e)) from None
 
 
-def choose_backend(requested: str, path: str) -> str:
-    """`auto`: torch on CUDA, then torch on MPS, then the native CPU engine; llama.cpp for
-    architectures the native models do not cover (edgeinfer.backends.torch.device)."""
-    if requested != "auto":
-        return requested
-    from edgeinfer.backends.torch.device import choose_backend as choose
-    from edgeinfer.gguf_file import read_gguf
-    f = read_gguf(path)
-    arch = f.metadata.get("general.architecture")
-    f.close()
-    return choose("auto", arch if isinstance(arch, str) else None)
-
-
 def load_engine(path: str, backend: str, num_ctx: int | None):
     from edgeinfer.engine import Engine, EngineConfig
     from edgeinfer.gguf_file import GGUFError
@@ -239,6 +226,7 @@ class _capture:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from edgeinfer.runner import resolve_backend
     from edgeinfer.show_cmd import resolve_model_file
     params = sampling_from_args(args)
     prompt = args.prompt
@@ -246,7 +234,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if args.no_daemon or args.model.endswith(".gguf") or os.path.exists(args.model):
         path = resolve_model_file(args.model)
-        session = LocalSession(path, choose_backend(args.backend, path), args.num_ctx, params)
+        session = LocalSession(path, resolve_backend(path, args.backend), args.num_ctx, params)
     else:
         session = DaemonSession(args.model, args.backend, args.num_ctx, params)
     try:

@@ -120,18 +120,25 @@ class ModelRunner:
         return self.ops.to_numpy(self.model.forward(batch, self.kv))
 
 
+def resolve_backend(path: str, backend: str) -> str:
+    """Resolve "auto": torch on cuda, then mps, else the numba cpu backend; llama.cpp for
+    architectures the native models do not cover. Other names pass through."""
+    if backend != "auto":
+        return backend
+    from edgeinfer.backends.torch.device import choose_backend
+    gf = read_gguf(path)
+    arch = gf.metadata.get("general.architecture")
+    gf.close()
+    return choose_backend("auto", arch if isinstance(arch, str) else None)
+
+
 def make_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
                 block_size: int = 16, min_kv_tokens: int = 0, max_running_seqs: int = 16,
                 max_tokens_per_step: int = 512, batch_invariant: bool = True):
     """A ModelRunner on a native backend, or the llama.cpp runner (same interface).
     "auto" picks torch on cuda/mps, else the numba cpu backend, and llama.cpp for
     architectures the native models do not cover."""
-    if backend == "auto":
-        from edgeinfer.backends.torch.device import choose_backend
-        gf = read_gguf(path)
-        arch = gf.metadata.get("general.architecture")
-        gf.close()
-        backend = choose_backend("auto", arch if isinstance(arch, str) else None)
+    backend = resolve_backend(path, backend)
     if backend == "llamacpp":
         from edgeinfer.backends.llamacpp.runner import LlamaCppRunner
         return LlamaCppRunner.load(path, kv_budget_bytes, block_size, min_kv_tokens,
