@@ -92,7 +92,7 @@ class Engine:
         self.path = path
         self.config = config
         self.runner = make_runner(path, config.backend,
-                                  kv_budget_bytes=self._kv_budget(path, config),
+                                  kv_budget_bytes=self._kv_budget(config),
                                   block_size=config.block_size,
                                   max_running_seqs=config.max_running_seqs,
                                   max_tokens_per_step=config.max_tokens_per_step,
@@ -123,7 +123,8 @@ class Engine:
         self.prompt_tokens_computed = 0
 
     # -- sizing ----------------------------------------------------------------------------
-    def _kv_budget(self, path: str, config: EngineConfig) -> int:
+    @staticmethod
+    def _kv_budget(config: EngineConfig) -> int:
         if config.kv_budget_bytes:
             return config.kv_budget_bytes
         env = os.environ.get("EDGEINFER_KV_BUDGET_MB")

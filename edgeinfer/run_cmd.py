@@ -98,14 +98,16 @@ class LocalSession:
         self.load_s = time.monotonic() - t
         self.backend, self.params = backend, params
 
-    def generate(self, messages: list[dict] | None, prompt: str | None, raw: bool) -> RunStats:
+    def generate(self, messages: list[dict] | None, prompt: str | None,
+                 raw: bool) -> tuple[str, RunStats]:
+        """Stream the reply to stdout; return its text and timings."""
         if messages is not None:
             ids = self.engine.encode_chat(messages)
         elif raw:
             ids = self.engine.encode_raw(prompt)
         else:
             ids = self.engine.encode_chat([{"role": "user", "content": prompt}])
-        return stream(self.engine, ids, self.params)[1]
+        return stream(self.engine, ids, self.params)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -134,18 +136,21 @@ class DaemonSession:
             opts["backend"] = backend
         self.options = opts
 
-    def generate(self, messages: list[dict] | None, prompt: str | None, raw: bool) -> RunStats:
+    def generate(self, messages: list[dict] | None, prompt: str | None,
+                 raw: bool) -> tuple[str, RunStats]:
         from edgeinfer.client import ClientError, GenerationStats, stream_generate
         kw = dict(messages=messages) if messages is not None else dict(prompt=prompt, raw=raw)
         t0 = time.monotonic()
         first = None
         final = None
+        text: list[str] = []
         try:
             for item in stream_generate(self.model, options=self.options, client=self.client, **kw):
                 if isinstance(item, GenerationStats):
                     final = item
                 else:
                     first = first or time.monotonic()
+                    text.append(item)
                     sys.stdout.write(item)
                     sys.stdout.flush()
         except ClientError as e:
@@ -153,7 +158,7 @@ class DaemonSession:
         if final is None:
             raise UserError("the daemon ended the stream early")
         self.load_s = final.load_duration
-        return RunStats(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
+        return "".join(text), RunStats(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
                         (first or time.monotonic()) - t0, final.eval_duration, final.done_reason)
 
     def close(self) -> None:
@@ -182,10 +187,8 @@ def chat_loop(session, system: str | None, verbose: bool) -> int:
             print("(conversation cleared)", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        reply: list[str] = []
         try:
-            with _capture(reply):
-                stats = session.generate(messages, None, False)
+            reply, stats = session.generate(messages, None, False)
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)
             messages.pop()
@@ -195,34 +198,9 @@ def chat_loop(session, system: str | None, verbose: bool) -> int:
             messages.pop()
             continue
         print()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        messages.append({"role": "assistant", "content": reply})
         if verbose:
             print(stats.format(), file=sys.stderr)
-
-
-class _capture:
-    """Tee what a session writes to stdout into a list (the chat history needs the reply)."""
-
-    def __init__(self, sink: list[str]):
-        self.sink = sink
-
-    def __enter__(self):
-        self.orig = sys.stdout
-        sink, orig = self.sink, self.orig
-
-        class _Tee:
-            def write(self, s):
-                sink.append(s)
-                return orig.write(s)
-
-            def flush(self):
-                orig.flush()
-        sys.stdout = _Tee()
-        return self
-
-    def __exit__(self, *exc):
-        sys.stdout = self.orig
-        return False
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -244,7 +222,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.raw:
             msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": prompt}]
-        stats = session.generate(msgs, prompt, args.raw)
+        _, stats = session.generate(msgs, prompt, args.raw)
         print()
         if args.verbose:
             print(f"backend: {session.backend}, model load {session.load_s * 1000:.0f} ms",
