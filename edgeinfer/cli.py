@@ -44,6 +44,7 @@ _USER_FACING = (
     ("edgeinfer.store", "StoreError"),
     ("edgeinfer.backends.torch.device", "InsufficientMemory"),
     ("edgeinfer.backends.llamacpp.context", "LlamaError"),
+    ("edgeinfer.backend_choice", "BackendChoiceError"),
 )
 
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    validate = getattr(args, "validate", None)
+    if validate is not None:    # cross-option checks: a usage error exits 2 like argparse's
+        validate(args)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

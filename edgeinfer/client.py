@@ -176,7 +176,7 @@ def stream_generate(model: str, prompt: str | None = None,
     """Generate through the daemon: yields text chunks (str), then one GenerationStats.
     `messages` uses /api/chat, `prompt` /api/generate (`raw` skips the chat template).
     `options` are Ollama's (num_predict, temperature, top_k, top_p, min_p, repeat_penalty,
-    seed, stop, num_ctx) plus `backend`. Errors raise ClientError."""
+    seed, stop, num_ctx) plus `backend` and `device`. Errors raise ClientError."""
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt and messages")
     own = client is None

@@ -21,13 +21,13 @@ def add_commands(subparsers: Any) -> None:
     _server_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, validate=_validate_placement(p))
 
     p = subparsers.add_parser("daemon", help="start, stop or inspect the background daemon")
     sub = p.add_subparsers(dest="daemon_cmd", metavar="ACTION", required=True)
     s = sub.add_parser("start", help="start the daemon in the background")
     _server_args(s)
-    s.set_defaults(func=cmd_daemon_start)
+    s.set_defaults(func=cmd_daemon_start, validate=_validate_placement(s))
     s = sub.add_parser("stop", help="stop the background daemon")
     s.set_defaults(func=cmd_daemon_stop)
     s = sub.add_parser("status", help="is the daemon running, where, with which models")
@@ -49,7 +49,20 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1, or EDGEINFER_HOST)")
     p.add_argument("--port", type=int, help=f"port (default {DEFAULT_PORT}, or EDGEINFER_HOST)")
     p.add_argument("--api-key", help="require this bearer token (default EDGEINFER_API_KEY)")
-    p.add_argument("--backend", help="default backend for models: cpu, torch, llamacpp")
+    p.add_argument("--backend", help="default backend for the models it loads: cpu, torch, "
+                                     "torch:DEVICE, llamacpp or auto (default EDGEINFER_BACKEND, "
+                                     "else cpu)")
+    from edgeinfer.run_cmd import add_device_arg
+    add_device_arg(p, "default device for the models it loads, for torch and auto (default "
+                      "EDGEINFER_DEVICE): --backend torch --device cuda is torch:cuda; a "
+                      "device alone lets auto place models on it")
+
+
+def _validate_placement(p: argparse.ArgumentParser):
+    def validate(args: argparse.Namespace) -> None:
+        from edgeinfer.run_cmd import check_device_args
+        check_device_args(p, args.backend, args.device)
+    return validate
 
 
 def _user_error(msg: str) -> Exception:
@@ -59,7 +72,8 @@ def _user_error(msg: str) -> Exception:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        return daemon.serve(args.host, args.port, args.api_key, args.backend, args.log_level)
+        return daemon.serve(args.host, args.port, args.api_key, args.backend, args.log_level,
+                            device=args.device)
     except daemon.DaemonError as e:
         raise _user_error(str(e)) from None
 
@@ -67,7 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_daemon_start(args: argparse.Namespace) -> int:
     try:
         running = daemon.read_pid_file()
-        info = daemon.start_background(args.host, args.port, args.api_key, args.backend)
+        info = daemon.start_background(args.host, args.port, args.api_key, args.backend,
+                                       device=args.device)
     except daemon.DaemonError as e:
         raise _user_error(str(e)) from None
     word = "already running" if running else "started"

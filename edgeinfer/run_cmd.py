@@ -116,13 +116,15 @@ class LocalSession:
 class DaemonSession:
     """Generation through the daemon's Ollama API; the model stays loaded after we exit."""
 
-    def __init__(self, model: str, backend: str, num_ctx: int | None, params):
+    def __init__(self, model: str, backend: str, num_ctx: int | None, params,
+                 device: str | None = None):
         from edgeinfer.client import ClientError, connect
         try:
             self.client = connect(autostart=True)
         except ClientError as e:
             raise UserError(f"{e} (or run with --no-daemon)") from None
-        self.model, self.load_s, self.backend = model, 0.0, backend
+        self.model, self.load_s = model, 0.0
+        self.backend = backend + (f" (device {device})" if device else "")
         opts = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
                 "min_p": params.min_p, "repeat_penalty": params.repeat_penalty,
                 "num_predict": params.max_tokens if params.max_tokens is not None else -1}
@@ -134,6 +136,8 @@ class DaemonSession:
             opts["num_ctx"] = num_ctx
         if backend != "auto":
             opts["backend"] = backend
+        if device:
+            opts["device"] = device
         self.options = opts
 
     def generate(self, messages: list[dict] | None, prompt: str | None,
@@ -203,18 +207,36 @@ def chat_loop(session, system: str | None, verbose: bool) -> int:
             print(stats.format(), file=sys.stderr)
 
 
+def local_backend(path: str, backend: str, device: str | None) -> str:
+    """--backend/--device for the engine in this process, resolved against the file's
+    architecture and this machine's devices (a missing device is one line, exit 1)."""
+    from edgeinfer.backend_choice import BackendChoiceError, resolve
+    from edgeinfer.gguf_file import GGUFError, read_gguf
+    try:
+        gf = read_gguf(path)
+    except GGUFError as e:
+        raise UserError(f"{path}: {e}") from None
+    arch = gf.metadata.get("general.architecture")
+    gf.close()
+    try:
+        return resolve(backend, device, arch if isinstance(arch, str) else None)
+    except BackendChoiceError as e:
+        raise UserError(str(e)) from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from edgeinfer.runner import resolve_backend
     from edgeinfer.show_cmd import resolve_model_file
     params = sampling_from_args(args)
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+    device = getattr(args, "device", None)
     if args.no_daemon or args.model.endswith(".gguf") or os.path.exists(args.model):
         path = resolve_model_file(args.model)
-        session = LocalSession(path, resolve_backend(path, args.backend), args.num_ctx, params)
+        session = LocalSession(path, local_backend(path, args.backend, device), args.num_ctx,
+                               params)
     else:
-        session = DaemonSession(args.model, args.backend, args.num_ctx, params)
+        session = DaemonSession(args.model, args.backend, args.num_ctx, params, device)
     try:
         if prompt is None:
             return chat_loop(session, args.system, args.verbose)
@@ -244,6 +266,23 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
 
 
+def add_device_arg(p: argparse.ArgumentParser, help_: str) -> None:
+    from edgeinfer.backend_choice import DEVICES
+    p.add_argument("--device", choices=DEVICES, default=None, help=help_)
+
+
+def check_device_args(p: argparse.ArgumentParser, backend: str | None,
+                      device: str | None) -> None:
+    """A bad --backend name, or a --device that cannot go with it, is a usage error (exit 2)."""
+    if backend is None:
+        return
+    from edgeinfer.backend_choice import BackendChoiceError, check
+    try:
+        check(backend, device)
+    except BackendChoiceError as e:
+        p.error(str(e))
+
+
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("run", help="generate from a prompt, or chat interactively")
     p.add_argument("model", help="a store name (gemma3:270m) or a path to a .gguf file")
@@ -256,9 +295,11 @@ def add_commands(subparsers) -> None:
                    choices=["auto", "cpu", "llamacpp", "torch", "torch:cuda", "torch:mps", "torch:cpu"],
                    help="auto: torch on CUDA, then MPS, then the native CPU engine; llama.cpp "
                         "for architectures without a native model")
+    add_device_arg(p, "where torch runs: --backend torch --device cuda is torch:cuda; with "
+                      "auto, cpu picks the native CPU engine and cuda/mps torch on that device")
     p.add_argument("--num-ctx", type=int, default=None, help="context length (default 8192)")
     p.add_argument("--verbose", action="store_true", help="print TTFT and prefill/decode tok/s")
     p.add_argument("--no-daemon", action="store_true",
                    help="run the engine in this process instead of through the daemon")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, validate=lambda a: check_device_args(p, a.backend, a.device))
 

@@ -147,6 +147,9 @@ def test_unknown_model_404(ol):
     ({"keep_alive": "soon"}, "keep_alive"),
     ({"images": ["aGVsbG8="]}, "images"),
     ({"options": {"backend": "abacus"}}, "backend"),
+    ({"options": {"device": "gpu"}}, "device"),
+    ({"options": {"backend": "llamacpp", "device": "cpu"}}, "device"),
+    ({"options": {"backend": "torch:cpu", "device": "cuda"}}, "device"),
 ])
 def test_bad_input_400(shared_daemon, body, word):  # noqa: F811
     r = shared_daemon.post("/api/generate", {"model": MODEL, "prompt": "hi", "stream": False,
@@ -287,3 +290,19 @@ def test_backend_option_through_the_daemon(ol, shared_daemon):  # noqa: F811
     assert "llamacpp" in {m["backend"] for m in ps}
     ol.generate(model=MODEL, keep_alive=0)        # unloads every copy of the model
     assert ol.ps().models == []
+
+
+def test_device_option_through_the_daemon(ol, shared_daemon):  # noqa: F811
+    """options.device alone: auto places the model on that device; cpu is the native engine,
+    the same one a request without options gets (one copy, not two)."""
+    r = ol.generate(model=MODEL, prompt="1, 2, 3,", raw=True,
+                    options={"temperature": 0, "num_predict": 2, "device": "cpu"})
+    assert r.done and r.eval_count == 2
+    ol.generate(model=MODEL, prompt="1, 2, 3,", raw=True, options=GREEDY)
+    ps = shared_daemon.get("/api/ps").json()["models"]
+    assert [m["backend"] for m in ps] == ["cpu"]
+    from edgeinfer.backend_choice import device_missing
+    if device_missing("cuda") is not None:
+        with pytest.raises(ollama.ResponseError) as e:
+            ol.generate(model=MODEL, prompt="hi", options={"device": "cuda"})
+        assert e.value.status_code == 400 and "'cuda' is not available" in e.value.error

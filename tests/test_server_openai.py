@@ -113,6 +113,44 @@ def test_completions_several_prompts_and_echo(oa):
     assert r.usage.completion_tokens == 4
 
 
+def test_backend_and_device_load_options(oa, shared_daemon):  # noqa: F811
+    """The extra-body load options: backend torch + device cpu is a second engine of the
+    model, torch on the CPU (float32 weights), listed in ps beside the native one."""
+    ref = _chat(oa, max_tokens=3).choices[0].message.content
+    r = _chat(oa, max_tokens=3, extra_body={"backend": "torch", "device": "cpu"})
+    assert r.usage.completion_tokens == 3 and r.choices[0].message.content == ref
+    ps = {m["backend"]: m for m in shared_daemon.get("/api/ps").json()["models"]}
+    assert set(ps) == {"cpu", "torch:cpu"}
+    # auto + cpu is the native engine already loaded, not a third copy
+    _chat(oa, max_tokens=1, extra_body={"backend": "auto", "device": "cpu"})
+    assert len(shared_daemon.get("/api/ps").json()["models"]) == 2
+    # unload every copy; the next request loads the native one again
+    shared_daemon.post("/api/generate", {"model": MODEL, "keep_alive": 0})
+    assert shared_daemon.get("/api/ps").json()["models"] == []
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"device": "gpu"}, "device", "unknown device"),
+    ({"backend": "cpu", "device": "cuda"}, "device", "does not apply"),
+    ({"backend": "torch:cpu", "device": "mps"}, "device", "disagree"),
+    ({"backend": "abacus"}, "backend", "unknown backend"),
+])
+def test_bad_backend_or_device_is_400(oa, extra, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(oa, extra_body=extra)
+    assert e.value.body["param"] == param and words in e.value.body["message"]
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+def test_missing_device_is_400(oa):
+    from edgeinfer.backend_choice import device_missing
+    if device_missing("cuda") is None:
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(oa, extra_body={"device": "cuda"})
+    assert e.value.body["param"] == "device" and "not available" in e.value.body["message"]
+
+
 # ----- errors ----------------------------------------------------------------------------------
 
 def test_unknown_model_is_404(oa):

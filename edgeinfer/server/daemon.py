@@ -178,7 +178,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(host: str | None = None, port: int | None = None, api_key: str | None = None,
-          backend: str | None = None, log_level: str = "info") -> int:
+          backend: str | None = None, log_level: str = "info", device: str | None = None) -> int:
     """Run the server in this process until SIGINT/SIGTERM."""
     import uvicorn
 
@@ -191,7 +191,7 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
     api_key = api_key or os.environ.get("EDGEINFER_API_KEY") or None
     check_bind(host, api_key)
     try:
-        config = ServerConfig.from_env(backend=backend)
+        config = ServerConfig.from_env(backend=backend, device=device)
     except ValueError as e:
         raise DaemonError(str(e)) from None
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
@@ -224,7 +224,7 @@ def health(url: str, timeout: float = 2.0) -> dict | None:
 
 def start_background(host: str | None = None, port: int | None = None,
                      api_key: str | None = None, backend: str | None = None,
-                     wait_s: float = 120.0) -> DaemonInfo:
+                     wait_s: float = 120.0, device: str | None = None) -> DaemonInfo:
     """Start `edgeinfer serve` as a detached process and wait until /health answers."""
     env_host, env_port = env_address()
     host, port = host or env_host, port or env_port
@@ -239,6 +239,8 @@ def start_background(host: str | None = None, port: int | None = None,
     cmd = [sys.executable, "-m", "edgeinfer", "serve", "--host", host, "--port", str(port)]
     if backend:
         cmd += ["--backend", backend]
+    if device:
+        cmd += ["--device", device]
     env = dict(os.environ)
     if api_key:
         env["EDGEINFER_API_KEY"] = api_key       # not in argv, where `ps` would show it

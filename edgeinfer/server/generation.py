@@ -133,8 +133,10 @@ class Generation:
 
 
 async def start(manager: ModelManager, metrics: Metrics, model: str, n: int,
-                backend: str | None = None, keep_alive: float | None = None) -> Generation:
-    lm, load = await manager.acquire(model, backend, sequences=n, keep_alive=keep_alive)
+                backend: str | None = None, keep_alive: float | None = None,
+                device: str | None = None) -> Generation:
+    lm, load = await manager.acquire(model, backend, sequences=n, keep_alive=keep_alive,
+                                     device=device)
     return Generation(manager, metrics, lm, load, n)
 
 

@@ -58,6 +58,7 @@ def parse_keep_alive(value: float | int | str | None, default: float) -> float:
 @dataclass(frozen=True)
 class ServerConfig:
     backend: str = "cpu"
+    device: str | None = None              # default device for torch / auto (cuda, mps, cpu)
     keep_alive: float = DEFAULT_KEEP_ALIVE
     memory_budget_bytes: int = 0           # 0 = 75% of physical memory
     max_loaded_models: int = 3
@@ -68,6 +69,10 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, **overrides) -> "ServerConfig":
+        """The environment's settings, then `overrides` (command-line flags) on top. The
+        backend/device pair is validated here, and a named cuda/mps device must be present:
+        BackendChoiceError (a ValueError) with one sentence otherwise."""
+        from edgeinfer.backend_choice import check, require_device, with_defaults
         env = os.environ
 
         def num(name: str, default, scale: int = 1):
@@ -79,8 +84,15 @@ class ServerConfig:
             except ValueError:
                 raise ValueError(f"{name}={v!r} is not a number") from None
 
+        backend, device = with_defaults(env.get("EDGEINFER_BACKEND") or None,
+                                        env.get("EDGEINFER_DEVICE") or None, "cpu", None)
+        backend, device = with_defaults(overrides.pop("backend", None),
+                                        overrides.pop("device", None), backend, device)
+        check(backend, device)
+        if device in ("cuda", "mps"):
+            require_device(device)
         cfg = cls(
-            backend=env.get("EDGEINFER_BACKEND", "cpu"),
+            backend=backend, device=device,
             keep_alive=parse_keep_alive(env.get("EDGEINFER_KEEP_ALIVE"), DEFAULT_KEEP_ALIVE),
             memory_budget_bytes=num("EDGEINFER_MEMORY_BUDGET_MB", 0, 1 << 20),
             max_loaded_models=num("EDGEINFER_MAX_LOADED_MODELS", 3),
@@ -114,9 +126,34 @@ class LoadedModel:
     def size(self) -> int:
         return self.weights_bytes + self.kv_bytes
 
+    @property
+    def device(self) -> str:
+        from edgeinfer.backend_choice import device_of
+        return device_of(self.backend)
+
+    @property
+    def weights_format(self) -> str:
+        """How the runner holds the weights: gguf (quantized), gguf (llama.cpp), or torch's
+        dtype (float32, bfloat16, float16)."""
+        return str(getattr(self.engine.runner, "weights_format", "") or "unknown")
+
     def refresh_expiry(self) -> None:
         self.last_used = time.monotonic()
         self.expires_at = float("inf") if self.active else time.time() + self.keep_alive
+
+
+def _arch_of(path) -> str | None:
+    """general.architecture from the file, for manifests written without it."""
+    from edgeinfer.gguf_file import GGUFError, read_gguf
+    try:
+        f = read_gguf(str(path))
+    except (GGUFError, OSError):
+        return None          # the load reports the broken file
+    try:
+        arch = f.metadata.get("general.architecture")
+        return arch if isinstance(arch, str) else None
+    finally:
+        f.close()
 
 
 def _gib(n: float) -> str:
@@ -182,16 +219,29 @@ class ModelManager:
         return [lm for (name, _), lm in self.models.items() if name in (model, full)]
 
     # ----- acquire / release ---------------------------------------------------------------
+    def choose_backend(self, ref, backend: str | None = None, device: str | None = None) -> str:
+        """The concrete backend (cpu, llamacpp, torch:DEVICE) a request's `backend`/`device`
+        load options mean for this model, the server's defaults filling what they leave out.
+        A bad name, or a device this machine lacks, is a 400 naming the field."""
+        from edgeinfer.backend_choice import BackendChoiceError, resolve, with_defaults
+        backend, device = with_defaults(backend, device, self.config.backend, self.config.device)
+        arch = (ref.manifest.get("gguf") or {}).get("architecture")
+        if not isinstance(arch, str):
+            arch = _arch_of(ref.path)
+        try:
+            return resolve(backend, device, arch)
+        except BackendChoiceError as e:
+            raise APIError(400, str(e), param=e.field, code="invalid_parameter") from None
+
     async def acquire(self, model: str, backend: str | None = None, sequences: int = 1,
-                      keep_alive: float | None = None) -> tuple[LoadedModel, float]:
+                      keep_alive: float | None = None,
+                      device: str | None = None) -> tuple[LoadedModel, float]:
         """The loaded model (loading it if needed) with `sequences` counted in flight.
         Returns it and the seconds spent loading (0 when it was loaded already). The caller
-        must call release() exactly once."""
-        backend = backend or self.config.backend
-        if backend not in ("cpu", "torch", "llamacpp", "auto") and not backend.startswith("torch:"):
-            raise APIError(400, f"unknown backend {backend!r}: use cpu, torch, torch:DEVICE, "
-                           "llamacpp or auto", param="backend", code="invalid_parameter")
+        must call release() exactly once. `backend`/`device` are the request's load options
+        (None: the server's defaults); a model is loaded once per concrete backend."""
         ref = await asyncio.to_thread(self.resolve, model)
+        backend = await asyncio.to_thread(self.choose_backend, ref, backend, device)
         key = (ref.full_name, backend)
         lock = self._locks.setdefault(key, asyncio.Lock())
         load_time = 0.0

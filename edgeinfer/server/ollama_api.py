@@ -90,6 +90,12 @@ def _ndjson(obj: Any) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
+def _placement(body: _OllamaBase) -> tuple[str | None, str | None]:
+    """The edgeinfer load options `options.backend` / `options.device` (None: the server's)."""
+    o = body.options
+    return (o.backend, o.device) if o else (None, None)
+
+
 async def _load_or_unload(request: Request, body: _OllamaBase, keep_alive: float | None,
                           extra: dict) -> dict:
     """An empty prompt / message list: Ollama's way to load (or, keep_alive 0, unload)."""
@@ -99,8 +105,9 @@ async def _load_or_unload(request: Request, body: _OllamaBase, keep_alive: float
         await manager.unload(body.model)
         return {"model": body.model, "created_at": _now(), **extra, "done": True,
                 "done_reason": "unload"}
-    backend = body.options.backend if body.options else None
-    lm, _ = await manager.acquire(body.model, backend, sequences=0, keep_alive=keep_alive)
+    backend, device = _placement(body)
+    lm, _ = await manager.acquire(body.model, backend, sequences=0, keep_alive=keep_alive,
+                                  device=device)
     manager.release(lm, 0)
     return {"model": body.model, "created_at": _now(), **extra, "done": True,
             "done_reason": "load"}
@@ -112,8 +119,8 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape) -> Any:
     t0 = time.monotonic()
     manager, metrics = request.app.state.manager, request.app.state.metrics
     keep_alive = parse_keep_alive(body.keep_alive, None) if body.keep_alive is not None else None
-    backend = body.options.backend if body.options else None
-    gen = await generation.start(manager, metrics, body.model, 1, backend, keep_alive)
+    backend, device = _placement(body)
+    gen = await generation.start(manager, metrics, body.model, 1, backend, keep_alive, device)
     try:
         engine = gen.lm.engine
         try:

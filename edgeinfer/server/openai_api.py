@@ -139,7 +139,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
     params = _sampling(body, max_tokens, (body.top_logprobs or 0) if want_lp else None)
     messages = _messages(body)
-    gen = await generation.start(manager, metrics, body.model, body.n)
+    gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
+                                 device=body.device)
     try:
         try:
             prompt = gen.lm.engine.encode_chat(messages)
@@ -230,7 +231,8 @@ async def completions(body: CompletionRequest, request: Request):
     if body.suffix:
         raise bad_param("suffix", "suffix (fill-in-the-middle) is not supported")
     params = _sampling(body, body.max_tokens or 16, body.logprobs)
-    gen = await generation.start(manager, metrics, body.model, body.n)
+    gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
+                                 device=body.device)
     try:
         prompts = _prompts(body, gen.lm.engine)
         if len(prompts) > 1:
@@ -248,7 +250,8 @@ async def completions(body: CompletionRequest, request: Request):
                                                    body, tok))
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
         for pi, ids in enumerate(prompts):
-            g = gen if pi == 0 else await generation.start(manager, metrics, body.model, body.n)
+            g = gen if pi == 0 else await generation.start(manager, metrics, body.model, body.n,
+                                                           body.backend, device=body.device)
             try:
                 texts = [echo[pi]] * body.n
                 lps: list[dict] = [_empty_lp() for _ in range(body.n)]

@@ -57,6 +57,10 @@ class _OpenAISampling(_Loose):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    # edgeinfer extensions (the Ollama API's options.backend / options.device): which backend
+    # loads the model and on which device torch runs it
+    backend: str | None = None
+    device: str | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -97,8 +101,10 @@ class OllamaOptions(_Loose):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
-    # edgeinfer extension: which backend runs the model (cpu, torch, llamacpp)
+    # edgeinfer extensions: which backend runs the model (auto, cpu, torch, torch:DEVICE,
+    # llamacpp) and on which device torch runs it (cuda, mps, cpu)
     backend: str | None = None
+    device: str | None = None
 
 
 KeepAlive = Union[float, str, None]

@@ -1,0 +1,164 @@
+"""Backend and device names in one place: `--backend` / `--device`, EDGEINFER_BACKEND /
+EDGEINFER_DEVICE and the APIs' `backend` / `device` load options.
+
+Backends: `cpu` (native numba), `torch` or `torch:DEVICE`, `llamacpp`, and `auto`. A device
+(`cuda`, `mps`, `cpu`) only means something to torch and to auto: `torch` + `cuda` is
+`torch:cuda`; `auto` + `cpu` is the native numba backend (llama.cpp for an architecture without
+a native model), `auto` + `cuda`/`mps` is torch on that device. `resolve()` turns a request into
+the concrete name the runner loads (`cpu`, `llamacpp`, `torch:cuda|mps|cpu`), so `ps` shows what
+really runs and two spellings of one choice share one loaded engine.
+
+Nothing here imports torch unless a torch device has to be looked at.
+"""
+from __future__ import annotations
+
+BACKENDS = ("auto", "cpu", "torch", "llamacpp")
+DEVICES = ("cuda", "mps", "cpu")
+
+
+class BackendChoiceError(ValueError):
+    """A bad or impossible backend/device request; one sentence, naming the field."""
+
+    def __init__(self, message: str, field: str = "backend"):
+        super().__init__(message)
+        self.field = field
+
+
+def takes_device(backend: str) -> bool:
+    """Whether a device may be added to this backend name (torch and auto, not torch:X)."""
+    return backend in ("torch", "auto")
+
+
+def check(backend: str, device: str | None = None) -> None:
+    """Validate the names alone (no file, no hardware)."""
+    base, _, dev = backend.partition(":")
+    if base not in BACKENDS or (dev and (base != "torch" or dev not in DEVICES)):
+        raise BackendChoiceError(f"unknown backend {backend!r}: use auto, cpu, torch, "
+                                 "torch:cuda, torch:mps, torch:cpu or llamacpp", "backend")
+    if device is None:
+        return
+    if device not in DEVICES:
+        raise BackendChoiceError(f"unknown device {device!r}: use cuda, mps or cpu", "device")
+    if base in ("cpu", "llamacpp"):
+        raise BackendChoiceError(f"device {device!r} does not apply to the {base} backend "
+                                 "(a device picks where torch runs: use --backend torch or auto)",
+                                 "device")
+    if dev and dev != device:
+        raise BackendChoiceError(f"backend {backend!r} and device {device!r} disagree", "device")
+
+
+def with_defaults(backend: str | None, device: str | None, default_backend: str,
+                  default_device: str | None) -> tuple[str, str | None]:
+    """Fill what a request (or a command line) left out from the defaults. A device alone
+    keeps a torch default backend and otherwise lets auto place the model on it; a backend
+    alone takes the default device when it accepts one."""
+    if backend is None and device is None:
+        return default_backend, default_device
+    if backend is None:
+        return (default_backend if takes_device(default_backend) else "auto"), device
+    if device is None and takes_device(backend):
+        return backend, default_device
+    return backend, device
+
+
+def device_missing(kind: str) -> str | None:
+    """Why torch cannot use this device here, or None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return (f"device {kind!r} needs torch, which is not installed "
+                "(pip install 'edgeinfer[torch]', a CUDA build for cuda)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = "this torch build has no CUDA support" if torch.version.cuda is None \
+            else "torch sees no CUDA GPU on this machine"
+        return f"device 'cuda' is not available: {build}"
+    if kind == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            return "device 'mps' is not available: torch sees no Apple Metal GPU on this machine"
+    return None
+
+
+def require_device(kind: str, field: str = "device") -> None:
+    why = device_missing(kind)
+    if why:
+        raise BackendChoiceError(why, field)
+
+
+def resolve(backend: str, device: str | None = None, arch: str | None = None) -> str:
+    """The concrete backend for a model of architecture `arch`: `cpu`, `llamacpp` or
+    `torch:cuda|mps|cpu`. Raises BackendChoiceError for bad names, a device that is not
+    present, or a device auto cannot honour for this architecture."""
+    check(backend, device)
+    field = "device" if device is not None else "backend"
+    base, _, dev = backend.partition(":")
+    if base == "auto":
+        from edgeinfer.model_config import NATIVE_ARCHS
+        if arch is not None and arch not in NATIVE_ARCHS:
+            if device in (None, "cpu"):
+                return "llamacpp"
+            raise BackendChoiceError(
+                f"architecture {arch!r} has no native model: only the llamacpp backend runs "
+                f"it, on the CPU, not on {device!r} (drop the device)", "device")
+        if device is None:
+            from edgeinfer.backends.torch.device import choose_backend
+            return choose_backend("auto", arch)
+        if device == "cpu":
+            return "cpu"
+        require_device(device, field)
+        return f"torch:{device}"
+    if base == "torch":
+        kind = dev or device
+        if kind is None:
+            missing = device_missing("cpu")
+            if missing:
+                raise BackendChoiceError("the torch backend needs torch, which is not "
+                                         "installed (pip install 'edgeinfer[torch]')", field)
+            from edgeinfer.backends.torch.device import detect
+            kind = detect().kind
+        require_device(kind, field)
+        return f"torch:{kind}"
+    return base
+
+
+def device_of(backend: str) -> str:
+    """Where a resolved backend computes: the torch device, else the CPU."""
+    base, _, dev = backend.partition(":")
+    return dev if base == "torch" and dev else "cpu"
+
+
+def weights_description(backend: str, weights_format: str | None = None) -> str:
+    """How a resolved backend holds the weights, in words, for `show`. `weights_format` is a
+    loaded runner's own (torch's dtype); without it the dtype torch would choose is named."""
+    base = backend.partition(":")[0]
+    if base == "cpu":
+        return "GGUF quantized blocks, dequantized per matmul"
+    if base == "llamacpp":
+        return "GGUF tensors held by llama.cpp"
+    if base == "torch":
+        dtype = weights_format or torch_dtype_name(device_of(backend))
+        return f"{dtype}, dequantized once at load on the {device_of(backend)} device"
+    return weights_format or "-"
+
+
+def weights_format_of(backend: str) -> str:
+    """The short name a runner on this resolved backend reports as `weights_format`."""
+    base = backend.partition(":")[0]
+    if base == "cpu":
+        return "gguf (quantized)"
+    if base == "llamacpp":
+        return "gguf (llama.cpp)"
+    return torch_dtype_name(device_of(backend))
+
+
+def torch_dtype_name(kind: str) -> str:
+    """The dtype the torch backend would hold weights in on this device (EDGEINFER_TORCH_DTYPE
+    respected), as torch names it."""
+    import os
+
+    from edgeinfer.backends.torch.device import compute_dtype
+    try:
+        dt = compute_dtype(kind, os.environ.get("EDGEINFER_TORCH_DTYPE"))
+    except ValueError as e:
+        return f"? ({e})"
+    return str(dt).removeprefix("torch.")

@@ -1,0 +1,142 @@
+"""--backend / --device (and EDGEINFER_BACKEND / EDGEINFER_DEVICE): names, combinations,
+command-line validation, and one clear line for a device this machine lacks."""
+from __future__ import annotations
+
+import pytest
+
+from edgeinfer.backend_choice import (BackendChoiceError, check, device_missing, resolve,
+                                      with_defaults)
+from edgeinfer.cli import main
+
+HAS_CUDA = device_missing("cuda") is None
+HAS_MPS = device_missing("mps") is None
+
+
+@pytest.mark.parametrize("backend,device", [
+    ("auto", None), ("cpu", None), ("llamacpp", None), ("torch", None), ("torch:cpu", None),
+    ("torch", "cuda"), ("torch", "cpu"), ("auto", "mps"), ("torch:cuda", "cuda"),
+])
+def test_valid_names(backend, device):
+    check(backend, device)
+
+
+@pytest.mark.parametrize("backend,device,field,words", [
+    ("abacus", None, "backend", "unknown backend"),
+    ("torch:tpu", None, "backend", "unknown backend"),
+    ("cpu:cuda", None, "backend", "unknown backend"),
+    ("torch", "gpu", "device", "unknown device"),
+    ("cpu", "cuda", "device", "does not apply to the cpu backend"),
+    ("llamacpp", "cpu", "device", "does not apply to the llamacpp backend"),
+    ("torch:cpu", "cuda", "device", "disagree"),
+])
+def test_invalid_names(backend, device, field, words):
+    with pytest.raises(BackendChoiceError, match=words) as e:
+        check(backend, device)
+    assert e.value.field == field
+
+
+def test_resolve_combines_backend_and_device():
+    assert resolve("torch", "cpu", "gemma3") == "torch:cpu"
+    assert resolve("torch:cpu", None, "gemma3") == "torch:cpu"
+    assert resolve("auto", "cpu", "gemma3") == "cpu"            # the native numba backend
+    assert resolve("auto", "cpu", "phi3") == "llamacpp"         # no native model: llama.cpp
+    assert resolve("auto", None, "phi3") == "llamacpp"
+    assert resolve("cpu", None, "gemma3") == "cpu"
+    assert resolve("llamacpp", None, "gemma3") == "llamacpp"
+    best = "torch:cuda" if HAS_CUDA else "torch:mps" if HAS_MPS else "torch:cpu"
+    assert resolve("torch", None, "gemma3") == best
+    with pytest.raises(BackendChoiceError, match="no native model") as e:
+        resolve("auto", "cuda", "phi3")
+    assert e.value.field == "device"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA device")
+def test_missing_cuda_is_one_sentence():
+    for backend, device, field in (("auto", "cuda", "device"), ("torch", "cuda", "device"),
+                                   ("torch:cuda", None, "backend")):
+        with pytest.raises(BackendChoiceError, match="'cuda' is not available") as e:
+            resolve(backend, device, "gemma3")
+        assert e.value.field == field and "\n" not in str(e.value)
+
+
+def test_with_defaults():
+    # nothing asked: the defaults
+    assert with_defaults(None, None, "cpu", None) == ("cpu", None)
+    # a device alone: auto places the model there, unless the default backend is torch
+    assert with_defaults(None, "cuda", "cpu", None) == ("auto", "cuda")
+    assert with_defaults(None, "cpu", "llamacpp", None) == ("auto", "cpu")
+    assert with_defaults(None, "cuda", "torch", "cpu") == ("torch", "cuda")
+    assert with_defaults(None, "cuda", "torch:cpu", None) == ("auto", "cuda")
+    # a backend alone takes the default device only when it accepts one
+    assert with_defaults("torch", None, "cpu", "cuda") == ("torch", "cuda")
+    assert with_defaults("cpu", None, "auto", "cuda") == ("cpu", None)
+    assert with_defaults("torch:cpu", None, "auto", "cuda") == ("torch:cpu", None)
+
+
+# ----- the command line --------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,words", [
+    (["run", "m", "--backend", "cpu", "--device", "cuda"], "does not apply to the cpu backend"),
+    (["run", "m", "--backend", "llamacpp", "--device", "cpu"], "does not apply to the llamacpp"),
+    (["run", "m", "--backend", "torch:cpu", "--device", "mps"], "disagree"),
+    (["run", "m", "--device", "gpu"], "invalid choice"),
+    (["serve", "--backend", "cpu", "--device", "cuda"], "does not apply to the cpu backend"),
+    (["serve", "--backend", "abacus"], "unknown backend"),
+    (["daemon", "start", "--backend", "llamacpp", "--device", "cpu"], "does not apply"),
+])
+def test_cli_usage_errors_exit_2(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cli_parses_device(monkeypatch):
+    from edgeinfer.cli import build_parser
+    a = build_parser().parse_args(["run", "m", "--backend", "torch", "--device", "cpu"])
+    assert (a.backend, a.device) == ("torch", "cpu")
+    a = build_parser().parse_args(["serve", "--device", "mps"])
+    assert (a.backend, a.device) == (None, "mps")
+    a = build_parser().parse_args(["run", "m"])
+    assert (a.backend, a.device) == ("auto", None)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA device")
+@pytest.mark.parametrize("argv", [
+    ["run", "MODEL", "hi", "--device", "cuda", "--no-daemon"],
+    ["run", "MODEL", "hi", "--backend", "torch", "--device", "cuda", "--no-daemon"],
+    ["run", "MODEL", "hi", "--backend", "torch:cuda", "--no-daemon"],
+])
+def test_cli_missing_device_is_one_line(argv, gemma3_path, capsys):
+    argv = [str(gemma3_path) if a == "MODEL" else a for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("edgeinfer: ") and "'cuda' is not available" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA device")
+def test_serve_refuses_a_missing_device(monkeypatch, capsys):
+    monkeypatch.setenv("EDGEINFER_DEVICE", "cuda")
+    assert main(["serve", "--port", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "'cuda' is not available" in err and err.count("\n") == 1
+
+
+def test_server_config_from_env_and_flags(monkeypatch):
+    from edgeinfer.server.model_manager import ServerConfig
+    for k in ("EDGEINFER_BACKEND", "EDGEINFER_DEVICE"):
+        monkeypatch.delenv(k, raising=False)
+    c = ServerConfig.from_env()
+    assert (c.backend, c.device) == ("cpu", None)
+    c = ServerConfig.from_env(device="cpu")
+    assert (c.backend, c.device) == ("auto", "cpu")
+    monkeypatch.setenv("EDGEINFER_BACKEND", "torch")
+    monkeypatch.setenv("EDGEINFER_DEVICE", "cpu")
+    c = ServerConfig.from_env()
+    assert (c.backend, c.device) == ("torch", "cpu")
+    c = ServerConfig.from_env(backend="llamacpp")       # the flag wins; cpu was a default
+    assert (c.backend, c.device) == ("llamacpp", None)
+    monkeypatch.setenv("EDGEINFER_BACKEND", "llamacpp")
+    with pytest.raises(BackendChoiceError, match="does not apply"):
+        ServerConfig.from_env()
