@@ -89,6 +89,11 @@ def warm_kernels(qtypes=None) -> None:
         matmul(x[:2], w)                # few-row matvec
         matmul(x, w)                    # register-blocked multi-row
         get_rows(w, [0])
+    from .repack import REPACKABLE, PackedMatrix, packed_matmul
+    for qt in (SUPPORTED_TYPES if qtypes is None else qtypes):
+        if int(qt) in REPACKABLE:       # one specialization serves every type; run each path
+            w = QuantMatrix.from_bytes(random_quant_rows(qt, 16, 256, rng), qt, 256, 16)
+            packed_matmul(np.zeros((13, 256), np.float32), PackedMatrix.from_quant(w))
 
 
 _X_INDEX: dict[tuple[int, int], np.ndarray] = {}

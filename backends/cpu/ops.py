@@ -1,6 +1,7 @@
 """The numba CPU backend: the `Ops` interface on numpy arrays with quantized weights."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,8 +10,10 @@ from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import kernels as K
+from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
+from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul
 
 
 _Q = GGMLQuantizationType
@@ -34,25 +37,78 @@ class CpuKVCache:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
 
+def repacked_bytes(gguf_file) -> int:
+    """Memory the integer-dot layout would take for this file's repackable matrices."""
+    total = 0
+    for t in gguf_file.tensors.values():
+        if len(t.shape) == 2 and int(t.ggml_type) in REPACKABLE:
+            K, N = int(t.shape[0]), int(t.shape[1])
+            B = 16 if t.type_name in ("Q2_K", "Q3_K", "Q6_K") else 32
+            scales = 2 if t.type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K") else 1
+            total += -(-N // 16) * 16 * (K + K // B * 4 * scales)
+    return total
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
 class CpuOps:
     name = "cpu"
     kv_bytes_per_value = 4
 
-    def __init__(self, numerics: str = "ggml", batch_invariant: bool = True):
+    def __init__(self, numerics: str = "ggml", batch_invariant: bool = True,
+                 repack: bool | None = None):
         """numerics="ggml" rounds activations, K/V and GELU as llama.cpp's CPU backend does
         (8-bit activation blocks per weight type, f16 K/V and GELU), so greedy text matches it
-        token for token; "f32" keeps every intermediate in float32."""
+        token for token; "f32" keeps every intermediate in float32.
+
+        repack: hold quantized weights in the integer-dot layout (repack.py) and multiply
+        them with 8-bit activation codes on AVX-512 VNNI. Every row's result is then the
+        same whatever the batch size, and batched decode and prefill are several times
+        faster. None (default) decides per model: on with ggml numerics on a VNNI CPU when
+        the repacked weights take at most half of the RAM (EDGEINFER_REPACK=0/1 forces it).
+        """
         if numerics not in ("ggml", "f32"):
             raise ValueError(f"numerics must be 'ggml' or 'f32', not {numerics!r}")
         self.numerics = numerics
         # Every row through the same kernel whatever the batch size, so a request's tokens do
-        # not depend on what it was batched with (see matmul's batch_invariant).
+        # not depend on what it was batched with (see matmul's batch_invariant). Packed
+        # weights are batch-invariant by construction; this applies to the others.
         self.batch_invariant = batch_invariant
         self.kv_f16_rounding = numerics == "ggml"
+        env = os.environ.get("EDGEINFER_REPACK", "").strip()
+        if repack is None and env in ("0", "1"):
+            repack = env == "1"
+        if repack and numerics != "ggml":
+            raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
+        self._repack_setting = repack
+        self.repack: bool | None = None           # decided on the first matrix of a model
+
+    @property
+    def weights_format(self) -> str:
+        if self.repack:
+            kind = "VNNI" if HAVE_VNNI else "portable"
+            return f"int8 tiles repacked from GGUF blocks ({kind} integer dot)"
+        return "gguf (quantized blocks, decoded per matmul)"
 
     # -- weights ---------------------------------------------------------------------------
-    def matrix(self, gguf_file, name: str) -> QuantMatrix:
-        return QuantMatrix.from_gguf(gguf_file, name)
+    def _decide_repack(self, gguf_file) -> bool:
+        if self._repack_setting is not None:
+            return self._repack_setting
+        return (self.numerics == "ggml" and HAVE_VNNI
+                and repacked_bytes(gguf_file) <= _ram_bytes() // 2)
+
+    def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix:
+        if self.repack is None:
+            self.repack = self._decide_repack(gguf_file)
+        w = QuantMatrix.from_gguf(gguf_file, name)
+        if self.repack and int(w.qtype) in REPACKABLE:
+            return PackedMatrix.from_quant(w)
+        return w
 
     def vector(self, gguf_file, name: str) -> np.ndarray:
         t = gguf_file.tensors[name]
@@ -62,10 +118,15 @@ class CpuOps:
         return dequantize(raw, t.ggml_type).reshape(-1).astype(np.float32)
 
     # -- element-wise ----------------------------------------------------------------------
-    def embed(self, table: QuantMatrix, ids: np.ndarray) -> np.ndarray:
+    def embed(self, table: QuantMatrix | PackedMatrix, ids: np.ndarray) -> np.ndarray:
+        if isinstance(table, PackedMatrix):
+            return table.rows(ids)
         return get_rows(table, ids)
 
-    def matmul(self, x: np.ndarray, w: QuantMatrix) -> np.ndarray:
+    def matmul(self, x: np.ndarray, w: QuantMatrix | PackedMatrix) -> np.ndarray:
+        if isinstance(w, PackedMatrix):
+            out = packed_matmul(x.reshape(-1, x.shape[-1]), w)
+            return out.reshape(w.N) if x.ndim == 1 else out
         if self.numerics == "ggml":
             rounder = _ACT_ROUNDING.get(int(w.qtype))
             if rounder is not None:

@@ -1,0 +1,351 @@
+"""Integer-dot matmul kernels: 8-bit activations times repacked 8-bit weights.
+
+A weight matrix repacked by `repack.py` is stored in tiles of 16 output rows. Within a tile,
+block b (B = 16 or 32 weight columns sharing one scale) is B/4 "quads"; quad j holds 64 bytes,
+four consecutive uint8 weight codes of each of the 16 rows:
+
+    q[t, b, j, lane, 0:4] = codes of row 16t + lane, columns b*B + 4j .. b*B + 4j + 3
+
+so one AVX-512 VNNI instruction (vpdpbusd) multiplies a quad by the matching four int8
+activation codes (broadcast to all lanes) and adds the sums into 16 int32 lanes, one per output
+row. Per block and activation row the lanes then take one float update:
+
+    isum' = sum(q * a) - zb           (exact int32; zb = zero_point * sum(a) over the block)
+    t     = s * float(isum') [+ o * float(sum(a))]
+    acc  += da * t
+
+Every output element is computed by that fixed sequence of float32 operations over the blocks
+in order, whatever the number of activation rows M, the tile a thread takes or the machine:
+a row's result is bit-identical alone or in any batch, and `_block_generic` (plain numba, used
+where VNNI is missing and by the tests) does the same operations in the same order, so it
+gives the same bits as the VNNI version.
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llb
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .kernels import round_f16
+
+_JIT = dict(nogil=True, cache=True, fastmath=False)
+_PJIT = dict(nogil=True, cache=True, parallel=True, fastmath=False)
+
+LANES = 16
+
+
+def _host_has_vnni() -> bool:
+    try:
+        f = llb.get_host_cpu_features()
+        return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
+    except Exception:          # no feature query on this platform (e.g. some ARM builds)
+        return False
+
+
+HAVE_VNNI = _host_has_vnni()
+
+
+# -- one tile, as one LLVM IR loop ----------------------------------------------------------
+
+def _make_vnni_tile(nquads: int, with_offset: bool, rows: int):
+    """An intrinsic computing `rows` activation rows x one 16-row weight tile, all blocks.
+
+    Arguments (all intp): out (float32, row r at out + r * out_stride bytes), w, s, o (the tile's
+    first block), a (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the
+    first row's entries of the [nb, M] arrays), M. The accumulators stay in registers for the
+    whole row of blocks and each block's weights are loaded once for all the rows.
+    """
+    i32 = ir.IntType(32)
+    i64 = ir.IntType(64)
+    f32 = ir.FloatType()
+    v16i32 = ir.VectorType(i32, LANES)
+    v16f32 = ir.VectorType(f32, LANES)
+    zeros = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+    bbytes = nquads * 4          # columns (= activation bytes) per block
+
+    def splat(builder, value, vty):
+        undef = ir.Constant(vty, ir.Undefined)
+        return builder.shuffle_vector(builder.insert_element(undef, value, ir.Constant(i32, 0)),
+                                      undef, zeros)
+
+    def ptr(builder, addr, offset, ty):
+        if not (isinstance(offset, ir.Constant) or isinstance(offset, int)):
+            addr = builder.add(addr, offset)
+        elif offset:
+            addr = builder.add(addr, ir.Constant(i64, offset))
+        return builder.inttoptr(addr, ty.as_pointer())
+
+    def codegen(context, builder, sig, args):
+        out_a, out_stride, w_a, s_a, o_a, a_a, K, nb, da_a, bsf_a, zb_a, M = args
+        mod = builder.module
+        dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512")
+        if dp is None:
+            dp = ir.Function(mod, ir.FunctionType(v16i32, [v16i32] * 3),
+                             name="llvm.x86.avx512.vpdpbusd.512")
+        entry = builder.basic_block
+        loop = builder.append_basic_block("tile_loop")
+        done = builder.append_basic_block("tile_done")
+        builder.branch(loop)
+
+        builder.position_at_end(loop)
+        b = builder.phi(i64)
+        b.add_incoming(ir.Constant(i64, 0), entry)
+        accs = []
+        for r in range(rows):
+            phi = builder.phi(v16f32)
+            phi.add_incoming(ir.Constant(v16f32, None), entry)
+            accs.append(phi)
+        w_b = builder.add(w_a, builder.mul(b, ir.Constant(i64, 64 * nquads)))
+        wv = [builder.load(ptr(builder, w_b, 64 * j, v16i32), align=1) for j in range(nquads)]
+        sv = builder.load(ptr(builder, s_a, builder.mul(b, ir.Constant(i64, 64)), v16f32), align=1)
+        if with_offset:
+            ov = builder.load(ptr(builder, o_a, builder.mul(b, ir.Constant(i64, 64)), v16f32), align=1)
+        ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0] of [nb, M]
+        new_accs = []
+        for r in range(rows):
+            a_r = builder.add(a_a, builder.add(builder.mul(K, ir.Constant(i64, r)),
+                                               builder.mul(b, ir.Constant(i64, bbytes))))
+            # two independent chains (exact integer sums, so the split changes nothing)
+            chains = [ir.Constant(v16i32, None), ir.Constant(v16i32, None)]
+            for j in range(nquads):
+                aq = builder.load(ptr(builder, a_r, 4 * j, i32), align=1)
+                chains[j % 2] = builder.call(dp, [chains[j % 2], wv[j], splat(builder, aq, v16i32)])
+            isum = builder.add(chains[0], chains[1])
+            off = builder.add(ent, ir.Constant(i64, 4 * r))
+            zb = builder.load(ptr(builder, zb_a, off, i32), align=1)
+            isum = builder.sub(isum, splat(builder, zb, v16i32))
+            t = builder.fmul(sv, builder.sitofp(isum, v16f32))
+            if with_offset:
+                bsf = builder.load(ptr(builder, bsf_a, off, f32), align=1)
+                t = builder.fadd(t, builder.fmul(ov, splat(builder, bsf, v16f32)))
+            da = builder.load(ptr(builder, da_a, off, f32), align=1)
+            new_accs.append(builder.fadd(accs[r], builder.fmul(splat(builder, da, v16f32), t)))
+        b_next = builder.add(b, ir.Constant(i64, 1))
+        tail = builder.basic_block
+        b.add_incoming(b_next, tail)
+        for r in range(rows):
+            accs[r].add_incoming(new_accs[r], tail)
+        builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+
+        builder.position_at_end(done)
+        for r in range(rows):
+            builder.store(new_accs[r], ptr(builder, out_a, builder.mul(out_stride, ir.Constant(i64, r)),
+                                           v16f32), align=1)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def tile(typingctx, out, out_stride, w, s, o, a, K, nb, da, bsf, zb, M):
+        return types.void(*([types.intp] * 12)), codegen
+
+    return tile
+
+
+_T = {(r, b, o): _make_vnni_tile(b // 4, o, r)
+      for r in (1, 4, 8) for b in (16, 32) for o in (False, True)}
+_t1_16, _t1_16o, _t1_32, _t1_32o = _T[1, 16, False], _T[1, 16, True], _T[1, 32, False], _T[1, 32, True]
+_t4_16, _t4_16o, _t4_32, _t4_32o = _T[4, 16, False], _T[4, 16, True], _T[4, 32, False], _T[4, 32, True]
+_t8_16, _t8_16o, _t8_32, _t8_32o = _T[8, 16, False], _T[8, 16, True], _T[8, 32, False], _T[8, 32, True]
+
+
+@njit(inline="always", nogil=True)
+def _vnni_tile(R, B, has_o, out, ostride, w, s, o, a, K, nb, da, bsf, zb, M):
+    if R == 8:
+        if B == 32:
+            if has_o:
+                _t8_32o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+            else:
+                _t8_32(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        elif has_o:
+            _t8_16o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        else:
+            _t8_16(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+    elif R == 4:
+        if B == 32:
+            if has_o:
+                _t4_32o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+            else:
+                _t4_32(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        elif has_o:
+            _t4_16o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        else:
+            _t4_16(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+    else:
+        if B == 32:
+            if has_o:
+                _t1_32o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+            else:
+                _t1_32(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        elif has_o:
+            _t1_16o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        else:
+            _t1_16(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+
+
+@njit(inline="always", nogil=True)
+def _block_generic(acc, m, q, t, b, s, o, has_o, qa, a0, B, da, bsf, zb):
+    """The same update as the VNNI intrinsic, lane by lane, same float operations in order."""
+    for lane in range(LANES):
+        isum = np.int32(0)
+        for j in range(B // 4):
+            for k in range(4):
+                isum += np.int32(q[t, b, j, lane, k]) * np.int32(qa[m, a0 + 4 * j + k])
+        isum -= zb
+        tv = s[t, b, lane] * np.float32(isum)
+        if has_o:
+            tv = tv + o[t, b, lane] * bsf
+        acc[m, lane] = acc[m, lane] + da * tv
+
+
+# -- the matmul ----------------------------------------------------------------------------
+
+@njit(**_PJIT)
+def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
+    """out[M, N] = dequant(x) @ W^T from the repacked weight (q, s, o) and the activation codes.
+
+    q uint8[T, nb, B/4, 16, 4]; s, o float32[T, nb, 16]; qa int8[M, K]; da, bsf float32[nb, M];
+    zb int32[nb, M]; out float32[M, N] with N <= 16 T.
+    """
+    T, nb, nq = q.shape[0], q.shape[1], q.shape[2]
+    B = nq * 4
+    M, K = qa.shape
+    N = out.shape[1]
+    tile_bytes = nb * B * LANES
+    q_base, s_base, o_base, qa_base = q.ctypes.data, s.ctypes.data, o.ctypes.data, qa.ctypes.data
+    da_base, bsf_base, zb_base = da.ctypes.data, bsf.ctypes.data, zb.ctypes.data
+    for t in prange(T):
+        n0 = t * LANES
+        full = n0 + LANES <= N
+        if use_vnni and full:
+            w_addr = q_base + t * tile_bytes
+            sb_addr = s_base + t * nb * LANES * 4
+            ob_addr = o_base + t * nb * LANES * 4
+            out_addr = out.ctypes.data + n0 * 4
+            m = 0
+            while m + 8 <= M:
+                _vnni_tile(8, B, has_o, out_addr + m * N * 4, N * 4, w_addr, sb_addr, ob_addr,
+                           qa_base + m * K, K, nb, da_base + m * 4, bsf_base + m * 4,
+                           zb_base + m * 4, M)
+                m += 8
+            while m + 4 <= M:
+                _vnni_tile(4, B, has_o, out_addr + m * N * 4, N * 4, w_addr, sb_addr, ob_addr,
+                           qa_base + m * K, K, nb, da_base + m * 4, bsf_base + m * 4,
+                           zb_base + m * 4, M)
+                m += 4
+            while m < M:
+                _vnni_tile(1, B, has_o, out_addr + m * N * 4, N * 4, w_addr, sb_addr, ob_addr,
+                           qa_base + m * K, K, nb, da_base + m * 4, bsf_base + m * 4,
+                           zb_base + m * 4, M)
+                m += 1
+        else:
+            # the generic path, also for a partial last tile: results go through acc
+            acc = np.zeros((M, LANES), np.float32)
+            for b in range(nb):
+                for m in range(M):
+                    _block_generic(acc, m, q, t, b, s, o, has_o, qa, b * B, B, da[b, m],
+                                   bsf[b, m], zb[b, m])
+            for m in range(M):
+                for lane in range(min(LANES, N - n0)):
+                    out[m, n0 + lane] = acc[m, lane]
+    return out
+
+
+# -- activation quantization ---------------------------------------------------------------
+# The activation codes ggml's CPU backend feeds each weight type's dot product: Q8_0 blocks of
+# 32 (scale amax/127 stored in f16) for the legacy quants, Q8_K blocks of 256 (scale from the
+# signed max, float32) for the k-quants. Same rounding as kernels.act_round_q8_0/_k.
+
+@njit(**_PJIT)
+def act_quant_q8_0(x, qa, dq):
+    rows, n = x.shape
+    nb = n // 32
+    for rb in prange(rows * nb):
+        r = rb // nb
+        bi = rb % nb
+        b0 = bi * 32
+        amax = np.float32(0.0)
+        for j in range(32):
+            a = abs(x[r, b0 + j])
+            if a > amax:
+                amax = a
+        if amax == 0.0:
+            for j in range(32):
+                qa[r, b0 + j] = 0
+            dq[r, bi] = 0.0
+            continue
+        dq[r, bi] = round_f16(amax / np.float32(127.0))
+        idv = np.float32(127.0) / amax
+        for j in range(32):
+            qa[r, b0 + j] = np.int8(np.rint(x[r, b0 + j] * idv))
+
+
+@njit(**_PJIT)
+def act_quant_q8_k(x, qa, dq):
+    rows, n = x.shape
+    nb = n // 256
+    for rb in prange(rows * nb):
+        r = rb // nb
+        bi = rb % nb
+        b0 = bi * 256
+        amax = np.float32(0.0)
+        mx = np.float32(0.0)
+        for j in range(256):
+            v = x[r, b0 + j]
+            if abs(v) > amax:
+                amax = abs(v)
+                mx = v
+        if amax == 0.0:
+            for j in range(256):
+                qa[r, b0 + j] = 0
+            dq[r, bi] = 0.0
+            continue
+        iscale = np.float32(-127.0) / mx
+        dq[r, bi] = np.float32(1.0) / iscale
+        for j in range(256):
+            v = np.rint(iscale * x[r, b0 + j])
+            if v > 127.0:
+                v = 127.0
+            qa[r, b0 + j] = np.int8(v)
+
+
+@njit(**_PJIT)
+def block_sums(qa, dq, A, B, zero_point, da, bsf, zb):
+    """Per weight block b and row m: the activation scale, sum(codes) and zero_point * sum."""
+    M, K = qa.shape
+    nb = K // B
+    for b in prange(nb):
+        for m in range(M):
+            sm = np.int32(0)
+            for j in range(B):
+                sm += np.int32(qa[m, b * B + j])
+            da[b, m] = dq[m, (b * B) // A]
+            bsf[b, m] = np.float32(sm)
+            zb[b, m] = np.int32(zero_point) * sm
+
+
+# -- repacking (see repack.py) --------------------------------------------------------------
+
+@njit(**_PJIT)
+def tile_codes(codes, out):
+    """codes uint8[16 T, K] -> out uint8[T, nb, B/4, 16, 4] (the tile layout)."""
+    T, nb, nq = out.shape[0], out.shape[1], out.shape[2]
+    B = nq * 4
+    for t in prange(T):
+        for b in range(nb):
+            for j in range(nq):
+                for lane in range(LANES):
+                    for k in range(4):
+                        out[t, b, j, lane, k] = codes[t * LANES + lane, b * B + 4 * j + k]
+
+
+@njit(**_PJIT)
+def tile_q8_0(blocks, out):
+    """Q8_0 blocks uint8[16 T, nb, 34] -> codes q + 128 in the tile layout, in one pass."""
+    T, nb = out.shape[0], out.shape[1]
+    for t in prange(T):
+        for b in range(nb):
+            for j in range(8):
+                for lane in range(LANES):
+                    for k in range(4):
+                        out[t, b, j, lane, k] = blocks[t * LANES + lane, b, 2 + 4 * j + k] ^ np.uint8(0x80)

@@ -1,0 +1,138 @@
+"""Integer-dot matmul on repacked weights (backends/cpu/repack.py, _int8.py).
+
+Checks: repacking is lossless (decoded rows bit-equal gguf's dequantize), the product equals
+the float64 product of the ggml-rounded activations and the dequantized weights, a row's
+result is bit-identical alone and in any batch, and the VNNI kernel gives the same bits as the
+portable one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants as ref
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgeinfer.backends.cpu import _int8
+from edgeinfer.backends.cpu import kernels as K
+from edgeinfer.backends.cpu.matmul import matmul
+from edgeinfer.backends.cpu.ops import CpuOps, repacked_bytes
+from edgeinfer.backends.cpu.quants import QuantMatrix, random_quant_rows
+from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+needs_vnni = pytest.mark.skipif(not _int8.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
+
+
+def make(qtype, N, K, seed=0) -> QuantMatrix:
+    rng = np.random.default_rng(seed)
+    return QuantMatrix.from_bytes(random_quant_rows(qtype, N, K, rng), qtype, K, N)
+
+
+def dense(w: QuantMatrix) -> np.ndarray:
+    return np.asarray(ref.dequantize(w.data, w.qtype), np.float32).reshape(w.N, w.K)
+
+
+def ggml_rounded(x: np.ndarray, w: PackedMatrix) -> np.ndarray:
+    rounder = K.act_round_q8_0 if w.A == 32 else K.act_round_q8_k
+    return rounder(x, np.empty_like(x))
+
+
+def test_every_legacy_and_k_quant_is_repackable():
+    assert {int(t) for t in TYPES} == set(REPACKABLE)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("N", [37, 32])     # a partial last tile; full tiles (Q8_0's direct path)
+def test_repacked_rows_are_exact(qtype, N):
+    w = make(qtype, N, 512, seed=3)
+    p = PackedMatrix.from_quant(w)
+    rows = p.rows(np.arange(w.N))
+    np.testing.assert_array_equal(rows.view(np.uint32), dense(w).view(np.uint32))
+    ids = np.array([N - 1, 0, 17, 17])
+    np.testing.assert_array_equal(p.rows(ids), dense(w)[ids])
+    with pytest.raises(IndexError):
+        p.rows(np.array([N]))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 3, 4, 8, 13])
+def test_product_matches_float64_reference(qtype, M):
+    w = make(qtype, 53, 768, seed=M)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(M).standard_normal((M, w.K)).astype(np.float32)
+    xr = ggml_rounded(x, p).astype(np.float64)
+    want = xr @ dense(w).astype(np.float64).T
+    scale = np.abs(xr) @ np.abs(dense(w)).astype(np.float64).T + 1e-30
+    y = packed_matmul(x, p)
+    assert y.shape == (M, w.N) and y.dtype == np.float32
+    assert (np.abs(y - want) / scale).max() < 1e-5
+    # and the float kernels on the same rounded activations agree to float32 summation order
+    np.testing.assert_allclose(y, matmul(xr.astype(np.float32), w), rtol=0, atol=1e-5 * scale.max())
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_1], ids=lambda t: t.name)
+def test_a_row_is_bit_identical_alone_and_in_any_batch(qtype):
+    w = make(qtype, 70, 512, seed=9)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(4).standard_normal((19, w.K)).astype(np.float32)
+    alone = np.stack([packed_matmul(x[i:i + 1], p)[0] for i in range(len(x))])
+    for m in (2, 3, 4, 5, 8, 9, 12, 16, 17, 19):
+        np.testing.assert_array_equal(packed_matmul(x[:m], p), alone[:m])
+    perm = np.random.default_rng(5).permutation(len(x))
+    np.testing.assert_array_equal(packed_matmul(x[perm], p), alone[perm])
+
+
+@settings(max_examples=25, deadline=None)
+@given(qtype=st.sampled_from(TYPES), n=st.integers(1, 40), m=st.integers(1, 12),
+       seed=st.integers(0, 2**16))
+def test_batch_invariance_fuzzed(qtype, n, m, seed):
+    w = make(qtype, n, 256, seed=seed)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(seed).standard_normal((m, w.K)).astype(np.float32) * 3
+    y = packed_matmul(x, p)
+    for i in range(m):
+        np.testing.assert_array_equal(packed_matmul(x[i:i + 1], p)[0], y[i])
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_vnni_kernel_equals_portable_kernel(qtype):
+    w = make(qtype, 48, 512, seed=11)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(6).standard_normal((13, w.K)).astype(np.float32)
+    np.testing.assert_array_equal(packed_matmul(x, p, use_vnni=True),
+                                  packed_matmul(x, p, use_vnni=False))
+
+
+def test_zero_rows_and_zero_blocks():
+    w = make(T.Q4_K, 16, 512)
+    p = PackedMatrix.from_quant(w)
+    x = np.zeros((3, 512), np.float32)
+    x[1, :256] = 1.0                     # one all-zero Q8_K activation block
+    y = packed_matmul(x, p)
+    assert np.all(y[0] == 0) and np.all(y[2] == 0)
+    np.testing.assert_allclose(y[1], dense(w)[:, :256].sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_ops_repack_setting(monkeypatch, gemma3_path):
+    from edgeinfer.gguf_file import read_gguf
+    gf = read_gguf(gemma3_path)
+    monkeypatch.setenv("EDGEINFER_REPACK", "0")
+    ops = CpuOps()
+    assert isinstance(ops.matrix(gf, "blk.0.attn_q.weight"), QuantMatrix)
+    assert "gguf" in ops.weights_format
+    monkeypatch.setenv("EDGEINFER_REPACK", "1")
+    ops = CpuOps()
+    w = ops.matrix(gf, "blk.0.attn_q.weight")
+    assert isinstance(w, PackedMatrix) and "int8" in ops.weights_format
+    x = np.random.default_rng(0).standard_normal((2, w.K)).astype(np.float32)
+    plain = CpuOps(repack=False)
+    np.testing.assert_allclose(ops.matmul(x, w), plain.matmul(x, plain.matrix(gf, "blk.0.attn_q.weight")),
+                               rtol=0, atol=1e-4)
+    assert ops.matmul(x[0], w).shape == (w.N,)
+    with pytest.raises(ValueError, match="ggml"):
+        CpuOps(numerics="f32", repack=True)
+    # what the decision weighs: gemma3 270M repacked is ~1.1x its file
+    assert 200e6 < repacked_bytes(gf) < 400e6
