@@ -127,28 +127,56 @@ def device_of(backend: str) -> str:
     return dev if base == "torch" and dev else "cpu"
 
 
-def weights_description(backend: str, weights_format: str | None = None) -> str:
-    """How a resolved backend holds the weights, in words, for `show`. `weights_format` is a
-    loaded runner's own (torch's dtype); without it the dtype torch would choose is named."""
+CPU_WEIGHTS = "gguf (quantized)"          # ModelRunner.weights_format's default
+
+
+def describe_weights(backend: str, weights_format: str | None = None,
+                     path: str | None = None) -> str:
+    """How a resolved backend holds the weights, for `show`: the runner's format name and,
+    where it helps, words. `weights_format` is a loaded runner's own; without it, what a load
+    of the file at `path` would use (torch: the dtype it would choose on that device)."""
     base = backend.partition(":")[0]
-    if base == "cpu":
-        return "GGUF quantized blocks, dequantized per matmul"
+    fmt = weights_format or weights_format_of(backend, path)
+    if base == "cpu" and fmt == CPU_WEIGHTS:
+        return f"{fmt}: GGUF quantized blocks, dequantized per matmul"
     if base == "llamacpp":
-        return "GGUF tensors held by llama.cpp"
+        return f"{fmt}: GGUF tensors held by llama.cpp"
     if base == "torch":
-        dtype = weights_format or torch_dtype_name(device_of(backend))
-        return f"{dtype}, dequantized once at load on the {device_of(backend)} device"
-    return weights_format or "-"
+        return f"{fmt}: dequantized once at load to dense {fmt} on the {device_of(backend)} device"
+    return fmt          # the CPU runner's own words (e.g. its repacked int8 layout)
 
 
-def weights_format_of(backend: str) -> str:
-    """The short name a runner on this resolved backend reports as `weights_format`."""
+def weights_format_of(backend: str, path: str | None = None) -> str:
+    """The `weights_format` a runner on this resolved backend would report for the file at
+    `path`: the numba backend decides its layout per model (repacked int8 tiles on CPUs with
+    VNNI when they fit, else the GGUF blocks), torch names its dtype."""
     base = backend.partition(":")[0]
     if base == "cpu":
-        return "gguf (quantized)"
+        return _cpu_weights_format(path)
     if base == "llamacpp":
         return "gguf (llama.cpp)"
     return torch_dtype_name(device_of(backend))
+
+
+def _cpu_weights_format(path: str | None) -> str:
+    """Ask the numba backend what it would do with this file, without loading weights."""
+    if path is None:
+        return CPU_WEIGHTS
+    try:
+        from edgeinfer.backends.cpu.ops import CpuOps
+        from edgeinfer.gguf_file import read_gguf
+        ops = CpuOps()
+        decide = getattr(ops, "_decide_repack", None)
+        if decide is None or not hasattr(ops, "repack"):
+            return str(getattr(ops, "weights_format", CPU_WEIGHTS))
+        gf = read_gguf(str(path))
+        try:
+            ops.repack = bool(decide(gf))
+        finally:
+            gf.close()
+        return str(ops.weights_format)
+    except Exception:       # a prediction only: never fail `show` over it
+        return CPU_WEIGHTS
 
 
 def torch_dtype_name(kind: str) -> str:

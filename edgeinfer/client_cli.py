@@ -121,12 +121,15 @@ def _until(expires_at: str | None) -> str:
 
 
 def format_ps(models: list[dict]) -> str:
-    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL")]
+    """Ollama's `ps` table plus the backend and the weights' format of each loaded copy."""
+    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "WEIGHTS", "CONTEXT", "UNTIL")]
     for m in models:
-        proc = "100% GPU" if m.get("backend") == "torch" else \
-            f"100% CPU ({m.get('backend', 'cpu')})"
+        backend = m.get("backend") or "cpu"
+        device = m.get("device") or ("cuda" if backend == "torch" else "cpu")
+        proc = "100% GPU" if device in ("cuda", "mps") else "100% CPU"
         rows.append((m["name"], (m.get("digest") or "")[:12], _human_size(m.get("size", 0)),
-                     proc, str(m.get("context_length", "")),
+                     proc, backend, m.get("weights_format") or "-",
+                     str(m.get("context_length", "")),
                      "busy" if m.get("active_requests") else _until(m.get("expires_at"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("    ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -45,7 +45,44 @@ def _human_count(n: int) -> str:
     return str(n)
 
 
-def format_summary(s: ModelSummary, model: str) -> str:
+def loaded_copies(model: str) -> list[dict]:
+    """The daemon's loaded copies of a store model (its /api/ps entries), or [] when no
+    daemon answers or `model` is a file path. Never starts a daemon."""
+    if model.endswith(".gguf") or os.sep in model or os.path.exists(model):
+        return []
+    from edgeinfer.client import ClientError, connect
+    from edgeinfer.store import Store, StoreError
+    try:
+        full = Store().resolve(model).full_name
+        with connect(autostart=False) as c:
+            models = c.request("GET", "/api/ps")["models"]
+    except (ClientError, StoreError, KeyError, TypeError):
+        return []
+    return [m for m in models if m.get("name") == full]
+
+
+def placement_rows(s: ModelSummary, loaded: list[dict]) -> list[tuple[str, str]]:
+    """backend/weights rows: each loaded copy's, else what `--backend auto` would pick here
+    and how that backend would hold the weights."""
+    from edgeinfer.backend_choice import BackendChoiceError, describe_weights, resolve
+    rows = []
+    for m in loaded:
+        b = m.get("backend") or "?"
+        fmt = m.get("weights_format") or "?"
+        rows += [("backend", f"{b} (loaded in the daemon)"),
+                 ("weights", describe_weights(b, fmt))]
+    if rows:
+        return rows
+    try:
+        b = resolve("auto", None, s.arch)
+    except BackendChoiceError as e:
+        return [("backend", f"auto cannot choose: {e}")]
+    return [("backend", f"{b} (not loaded; what --backend auto picks on this machine)"),
+            ("weights", describe_weights(b, path=s.path))]
+
+
+def format_summary(s: ModelSummary, model: str,
+                   placement: list[tuple[str, str]] | None = None) -> str:
     kv = s.kv_bytes_per_token_f16
     rows = [
         ("architecture", s.arch + ("" if s.native else "  (not native: use --backend llamacpp)")),
@@ -64,6 +101,7 @@ def format_summary(s: ModelSummary, model: str) -> str:
                            f"x {s.head_dim} head dim x 2 bytes" if kv else "-"),
         ("file size", f"{_human_bytes(s.file_size)} ({s.file_size:,} bytes)"),
         ("file", s.path),
+        *(placement or []),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join([f"  Model {model}"] + [f"    {k:<{width}}  {v}" for k, v in rows])
@@ -71,7 +109,8 @@ def format_summary(s: ModelSummary, model: str) -> str:
 
 def cmd_show(args: argparse.Namespace) -> int:
     path = resolve_model_file(args.model)
-    print(format_summary(load_summary(path), args.model))
+    summary = load_summary(path)
+    print(format_summary(summary, args.model, placement_rows(summary, loaded_copies(args.model))))
     return 0
 
 

@@ -140,3 +140,87 @@ def test_server_config_from_env_and_flags(monkeypatch):
     monkeypatch.setenv("EDGEINFER_BACKEND", "llamacpp")
     with pytest.raises(BackendChoiceError, match="does not apply"):
         ServerConfig.from_env()
+
+
+# ----- show and ps: backend and weights format ---------------------------------------------
+
+def _summary(arch: str = "gemma3"):
+    from types import SimpleNamespace
+    return SimpleNamespace(arch=arch, path=None)
+
+
+def test_show_rows_for_a_loaded_model():
+    from edgeinfer.show_cmd import placement_rows
+    rows = dict(placement_rows(_summary(), [
+        {"backend": "torch:cpu", "device": "cpu", "weights_format": "float32"}]))
+    assert rows["backend"] == "torch:cpu (loaded in the daemon)"
+    assert rows["weights"] == "float32: dequantized once at load to dense float32 on the cpu device"
+    rows = placement_rows(_summary(), [
+        {"backend": "cpu", "weights_format": "gguf (quantized)"},
+        {"backend": "llamacpp", "weights_format": "gguf (llama.cpp)"}])
+    assert [v for k, v in rows if k == "weights"] == [
+        "gguf (quantized): GGUF quantized blocks, dequantized per matmul",
+        "gguf (llama.cpp): GGUF tensors held by llama.cpp"]
+
+
+def test_show_rows_predict_auto_when_not_loaded(monkeypatch):
+    from edgeinfer.backend_choice import resolve
+    from edgeinfer.show_cmd import placement_rows
+    rows = dict(placement_rows(_summary(), []))
+    picked = resolve("auto", None, "gemma3")
+    assert rows["backend"] == f"{picked} (not loaded; what --backend auto picks on this machine)"
+    if picked == "cpu":
+        assert rows["weights"] == "gguf (quantized): GGUF quantized blocks, dequantized per matmul"
+    rows = dict(placement_rows(_summary("phi3"), []))
+    assert rows["backend"].startswith("llamacpp (not loaded")
+    assert rows["weights"] == "gguf (llama.cpp): GGUF tensors held by llama.cpp"
+
+
+def test_torch_weights_format_prediction(monkeypatch):
+    from edgeinfer.backend_choice import describe_weights, weights_format_of
+    assert weights_format_of("torch:cpu") == "float32"       # exact parity with numba on CPU
+    monkeypatch.setenv("EDGEINFER_TORCH_DTYPE", "bfloat16")
+    assert weights_format_of("torch:cpu") == "bfloat16"
+    assert describe_weights("torch:cpu") == \
+        "bfloat16: dequantized once at load to dense bfloat16 on the cpu device"
+    # a CPU runner that describes its own layout is shown in its own words
+    assert describe_weights("cpu", "int8 tiles repacked") == "int8 tiles repacked"
+
+
+def test_cpu_weights_prediction_follows_the_runner(gemma3_path, monkeypatch):
+    """What `show` predicts for the numba backend is what CpuOps decides for the file."""
+    from edgeinfer.backend_choice import weights_format_of
+    monkeypatch.setenv("EDGEINFER_REPACK", "0")
+    assert "int8" not in weights_format_of("cpu", str(gemma3_path))
+    monkeypatch.setenv("EDGEINFER_REPACK", "1")
+    assert "int8" in weights_format_of("cpu", str(gemma3_path))
+
+
+def test_cli_show_without_daemon(gemma3_path, capsys):
+    """The tests' EDGEINFER_HOST answers nothing: show predicts auto's choice."""
+    from edgeinfer.backend_choice import resolve, weights_format_of
+    assert main(["show", str(gemma3_path)]) == 0
+    out = capsys.readouterr().out
+    picked = resolve("auto", None, "gemma3")
+    assert f"backend           {picked} (not loaded" in out
+    assert f"weights           {weights_format_of(picked, str(gemma3_path))}" in out
+
+
+def test_format_ps_backend_and_weights_columns():
+    from edgeinfer.client_cli import format_ps
+    out = format_ps([
+        {"name": "gemma3:270m", "digest": "a" * 64, "size": 300_000_000, "backend": "cpu",
+         "device": "cpu", "weights_format": "gguf (quantized)", "context_length": 8192,
+         "expires_at": "2262-04-11T23:47:16Z"},
+        {"name": "gemma3:270m", "digest": "a" * 64, "size": 900_000_000,
+         "backend": "torch:cuda", "device": "cuda", "weights_format": "bfloat16",
+         "context_length": 8192, "active_requests": 1},
+        {"name": "phi3:mini", "digest": "b" * 64, "size": 2_000_000_000, "backend": "llamacpp",
+         "device": "cpu", "weights_format": "gguf (llama.cpp)", "context_length": 4096}])
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "WEIGHTS",
+                                "CONTEXT", "UNTIL"]
+    cols = [[c.strip() for c in line.split("    ") if c.strip()] for line in lines[1:]]
+    assert cols[0][3:7] == ["100% CPU", "cpu", "gguf (quantized)", "8192"]
+    assert cols[1][3:] == ["100% GPU", "torch:cuda", "bfloat16", "8192", "busy"]
+    assert cols[2][3:6] == ["100% CPU", "llamacpp", "gguf (llama.cpp)"]

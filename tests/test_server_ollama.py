@@ -94,6 +94,17 @@ def test_tags_show_ps_version(ol, shared_daemon):  # noqa: F811
     assert [p.model for p in ps.models] == [MODEL]
     assert ps.models[0].size > m.size and ps.models[0].expires_at is not None
     assert ps.models[0].context_length == 1024
+    raw = shared_daemon.get("/api/ps").json()["models"][0]      # edgeinfer's extra fields
+    assert (raw["backend"], raw["device"], raw["size_vram"]) == ("cpu", "cpu", 0)
+    # the numba runner's own words ("gguf (quantized)", or its repacked layout's name)
+    fmt = raw["weights_format"]
+    assert fmt and fmt != "unknown"
+    rt = shared_daemon.post("/api/show", {"model": MODEL}).json()["runtime"]
+    assert [(c["backend"], c["device"], c["weights_format"]) for c in rt["loaded"]] == \
+        [("cpu", "cpu", fmt)]
+    assert rt["loaded"][0]["weights"].startswith(fmt)
+    # the daemon's default (EDGEINFER_BACKEND), predicted as the loaded copy really is
+    assert (rt["default"]["backend"], rt["default"]["weights_format"]) == ("cpu", fmt)
     v = httpx.get(shared_daemon.url + "/api/version").json()
     assert v["version"]
 
@@ -210,6 +221,14 @@ def test_cli_ps_and_stop_and_keep_alive_zero(ol, shared_daemon):  # noqa: F811
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].split()[:2] == ["NAME", "ID"]
     assert MODEL in out.stdout
+    fmt = shared_daemon.get("/api/ps").json()["models"][0]["weights_format"]
+    header = out.stdout.splitlines()[0]
+    assert "BACKEND" in header and "WEIGHTS" in header and fmt in out.stdout
+    out = subprocess.run([sys.executable, "-m", "edgeinfer", "show", MODEL], env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "backend           cpu (loaded in the daemon)" in out.stdout
+    assert f"weights           {fmt}" in out.stdout
     out = subprocess.run([sys.executable, "-m", "edgeinfer", "stop", MODEL], env=env,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -286,8 +305,10 @@ def test_backend_option_through_the_daemon(ol, shared_daemon):  # noqa: F811
     r = ol.generate(model=MODEL, prompt="1, 2, 3,", raw=True,
                     options={"temperature": 0, "num_predict": 3, "backend": "llamacpp"})
     assert r.done and r.eval_count == 3 and r.response
-    ps = shared_daemon.get("/api/ps").json()["models"]
-    assert "llamacpp" in {m["backend"] for m in ps}
+    ps = {m["backend"]: m for m in shared_daemon.get("/api/ps").json()["models"]}
+    assert ps["llamacpp"]["weights_format"] == "gguf (llama.cpp)"
+    show = shared_daemon.post("/api/show", {"model": MODEL}).json()["runtime"]
+    assert "llamacpp" in {c["backend"] for c in show["loaded"]}
     ol.generate(model=MODEL, keep_alive=0)        # unloads every copy of the model
     assert ol.ps().models == []
 
@@ -300,7 +321,7 @@ def test_device_option_through_the_daemon(ol, shared_daemon):  # noqa: F811
     assert r.done and r.eval_count == 2
     ol.generate(model=MODEL, prompt="1, 2, 3,", raw=True, options=GREEDY)
     ps = shared_daemon.get("/api/ps").json()["models"]
-    assert [m["backend"] for m in ps] == ["cpu"]
+    assert [(m["backend"], m["device"]) for m in ps] == [("cpu", "cpu")]
     from edgeinfer.backend_choice import device_missing
     if device_missing("cuda") is not None:
         with pytest.raises(ollama.ResponseError) as e:

@@ -121,6 +121,7 @@ def test_backend_and_device_load_options(oa, shared_daemon):  # noqa: F811
     assert r.usage.completion_tokens == 3 and r.choices[0].message.content == ref
     ps = {m["backend"]: m for m in shared_daemon.get("/api/ps").json()["models"]}
     assert set(ps) == {"cpu", "torch:cpu"}
+    assert (ps["torch:cpu"]["device"], ps["torch:cpu"]["weights_format"]) == ("cpu", "float32")
     # auto + cpu is the native engine already loaded, not a third copy
     _chat(oa, max_tokens=1, extra_body={"backend": "auto", "device": "cpu"})
     assert len(shared_daemon.get("/api/ps").json()["models"]) == 2

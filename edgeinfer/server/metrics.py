@@ -171,7 +171,8 @@ class Metrics:
             total = int(st.get("kv_blocks_total", 0))
             used = int(st.get("kv_blocks_used", 0))
             models.append({
-                "name": lm.name, "backend": lm.backend, "digest": lm.digest,
+                "name": lm.name, "backend": lm.backend, "device": lm.device,
+                "weights_format": lm.weights_format, "digest": lm.digest,
                 "size_bytes": lm.size, "weights_bytes": lm.weights_bytes,
                 "kv_bytes": lm.kv_bytes, "context_length": lm.engine.max_model_len,
                 "loaded_at": iso(lm.loaded_at), "expires_at": iso(lm.expires_at),
