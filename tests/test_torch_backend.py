@@ -37,11 +37,9 @@ def exact_cpu(runner):
     """Put a numba-CPU runner in plain float32 numerics (no llama.cpp-style 8-bit activation
     rounding), the same math as the torch backend, so the two can be compared closely."""
     from edgeinfer.backends.cpu.ops import CpuOps
-    try:
-        ops = CpuOps(numerics="f32")
-    except TypeError:   # a CpuOps without the option computes in float32 already
-        ops = CpuOps()
-    runner.ops = runner.model.ops = ops
+    from edgeinfer.models import build_model
+    runner.ops = CpuOps(numerics="f32")
+    runner.model = build_model(runner.cfg, runner.ops, runner.gf)   # float weights' layout
     return runner
 
 

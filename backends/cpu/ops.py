@@ -125,6 +125,8 @@ class CpuOps:
 
     def matmul(self, x: np.ndarray, w: QuantMatrix | PackedMatrix) -> np.ndarray:
         if isinstance(w, PackedMatrix):
+            if self.numerics != "ggml":
+                raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
             out = packed_matmul(x.reshape(-1, x.shape[-1]), w)
             return out.reshape(w.N) if x.ndim == 1 else out
         if self.numerics == "ggml":
