@@ -86,6 +86,9 @@ class GGUFFile:
         self._mmap = None
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Reads little-endian values from a buffer, refusing to step past its end."""
 
@@ -126,6 +129,32 @@ class _Cursor:
             # Vocabularies can hold invalid UTF-8 pieces; keep them losslessly.
             return raw.decode("utf-8", errors="surrogateescape")
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """`count` strings in a row (vocabularies: 100k-260k of them), as `string` reads them
+        but in one loop with local names: 4x faster, and it is most of a model's load time."""
+        buf, pos, end = self.buf, self.pos, self.end
+        unpack = _U64.unpack_from
+        out: list[str] = [""] * count
+        for i in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8, f"length of {what}")
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if n > MAX_STRING:
+                raise GGUFError(f"{what} claims a length of {n} bytes, which is not plausible")
+            if pos + n > end:
+                self.pos = pos
+                self.need(n, what)
+            raw = bytes(buf[pos:pos + n])
+            pos += n
+            try:
+                out[i] = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                out[i] = raw.decode("utf-8", errors="surrogateescape")
+        self.pos = pos
+        return out
+
     def value(self, vtype: int, key: str, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self.scalar(_SCALAR[vtype], f"value of {key!r}")
@@ -149,7 +178,7 @@ class _Cursor:
                 if count > (self.end - self.pos) // 8:   # each string needs its 8-byte length
                     raise GGUFError(f"metadata array {key!r} claims {count} strings, more than "
                                     f"the file can hold")
-                return [self.string(f"item of {key!r}") for _ in range(count)]
+                return self.strings(count, f"item of {key!r}")
             if etype == _ARRAY:
                 raise GGUFError(f"metadata {key!r} nests arrays, which GGUF models never do")
             raise GGUFError(f"metadata array {key!r} has unknown item type {etype}")
