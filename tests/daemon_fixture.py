@@ -2,7 +2,10 @@
 temporary EDGEINFER_HOME where gemma3:270m is registered (hard link to the cached file).
 
 `shared_daemon` is module-scoped: each test module that imports it gets one daemon for all
-its tests. `start_daemon()` starts extra ones with other settings.
+its tests, on the native (numba) backend. `backend_daemon` is the same daemon parametrized
+over the default backend (EDGEINFER_BACKEND): `cpu` reuses `shared_daemon`, `llamacpp` starts
+a second one for the module's tests that use it, so those run against both backends.
+`start_daemon()` starts extra ones with other settings.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import importlib.util
 
 import httpx
 import pytest
@@ -35,6 +40,11 @@ class Daemon:
     log: Path
     api_key: str | None = None
     env: dict = field(default_factory=dict)
+
+    @property
+    def backend(self) -> str:
+        """The daemon's default backend (what models load on without a backend option)."""
+        return self.env.get("EDGEINFER_BACKEND", "cpu")
 
     @property
     def url(self) -> str:
@@ -138,13 +148,43 @@ def warm(d: Daemon) -> None:
     assert r.status_code == 200, r.text
 
 
-@pytest.fixture(scope="module")
-def shared_daemon(tmp_path_factory, gemma3_path):
+def _start_shared(tmp_path_factory, gemma3_path, **env_extra: str) -> Daemon:
     home = tmp_path_factory.mktemp("daemon-home")
     register_gemma(home, gemma3_path)
-    d = start_daemon(home, EDGEINFER_MAX_QUEUE="4", EDGEINFER_MAX_MODEL_LEN="1024")
+    d = start_daemon(home, EDGEINFER_MAX_QUEUE="4", EDGEINFER_MAX_MODEL_LEN="1024", **env_extra)
     try:
         warm(d)
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory, gemma3_path):
+    d = _start_shared(tmp_path_factory, gemma3_path)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+# The API tests that must hold on every backend take `backend_daemon` (issue 8: "the
+# llama.cpp backend passes the same API tests as the native one").
+API_BACKENDS = [
+    "cpu",
+    pytest.param("llamacpp", marks=pytest.mark.skipif(
+        importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")),
+]
+
+
+@pytest.fixture(scope="module", params=API_BACKENDS)
+def backend_daemon(request, tmp_path_factory, gemma3_path):
+    if request.param == "cpu":       # the native daemon the module's other tests use too
+        yield request.getfixturevalue("shared_daemon")
+        return
+    d = _start_shared(tmp_path_factory, gemma3_path, EDGEINFER_BACKEND=request.param)
+    try:
         yield d
     finally:
         d.stop()

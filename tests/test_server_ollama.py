@@ -1,5 +1,10 @@
 """The Ollama API of a real daemon process, driven by the official `ollama` client, plus the
-edgeinfer CLI client (`stream_generate`, `ps`, `stop`) against the same daemon."""
+edgeinfer CLI client (`stream_generate`, `ps`, `stop`) against the same daemon.
+
+Tests taking `ol_backend` / `backend_daemon` run against a daemon on each backend (the native
+numba one and llama.cpp): generate and chat, streaming, options with stop strings,
+num_predict and the length done reason, token counts, logprobs, bad requests, and a
+disconnect freeing its sequence with the prefix reused. The rest run on the native daemon."""
 from __future__ import annotations
 
 import json
@@ -12,7 +17,7 @@ import httpx
 import ollama
 import pytest
 
-from daemon_fixture import shared_daemon, wait_idle  # noqa: F401  (module fixture)
+from daemon_fixture import backend_daemon, shared_daemon, wait_idle  # noqa: F401  (module fixtures)
 
 MODEL = "gemma3:270m"
 GREEDY = {"temperature": 0, "num_predict": 5}
@@ -23,8 +28,13 @@ def ol(shared_daemon):  # noqa: F811
     return ollama.Client(host=shared_daemon.url, timeout=300)
 
 
-def test_generate_non_streaming(ol):
-    r = ol.generate(model=MODEL, prompt="Why is the sky blue?", options=GREEDY)
+@pytest.fixture(scope="module")
+def ol_backend(backend_daemon):  # noqa: F811
+    return ollama.Client(host=backend_daemon.url, timeout=300)
+
+
+def test_generate_non_streaming(ol_backend):
+    r = ol_backend.generate(model=MODEL, prompt="Why is the sky blue?", options=GREEDY)
     assert r.done and r.done_reason == "length"
     assert r.response
     assert r.eval_count == 5 and r.prompt_eval_count > 3
@@ -33,7 +43,8 @@ def test_generate_non_streaming(ol):
     assert r.load_duration is not None and r.total_duration >= r.eval_duration
 
 
-def test_generate_streaming_matches(ol):
+def test_generate_streaming_matches(ol_backend):
+    ol = ol_backend
     ref = ol.generate(model=MODEL, prompt="Why is the sky blue?", options=GREEDY).response
     parts = list(ol.generate(model=MODEL, prompt="Why is the sky blue?", options=GREEDY,
                              stream=True))
@@ -49,17 +60,18 @@ def test_raw_generate_skips_template(ol):
     assert raw.response
 
 
-def test_chat(ol):
+def test_chat(ol_backend):
     msgs = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Name a color."}]
-    r = ol.chat(model=MODEL, messages=msgs, options=GREEDY)
+    r = ol_backend.chat(model=MODEL, messages=msgs, options=GREEDY)
     assert r.message.role == "assistant" and r.message.content
-    parts = list(ol.chat(model=MODEL, messages=msgs, options=GREEDY, stream=True))
+    parts = list(ol_backend.chat(model=MODEL, messages=msgs, options=GREEDY, stream=True))
     assert "".join(p.message.content for p in parts) == r.message.content
     assert parts[-1].done and parts[-1].eval_count == r.eval_count
 
 
-def test_options_and_stop(ol):
+def test_options_and_stop(ol_backend):
+    ol = ol_backend
     ref = ol.generate(model=MODEL, prompt="Count: 1, 2, 3,", raw=True,
                       options={"temperature": 0, "num_predict": 8}).response
     stop = ref.strip().split()[1] if len(ref.split()) > 1 else ref[2:4]
@@ -71,8 +83,9 @@ def test_options_and_stop(ol):
     assert ref.startswith(r.response)
 
 
-def test_logprobs(ol):
-    r = ol.generate(model=MODEL, prompt="Hello", options=GREEDY, logprobs=True, top_logprobs=2)
+def test_logprobs(ol_backend):
+    r = ol_backend.generate(model=MODEL, prompt="Hello", options=GREEDY, logprobs=True,
+                            top_logprobs=2)
     assert len(r.logprobs) == 5
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in r.logprobs)
 
@@ -162,17 +175,17 @@ def test_unknown_model_404(ol):
     ({"options": {"backend": "llamacpp", "device": "cpu"}}, "device"),
     ({"options": {"backend": "torch:cpu", "device": "cuda"}}, "device"),
 ])
-def test_bad_input_400(shared_daemon, body, word):  # noqa: F811
-    r = shared_daemon.post("/api/generate", {"model": MODEL, "prompt": "hi", "stream": False,
-                                             **body})
+def test_bad_input_400(backend_daemon, body, word):  # noqa: F811
+    r = backend_daemon.post("/api/generate", {"model": MODEL, "prompt": "hi", "stream": False,
+                                              **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert isinstance(err, str) and word in err
 
 
-def test_prompt_over_context_400_streaming(ol, shared_daemon):  # noqa: F811
+def test_prompt_over_context_400_streaming(ol_backend, backend_daemon):  # noqa: F811
     with pytest.raises(ollama.ResponseError) as e:
-        list(ol.generate(model=MODEL, prompt="word " * 1100, raw=True, stream=True))
+        list(ol_backend.generate(model=MODEL, prompt="word " * 1100, raw=True, stream=True))
     assert e.value.status_code == 400 and "context" in e.value.error
 
 
@@ -282,11 +295,12 @@ def test_metrics_text(shared_daemon):  # noqa: F811
     assert total and float(total[0].split()[-1]) > 0
 
 
-def test_ndjson_disconnect_frees_the_sequence_and_prefix_is_reused(ol, shared_daemon):  # noqa: F811
-    d = shared_daemon
+def test_ndjson_disconnect_frees_the_sequence_and_prefix_is_reused(
+        ol_backend, backend_daemon):  # noqa: F811
+    d = backend_daemon
     body = {"model": MODEL, "prompt": "Tell me a long story about a lighthouse keeper.",
             "options": {"temperature": 0, "num_predict": 500}}
-    ref = ol.generate(model=MODEL, prompt=body["prompt"], options=GREEDY)
+    ref = ol_backend.generate(model=MODEL, prompt=body["prompt"], options=GREEDY)
     base = wait_idle(d)["kv_blocks_used"]
     with httpx.stream("POST", d.url + "/api/generate", json=body, timeout=120) as r:
         lines = r.iter_lines()

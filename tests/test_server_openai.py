@@ -1,4 +1,9 @@
-"""The OpenAI API of a real daemon process, driven by the official `openai` client."""
+"""The OpenAI API of a real daemon process, driven by the official `openai` client.
+
+Tests taking `oa_backend` / `backend_daemon` run against a daemon on each backend (the native
+numba one and llama.cpp): chat and completions, streaming, stop strings, max tokens and the
+length finish reason, usage counts, n > 1 with logprobs, bad requests, prompts over the
+context, and disconnects freeing their sequences. The rest run on the native daemon only."""
 from __future__ import annotations
 
 import json
@@ -10,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from daemon_fixture import shared_daemon, wait_idle  # noqa: F401  (module fixture)
+from daemon_fixture import backend_daemon, shared_daemon, wait_idle  # noqa: F401  (module fixtures)
 
 MODEL = "gemma3:270m"
 HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -20,6 +25,13 @@ HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
 def oa(shared_daemon):  # noqa: F811
     # max_retries=0: a 429 must reach the test, not be retried away
     with openai.OpenAI(base_url=shared_daemon.url + "/v1", api_key="unused",
+                       max_retries=0, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oa_backend(backend_daemon):  # noqa: F811
+    with openai.OpenAI(base_url=backend_daemon.url + "/v1", api_key="unused",
                        max_retries=0, timeout=300) as c:
         yield c
 
@@ -36,8 +48,8 @@ def test_models(oa):
     assert oa.models.retrieve(MODEL).id == MODEL
 
 
-def test_chat_non_streaming(oa):
-    r = _chat(oa)
+def test_chat_non_streaming(oa_backend):
+    r = _chat(oa_backend)
     c = r.choices[0]
     assert c.message.role == "assistant" and c.message.content
     assert c.finish_reason == "length"
@@ -46,10 +58,10 @@ def test_chat_non_streaming(oa):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 6
 
 
-def test_chat_streaming_matches_non_streaming(oa):
-    ref = _chat(oa).choices[0].message.content
+def test_chat_streaming_matches_non_streaming(oa_backend):
+    ref = _chat(oa_backend).choices[0].message.content
     chunks, usage, reasons = [], None, []
-    for ev in _chat(oa, stream=True, stream_options={"include_usage": True}):
+    for ev in _chat(oa_backend, stream=True, stream_options={"include_usage": True}):
         if ev.usage:
             usage = ev.usage
         for ch in ev.choices:
@@ -60,17 +72,17 @@ def test_chat_streaming_matches_non_streaming(oa):
     assert usage is not None and usage.completion_tokens == 6
 
 
-def test_stop_string_ends_with_stop(oa):
-    ref = _chat(oa, max_tokens=8).choices[0].message.content
+def test_stop_string_ends_with_stop(oa_backend):
+    ref = _chat(oa_backend, max_tokens=8).choices[0].message.content
     word = ref.split()[1] if len(ref.split()) > 1 else ref[2:4]
-    r = _chat(oa, max_tokens=8, stop=[word])
+    r = _chat(oa_backend, max_tokens=8, stop=[word])
     assert r.choices[0].finish_reason == "stop"
     assert word not in r.choices[0].message.content
     assert ref.startswith(r.choices[0].message.content)
 
 
-def test_chat_logprobs_and_n(oa):
-    r = _chat(oa, max_tokens=3, n=2, logprobs=True, top_logprobs=2, seed=1)
+def test_chat_logprobs_and_n(oa_backend):
+    r = _chat(oa_backend, max_tokens=3, n=2, logprobs=True, top_logprobs=2, seed=1)
     assert [c.index for c in r.choices] == [0, 1]
     for c in r.choices:
         lp = c.logprobs.content
@@ -93,14 +105,14 @@ def test_sampling_parameters_accepted(oa):
     assert r.choices[0].message.content == again.choices[0].message.content  # seeded
 
 
-def test_completions(oa):
-    r = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
-                              temperature=0, logprobs=1)
+def test_completions(oa_backend):
+    r = oa_backend.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=4, temperature=0, logprobs=1)
     c = r.choices[0]
     assert c.text and c.finish_reason == "length"
     assert len(c.logprobs.tokens) == 4 and "".join(c.logprobs.tokens) == c.text
-    s = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
-                              temperature=0, stream=True)
+    s = oa_backend.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=4, temperature=0, stream=True)
     assert "".join(ch.choices[0].text for ch in s if ch.choices) == c.text
 
 
@@ -173,9 +185,9 @@ def test_unknown_model_is_404(oa):
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
     (dict(messages=[]), "messages"),
 ])
-def test_invalid_parameter_is_400_naming_it(oa, kw, param):
+def test_invalid_parameter_is_400_naming_it(oa_backend, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
-        _chat(oa, **kw)
+        _chat(oa_backend, **kw)
     assert e.value.status_code == 400
     assert e.value.body["param"] == param, e.value.body
     assert e.value.body["type"] == "invalid_request_error"
@@ -207,17 +219,18 @@ def test_huge_body_is_413(shared_daemon):  # noqa: F811
     assert head.startswith("HTTP/1.1 413") and "request_too_large" in head
 
 
-def test_prompt_over_context_is_400(oa, shared_daemon):  # noqa: F811
-    ctx = shared_daemon.stats()["models"][0]["context_length"]
+def test_prompt_over_context_is_400(oa_backend, backend_daemon):  # noqa: F811
+    ctx = backend_daemon.stats()["models"][0]["context_length"]
     with pytest.raises(openai.BadRequestError) as e:
-        oa.completions.create(model=MODEL, prompt=[2] + [1000] * ctx, max_tokens=2)
+        oa_backend.completions.create(model=MODEL, prompt=[2] + [1000] * ctx, max_tokens=2)
     assert "context" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
-        _chat(oa, messages=[{"role": "user", "content": "word " * (ctx + 10)}])
+        _chat(oa_backend, messages=[{"role": "user", "content": "word " * (ctx + 10)}])
     with pytest.raises(openai.BadRequestError):       # refused before the stream starts
-        _chat(oa, messages=[{"role": "user", "content": "word " * (ctx + 10)}], stream=True)
+        _chat(oa_backend, messages=[{"role": "user", "content": "word " * (ctx + 10)}],
+              stream=True)
     with pytest.raises(openai.BadRequestError) as e:
-        _chat(oa, logit_bias={"99999999": 1}, stream=True)
+        _chat(oa_backend, logit_bias={"99999999": 1}, stream=True)
     assert e.value.body["param"] == "logit_bias"
 
 
@@ -237,12 +250,12 @@ def test_image_content_is_400(oa):
 
 # ----- disconnects and concurrency -------------------------------------------------------------
 
-def test_disconnect_mid_stream_frees_the_sequence(oa, shared_daemon):  # noqa: F811
-    d = shared_daemon
-    ref = _chat(oa).choices[0].message.content
+def test_disconnect_mid_stream_frees_the_sequence(oa_backend, backend_daemon):  # noqa: F811
+    d = backend_daemon
+    ref = _chat(oa_backend).choices[0].message.content
     base = wait_idle(d)["kv_blocks_used"]
     aborts = _aborts(d)
-    stream = _chat(oa, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    stream = _chat(oa_backend, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
     got = 0
     for ev in stream:
         if ev.choices and ev.choices[0].delta.content:
@@ -255,7 +268,7 @@ def test_disconnect_mid_stream_frees_the_sequence(oa, shared_daemon):  # noqa: F
     idle = wait_idle(d, base)
     assert idle["kv_blocks_used"] == base
     # ...and the next request is served, with the same greedy answer as before
-    assert _chat(oa).choices[0].message.content == ref
+    assert _chat(oa_backend).choices[0].message.content == ref
     assert _aborts(d) == aborts + 1
 
 
@@ -266,8 +279,8 @@ def _aborts(d) -> int:
     return 0
 
 
-def test_non_streaming_disconnect_aborts(shared_daemon):  # noqa: F811
-    d = shared_daemon
+def test_non_streaming_disconnect_aborts(backend_daemon):  # noqa: F811
+    d = backend_daemon
     base = wait_idle(d)["kv_blocks_used"]
     aborts = _aborts(d)
     body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 900, "temperature": 0,
@@ -284,12 +297,12 @@ def test_non_streaming_disconnect_aborts(shared_daemon):  # noqa: F811
     assert _aborts(d) == aborts + 1
 
 
-def test_two_concurrent_streams_complete(oa, shared_daemon):  # noqa: F811
+def test_two_concurrent_streams_complete(oa_backend, backend_daemon):  # noqa: F811
     results: dict[int, tuple[str, str | None]] = {}
 
     def run(i: int) -> None:
         text, reason = [], None
-        with openai.OpenAI(base_url=shared_daemon.url + "/v1", api_key="x",
+        with openai.OpenAI(base_url=backend_daemon.url + "/v1", api_key="x",
                            max_retries=0, timeout=300) as c:
             for ev in c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8,
                                                 temperature=0, stream=True):
@@ -305,5 +318,11 @@ def test_two_concurrent_streams_complete(oa, shared_daemon):  # noqa: F811
         t.join()
     assert set(results) == {0, 1}
     assert results[0][1] == results[1][1] == "length"
-    assert results[0][0] and results[0][0] == results[1][0]
-    wait_idle(shared_daemon)
+    assert results[0][0] and results[1][0]
+    if backend_daemon.backend != "llamacpp":
+        # The native backend is batch-invariant, so the two greedy streams are identical
+        # whatever steps they share. llama.cpp's kernels are not: a decode row computed beside
+        # the other stream's prompt rows can round differently, and this base model's 8th
+        # token is a near tie (top-2 logprobs -3.125 vs -3.157), so the texts may differ there.
+        assert results[0][0] == results[1][0]
+    wait_idle(backend_daemon)
