@@ -110,6 +110,9 @@ class ModelRunner:
     def execute(self, chunks: Sequence[Chunk],
                 block_copies: Sequence[tuple[int, int]] = ()) -> np.ndarray:
         """Run one step; returns float32 logits [number of chunks needing logits, vocab]."""
+        begin = getattr(self.ops, "begin_step", None)
+        if begin is not None:
+            begin()
         if block_copies:
             self.ops.copy_blocks(self.kv, list(block_copies))
         batch = self.build_batch(chunks)

@@ -200,128 +200,148 @@ def _block_generic(acc, m, q, t, b, s, o, has_o, qa, a0, B, da, bsf, zb):
 
 # -- the matmul ----------------------------------------------------------------------------
 
-@njit(**_PJIT)
-def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
-    """out[M, N] = dequant(x) @ W^T from the repacked weight (q, s, o) and the activation codes.
+@intrinsic
+def _fetch_add(typingctx, addr, value):
+    """Atomically add value to the int64 at addr; returns the previous value."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
+    return types.int64(types.intp, types.int64), codegen
 
-    q uint8[T, nb, B/4, 16, 4]; s, o float32[T, nb, 16]; qa int8[M, K]; da, bsf float32[nb, M];
-    zb int32[nb, M]; out float32[M, N] with N <= 16 T.
-    """
+
+@njit(inline="always", nogil=True)
+def _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
+    """Output columns 16t .. 16t+15 of every row."""
     T, nb, nq = q.shape[0], q.shape[1], q.shape[2]
     B = nq * 4
     M, K = qa.shape
     N = out.shape[1]
-    tile_bytes = nb * B * LANES
-    q_base, s_base, o_base, qa_base = q.ctypes.data, s.ctypes.data, o.ctypes.data, qa.ctypes.data
-    da_base, bsf_base, zb_base = da.ctypes.data, bsf.ctypes.data, zb.ctypes.data
-    for t in prange(T):
-        n0 = t * LANES
-        full = n0 + LANES <= N
-        if use_vnni and full:
-            w_addr = q_base + t * tile_bytes
-            sb_addr = s_base + t * nb * LANES * 4
-            ob_addr = o_base + t * nb * LANES * 4
-            out_addr = out.ctypes.data + n0 * 4
-            m = 0
-            while m + 8 <= M:
-                _vnni_tile(8, B, has_o, out_addr + m * N * 4, N * 4, w_addr, sb_addr, ob_addr,
-                           qa_base + m * K, K, nb, da_base + m * 4, bsf_base + m * 4,
-                           zb_base + m * 4, M)
-                m += 8
-            while m + 4 <= M:
-                _vnni_tile(4, B, has_o, out_addr + m * N * 4, N * 4, w_addr, sb_addr, ob_addr,
-                           qa_base + m * K, K, nb, da_base + m * 4, bsf_base + m * 4,
-                           zb_base + m * 4, M)
-                m += 4
-            while m < M:
-                _vnni_tile(1, B, has_o, out_addr + m * N * 4, N * 4, w_addr, sb_addr, ob_addr,
-                           qa_base + m * K, K, nb, da_base + m * 4, bsf_base + m * 4,
-                           zb_base + m * 4, M)
-                m += 1
-        else:
-            # the generic path, also for a partial last tile: results go through acc
-            acc = np.zeros((M, LANES), np.float32)
-            for b in range(nb):
-                for m in range(M):
-                    _block_generic(acc, m, q, t, b, s, o, has_o, qa, b * B, B, da[b, m],
-                                   bsf[b, m], zb[b, m])
+    n0 = t * LANES
+    if use_vnni and n0 + LANES <= N:
+        w = q.ctypes.data + t * nb * B * LANES
+        sb = s.ctypes.data + t * nb * LANES * 4
+        ob = o.ctypes.data + t * nb * LANES * 4
+        dst = out.ctypes.data + n0 * 4
+        m = 0
+        while m < M:
+            R = 8 if M - m >= 8 else (4 if M - m >= 4 else 1)
+            _vnni_tile(R, B, has_o, dst + m * N * 4, N * 4, w, sb, ob, qa.ctypes.data + m * K,
+                       K, nb, da.ctypes.data + m * 4, bsf.ctypes.data + m * 4,
+                       zb.ctypes.data + m * 4, M)
+            m += R
+    else:
+        # the portable path, also for a partial last tile: results go through acc
+        acc = np.zeros((M, LANES), np.float32)
+        for b in range(nb):
             for m in range(M):
-                for lane in range(min(LANES, N - n0)):
-                    out[m, n0 + lane] = acc[m, lane]
+                _block_generic(acc, m, q, t, b, s, o, has_o, qa, b * B, B, da[b, m], bsf[b, m],
+                               zb[b, m])
+        for m in range(M):
+            for lane in range(min(LANES, N - n0)):
+                out[m, n0 + lane] = acc[m, lane]
+
+
+@intrinsic
+def _fetch_add(typingctx, addr, value):
+    """Atomically add value to the int64 at addr; returns the previous value."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
+    return types.int64(types.intp, types.int64), codegen
+
+
+@njit(**_PJIT)
+def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw):
+    """out[M, N] = dequant(x) @ W^T from the repacked weight (q, s, o) and the activation codes.
+
+    q uint8[T, nb, B/4, 16, 4]; s, o float32[T, nb, 16]; qa int8[M, K]; da, bsf float32[nb, M];
+    zb int32[nb, M]; out float32[M, N] with N <= 16 T; nw: numba's thread count.
+    """
+    T = q.shape[0]
+    # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter, so
+    # a thread the OS preempts (other work on the machine) delays only its current chunk
+    # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
+    per = max(1, T // (nw * 16))
+    nchunks = (T + per - 1) // per
+    counter = np.zeros(1, np.int64)
+    c_addr = counter.ctypes.data
+    for _w in prange(nw):
+        while True:
+            c = _fetch_add(c_addr, np.int64(1))
+            if c >= nchunks:
+                break
+            for t in range(c * per, min(T, (c + 1) * per)):
+                _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni)
+    return out
+
+
+@njit(**_JIT)
+def int8_matmul_serial(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
+    """int8_matmul on the calling thread, for products too small to pay a parallel region."""
+    for t in range(q.shape[0]):
+        _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni)
     return out
 
 
 # -- activation quantization ---------------------------------------------------------------
 # The activation codes ggml's CPU backend feeds each weight type's dot product: Q8_0 blocks of
-# 32 (scale amax/127 stored in f16) for the legacy quants, Q8_K blocks of 256 (scale from the
-# signed max, float32) for the k-quants. Same rounding as kernels.act_round_q8_0/_k.
+# A = 32 (scale amax/127 stored in f16) for the legacy quants, Q8_K blocks of A = 256 (scale
+# from the signed max, float32) for the k-quants; same rounding as kernels.act_round_q8_0/_k.
+# The same pass writes, per weight block of B columns, what the tile loop needs: da (the
+# activation scale), bsf (sum of the codes) and zb (zero_point * that sum), as [nb, M].
 
-@njit(**_PJIT)
-def act_quant_q8_0(x, qa, dq):
-    rows, n = x.shape
-    nb = n // 32
-    for rb in prange(rows * nb):
-        r = rb // nb
-        bi = rb % nb
-        b0 = bi * 32
-        amax = np.float32(0.0)
-        for j in range(32):
-            a = abs(x[r, b0 + j])
-            if a > amax:
-                amax = a
-        if amax == 0.0:
-            for j in range(32):
-                qa[r, b0 + j] = 0
-            dq[r, bi] = 0.0
-            continue
-        dq[r, bi] = round_f16(amax / np.float32(127.0))
+@njit(inline="always", nogil=True)
+def _quantize_block(x, r, ab, A, B, zp, qa, da, bsf, zb):
+    b0 = ab * A
+    amax = np.float32(0.0)
+    mx = np.float32(0.0)
+    for j in range(A):
+        v = x[r, b0 + j]
+        if abs(v) > amax:
+            amax = abs(v)
+            mx = v
+    d = np.float32(0.0)
+    if amax == 0.0:
+        for j in range(A):
+            qa[r, b0 + j] = 0
+    elif A == 32:
+        d = round_f16(amax / np.float32(127.0))
         idv = np.float32(127.0) / amax
-        for j in range(32):
+        for j in range(A):
             qa[r, b0 + j] = np.int8(np.rint(x[r, b0 + j] * idv))
-
-
-@njit(**_PJIT)
-def act_quant_q8_k(x, qa, dq):
-    rows, n = x.shape
-    nb = n // 256
-    for rb in prange(rows * nb):
-        r = rb // nb
-        bi = rb % nb
-        b0 = bi * 256
-        amax = np.float32(0.0)
-        mx = np.float32(0.0)
-        for j in range(256):
-            v = x[r, b0 + j]
-            if abs(v) > amax:
-                amax = abs(v)
-                mx = v
-        if amax == 0.0:
-            for j in range(256):
-                qa[r, b0 + j] = 0
-            dq[r, bi] = 0.0
-            continue
+    else:
         iscale = np.float32(-127.0) / mx
-        dq[r, bi] = np.float32(1.0) / iscale
-        for j in range(256):
+        d = np.float32(1.0) / iscale
+        for j in range(A):
             v = np.rint(iscale * x[r, b0 + j])
             if v > 127.0:
                 v = 127.0
             qa[r, b0 + j] = np.int8(v)
+    for wb in range(b0 // B, (b0 + A) // B):
+        sm = np.int32(0)
+        for j in range(B):
+            sm += np.int32(qa[r, wb * B + j])
+        da[wb, r] = d
+        bsf[wb, r] = np.float32(sm)
+        zb[wb, r] = np.int32(zp) * sm
 
 
 @njit(**_PJIT)
-def block_sums(qa, dq, A, B, zero_point, da, bsf, zb):
-    """Per weight block b and row m: the activation scale, sum(codes) and zero_point * sum."""
-    M, K = qa.shape
-    nb = K // B
-    for b in prange(nb):
-        for m in range(M):
-            sm = np.int32(0)
-            for j in range(B):
-                sm += np.int32(qa[m, b * B + j])
-            da[b, m] = dq[m, (b * B) // A]
-            bsf[b, m] = np.float32(sm)
-            zb[b, m] = np.int32(zero_point) * sm
+def quantize_rows(x, A, B, zp, qa, da, bsf, zb):
+    """x float32[M, K] -> int8 codes qa[M, K] and the per-weight-block da, bsf, zb [K/B, M]."""
+    M, K = x.shape
+    na = K // A
+    for i in prange(M * na):
+        _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+
+
+@njit(**_JIT)
+def quantize_rows_serial(x, A, B, zp, qa, da, bsf, zb):
+    """quantize_rows on the calling thread (small inputs: no parallel region to wake)."""
+    M, K = x.shape
+    na = K // A
+    for i in range(M * na):
+        _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
 
 
 # -- repacking (see repack.py) --------------------------------------------------------------

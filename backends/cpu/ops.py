@@ -14,6 +14,7 @@ from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul
+from edgeinfer.backends.cpu.threads import ThreadGovernor
 
 
 _Q = GGMLQuantizationType
@@ -87,6 +88,13 @@ class CpuOps:
             raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
         self._repack_setting = repack
         self.repack: bool | None = None           # decided on the first matrix of a model
+        self.governor: ThreadGovernor | None = None
+
+    def begin_step(self) -> None:
+        """Called by the runner before each forward, on the thread that runs it."""
+        if self.governor is None:
+            self.governor = ThreadGovernor()
+        self.governor.update()
 
     @property
     def weights_format(self) -> str:

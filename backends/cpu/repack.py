@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
@@ -178,43 +179,34 @@ class PackedMatrix:
         return out.reshape(ids.size, self.K).astype(np.float32)
 
 
-@dataclass
-class ActCodes:
-    """x quantized for one activation format, with the per-weight-block sums the kernel needs."""
-    qa: np.ndarray       # int8[M, K]
-    dq: np.ndarray       # float32[M, K/A]
-
-
-_ACT_QUANT = {32: _int8.act_quant_q8_0, 256: _int8.act_quant_q8_k}
-
-
-def quantize_activations(x: np.ndarray, A: int) -> ActCodes:
-    M, K = x.shape
-    qa = np.empty((M, K), np.int8)
-    dq = np.empty((M, K // A), np.float32)
-    _ACT_QUANT[A](x, qa, dq)
-    return ActCodes(qa, dq)
+# Below this many multiply-adds a product runs on the calling thread: waking the other
+# threads costs more than it saves (and far more when other programs hold the cores).
+SERIAL_MACS = 1 << 18
 
 
 def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
-                  act: ActCodes | None = None, use_vnni: bool | None = None) -> np.ndarray:
-    """float32[M, N] = x @ W^T with x rounded to ggml's 8-bit activation format for W's type.
-
-    `act` reuses codes already computed for x (q, k and v, or gate and up, share their input).
-    """
+                  use_vnni: bool | None = None) -> np.ndarray:
+    """float32[M, N] = x @ W^T with x rounded to ggml's 8-bit activation format for W's type."""
     x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
     M, K = x2.shape
     if K != w.K:
         raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
-    if act is None:
-        act = quantize_activations(x2, w.A)
     nb = K // w.B
+    qa = np.empty((M, K), np.int8)
     da = np.empty((nb, M), np.float32)
     bsf = np.empty((nb, M), np.float32)
     zb = np.empty((nb, M), np.int32)
-    _int8.block_sums(act.qa, act.dq, w.A, w.B, w.zero_point, da, bsf, zb)
     if out is None:
         out = np.empty((M, w.N), np.float32)
     vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
-    _int8.int8_matmul(w.q, w.s, w.o, w.has_o, act.qa, da, bsf, zb, out, vnni)
+    nw = numba.get_num_threads()
+    if nw == 1 or M * K * w.N < SERIAL_MACS:
+        _int8.quantize_rows_serial(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
+        _int8.int8_matmul_serial(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni)
+    else:
+        if M * K >= 1 << 16:
+            _int8.quantize_rows(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
+        else:
+            _int8.quantize_rows_serial(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
+        _int8.int8_matmul(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni, nw)
     return out

@@ -1,0 +1,73 @@
+"""How many threads the CPU kernels use for the next forward pass, from how busy the cores are.
+
+numba's parallel regions end at a barrier: when another program holds one of the cores, the
+region waits for the thread that core's scheduler has not run yet, and a 30 us matmul takes
+milliseconds (decode measured 3.8 tok/s with one other busy process on a 2-core machine, 77
+on one thread). So before each step the governor reads how much CPU time the rest of the
+machine used since the last look (/proc/stat minus this process's own time) and runs on the
+cores left free, at least one. EDGEINFER_THREADS=N fixes the count instead.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numba
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_seconds() -> float | None:
+    """CPU seconds all cores spent busy since boot, or None where /proc/stat is missing."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != b"cpu":
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)      # idle + iowait
+    return (sum(ticks[:8]) - idle) / _CLK_TCK                    # guest time is in user already
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class ThreadGovernor:
+    """One per engine thread (numba's thread count is per calling thread)."""
+
+    def __init__(self, max_threads: int | None = None, interval: float = 0.25):
+        fixed = os.environ.get("EDGEINFER_THREADS", "").strip()
+        self.fixed = int(fixed) if fixed.isdigit() and int(fixed) > 0 else None
+        self.max_threads = max(1, min(max_threads or numba.config.NUMBA_NUM_THREADS,
+                                      numba.config.NUMBA_NUM_THREADS))
+        self.interval = interval
+        self.threads = min(self.fixed or self.max_threads, self.max_threads)
+        self._last = None            # (wall, machine busy, own cpu)
+        self.others = 0.0            # cores other programs kept busy, last window
+
+    def update(self) -> int:
+        """Set numba's thread count for this thread; cheap when called every step."""
+        if self.fixed is None:
+            now = time.monotonic()
+            if self._last is None or now - self._last[0] >= self.interval:
+                self._measure(now)
+        numba.set_num_threads(self.threads)
+        return self.threads
+
+    def _measure(self, now: float) -> None:
+        busy = _machine_busy_seconds()
+        own = _own_seconds()
+        if busy is None:
+            return
+        if self._last is not None:
+            wall = now - self._last[0]
+            others = (busy - self._last[1]) - (own - self._last[2])
+            self.others = max(0.0, others / wall) if wall > 0 else 0.0
+            free = (os.cpu_count() or self.max_threads) - self.others
+            # a core counts as free when others used under ~0.7 of it
+            self.threads = max(1, min(self.max_threads, int(free + 0.3)))
+        self._last = (now, busy, own)
