@@ -1,0 +1,75 @@
+"""The CPU thread governor: fewer threads when other programs keep the cores busy."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numba
+import pytest
+
+from edgeinfer.backends.cpu import threads as T
+
+
+def fake_clock(monkeypatch, samples):
+    """samples: (wall, machine busy seconds, own cpu seconds) returned in turn."""
+    it = iter(samples)
+    state = {}
+
+    def advance():
+        state["now"] = next(it)
+    monkeypatch.setattr(T.time, "monotonic", lambda: state["now"][0])
+    monkeypatch.setattr(T, "_machine_busy_seconds", lambda: state["now"][1])
+    monkeypatch.setattr(T, "_own_seconds", lambda: state["now"][2])
+    monkeypatch.setattr(T.os, "cpu_count", lambda: 4)
+    return advance
+
+
+def test_threads_follow_the_free_cores(monkeypatch):
+    monkeypatch.delenv("EDGEINFER_THREADS", raising=False)
+    monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
+    monkeypatch.setattr(T.numba, "set_num_threads", lambda n: None)
+    advance = fake_clock(monkeypatch, [
+        (0.0, 100.0, 10.0),     # baseline
+        (1.0, 102.0, 12.0),     # 2 busy core-seconds, all ours -> others 0 -> 4 threads
+        (2.0, 105.0, 13.0),     # 3 busy, 1 ours -> others 2 -> 2 threads
+        (2.1, 105.0, 13.0),     # within the interval: no new reading
+        (3.0, 108.9, 13.0),     # others 3.9 -> still at least one thread
+    ])
+    g = T.ThreadGovernor(interval=0.25)
+    advance()
+    assert g.update() == 4
+    advance()
+    assert g.update() == 4 and g.others == 0.0
+    advance()
+    assert g.update() == 2 and g.others == pytest.approx(2.0)
+    advance()
+    assert g.update() == 2
+    advance()
+    assert g.update() == 1
+
+
+def test_fixed_thread_count(monkeypatch):
+    monkeypatch.setenv("EDGEINFER_THREADS", "1")
+    g = T.ThreadGovernor()
+    assert g.update() == 1
+    assert numba.get_num_threads() == 1
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_sees_a_real_busy_process(monkeypatch):
+    monkeypatch.delenv("EDGEINFER_THREADS", raising=False)
+    if T._machine_busy_seconds() is None:
+        pytest.skip("no /proc/stat on this platform")
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"])
+    try:
+        time.sleep(0.3)
+        g = T.ThreadGovernor(interval=0.0)
+        g.update()
+        time.sleep(1.0)
+        g.update()
+        assert g.others >= 0.5          # the burner alone keeps one core busy
+        assert 1 <= g.threads <= g.max_threads
+    finally:
+        burner.kill()
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
