@@ -29,6 +29,17 @@ def _f16_round(typingctx, x):
     return types.float32(types.float32), codegen
 
 
+@intrinsic
+def _f16_bits(typingctx, x):
+    """float32 -> the bit pattern of the nearest float16 (ties to even), as uint16."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
 @njit(inline="always", nogil=True)
 def round_f16(v):
     """Round to the nearest float16 value, returned as float32."""
@@ -265,10 +276,33 @@ def act_round_f16(x, out):
 
 
 @njit(**_PJIT)
-def gelu_tanh_mul_f16(gate, up, out):
-    """GeGLU as ggml computes it: GELU of the f16-rounded input, result rounded to f16."""
-    rows, n = gate.shape
+def gelu_f16_values(h, out):
+    """GELU of f16 values h, rounded to f16: the table gelu_tanh_mul_f16 looks up."""
     k = np.float32(math.sqrt(2.0 / math.pi))
+    for i in prange(h.shape[0]):
+        x = h[i]
+        out[i] = round_f16(np.float32(0.5) * x * (np.float32(1.0) + np.tanh(
+            k * x * (np.float32(1.0) + np.float32(0.044715) * x * x))))
+    return out
+
+
+_GELU_TABLE: list = []
+
+
+def gelu_f16_table() -> np.ndarray:
+    """float32[65536]: GELU at every float16 value (indexed by its bit pattern), as ggml keeps
+    it, so a GELU is one table lookup instead of a tanh."""
+    if not _GELU_TABLE:
+        h = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+        _GELU_TABLE.append(gelu_f16_values(h, np.empty_like(h)))
+    return _GELU_TABLE[0]
+
+
+@njit(**_PJIT)
+def gelu_tanh_mul_f16(gate, up, out, table):
+    """GeGLU as ggml computes it: GELU of the f16-rounded input, result rounded to f16, read
+    from `table` (gelu_f16_table); inputs beyond +-10 take ggml's shortcuts."""
+    rows, n = gate.shape
     for r in prange(rows):
         for i in range(n):
             g = gate[r, i]
@@ -277,8 +311,6 @@ def gelu_tanh_mul_f16(gate, up, out):
             elif g >= 10.0:
                 y = g
             else:
-                h = round_f16(g)
-                y = round_f16(np.float32(0.5) * h * (np.float32(1.0) + np.tanh(
-                    k * h * (np.float32(1.0) + np.float32(0.044715) * h * h))))
+                y = table[_f16_bits(g)]
             out[r, i] = y * up[r, i]
     return out

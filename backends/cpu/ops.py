@@ -166,7 +166,7 @@ class CpuOps:
 
     def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.numerics == "ggml":
-            return K.gelu_tanh_mul_f16(gate, up, gate)
+            return K.gelu_tanh_mul_f16(gate, up, gate, K.gelu_f16_table())
         return K.gelu_tanh_mul(gate, up, gate)
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
