@@ -1,0 +1,23 @@
+"""Element-wise CPU kernels against their direct formulas."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgeinfer.backends.cpu import kernels as K
+
+
+def test_gelu_table_equals_the_f16_formula():
+    rng = np.random.default_rng(0)
+    edge = np.array([-10, -9.999, 9.999, 10, 0, -0.0, 1e-8, -1e-8, 65504, 7e4, np.inf, -np.inf],
+                    np.float32)
+    g = np.concatenate([rng.standard_normal(50000).astype(np.float32) * 4, edge]).reshape(2, -1)
+    up = rng.standard_normal(g.shape).astype(np.float32)
+    got = K.gelu_tanh_mul_f16(g.copy(), up, np.empty_like(g), K.gelu_f16_table())
+    with np.errstate(over="ignore"):      # 7e4 rounds to inf in f16, as in the kernel
+        h = g.astype(np.float16).astype(np.float32).reshape(-1)
+    direct = K.gelu_f16_values(h, np.empty_like(h)).reshape(g.shape)
+    want = (np.where(g <= -10, 0, np.where(g >= 10, g, direct)) * up).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    # and close to the float32 GELU (f16 rounding only)
+    ref = K.gelu_tanh_mul(g[:, :-6].copy(), up[:, :-6], np.empty_like(g[:, :-6]))
+    np.testing.assert_allclose(got[:, :-6], ref, rtol=3e-3, atol=1e-3 * np.abs(up).max())
