@@ -136,3 +136,21 @@ def test_cpu_ops_repack_setting(monkeypatch, gemma3_path):
         CpuOps(numerics="f32", repack=True)
     # what the decision weighs: gemma3 270M repacked is ~1.1x its file
     assert 200e6 < repacked_bytes(gf) < 400e6
+
+
+def test_parallel_result_is_the_serial_result_every_time():
+    """Dynamic tile scheduling (atomic counter) must cover every tile exactly once, call after
+    call, with allocations happening in between."""
+    import numba
+    w = make(T.Q8_0, 4096, 640, seed=2)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(2).standard_normal((3, w.K)).astype(np.float32)
+    n = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        ref = packed_matmul(x, p)
+    finally:
+        numba.set_num_threads(n)
+    for _ in range(200):
+        np.testing.assert_array_equal(packed_matmul(x, p), ref)
+        _ = [np.ones(1, np.int64) for _ in range(3)]

@@ -144,8 +144,12 @@ def test_one_compiled_signature_per_kernel():
         assert len(kernel.signatures) == 1, kernel.signatures
 
 
-def test_kernel_cache_stamp_is_current():
-    """numba keys its disk cache on _kernels.py alone; the hash there must cover its inlined deps."""
-    assert _kernels._DEPS_HASH == _kernels.deps_hash(), (
-        f"update _DEPS_HASH in backends/cpu/_kernels.py to {_kernels.deps_hash()!r}")
-    assert _kernels._CACHE
+@pytest.mark.parametrize("module", ["_kernels", "kernels", "_int8"])
+def test_kernel_cache_stamp_is_current(module):
+    """numba keys its disk cache on a kernel's own file; the hash there must cover its inlined
+    deps (backends/cpu/_stamp.py)."""
+    import importlib
+    mod = importlib.import_module(f"edgeinfer.backends.cpu.{module}")
+    assert mod._DEPS_HASH == mod.deps_hash(), (
+        f"update _DEPS_HASH in backends/cpu/{module}.py to {mod.deps_hash()!r}")
+    assert mod._CACHE

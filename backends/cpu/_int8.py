@@ -28,10 +28,20 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from . import _stamp
 from .kernels import round_f16
 
-_JIT = dict(nogil=True, cache=True, fastmath=False)
-_PJIT = dict(nogil=True, cache=True, parallel=True, fastmath=False)
+_DEPS = ("kernels.py", "_simd.py")     # inlined here (round_f16 and what kernels.py inlines)
+_DEPS_HASH = "4eb59435a1d9d528"
+
+
+def deps_hash() -> str:
+    return _stamp.deps_hash(_DEPS)
+
+
+_CACHE = deps_hash() == _DEPS_HASH
+_JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
+_PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 
 LANES = 16
 
@@ -251,11 +261,13 @@ def _fetch_add(typingctx, addr, value):
 
 
 @njit(**_PJIT)
-def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw):
+def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw, counter):
     """out[M, N] = dequant(x) @ W^T from the repacked weight (q, s, o) and the activation codes.
 
     q uint8[T, nb, B/4, 16, 4]; s, o float32[T, nb, 16]; qa int8[M, K]; da, bsf float32[nb, M];
-    zb int32[nb, M]; out float32[M, N] with N <= 16 T; nw: numba's thread count.
+    zb int32[nb, M]; out float32[M, N] with N <= 16 T; nw: numba's thread count; counter:
+    int64[1] of zero, owned by the caller (an array made here could be freed after its last
+    use by name, while the threads still add to its address).
     """
     T = q.shape[0]
     # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter, so
@@ -263,7 +275,6 @@ def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw):
     # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
     per = max(1, T // (nw * 16))
     nchunks = (T + per - 1) // per
-    counter = np.zeros(1, np.int64)
     c_addr = counter.ctypes.data
     for _w in prange(nw):
         while True:

@@ -13,13 +13,11 @@ tests/test_matmul.py fails with the value to paste here.
 """
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-
 import numpy as np
 from numba import njit, prange
 
 from . import _decode as D
+from . import _stamp
 from . import _dot as P
 from ._simd import vfma, vhsum, vload, vzero
 
@@ -28,14 +26,8 @@ _DEPS_HASH = "e59820164470a0ef"
 
 
 def deps_hash() -> str:
-    """sha256 prefix of the sources inlined into these kernels."""
-    h = hashlib.sha256()
-    try:
-        for name in _DEPS:
-            h.update((Path(__file__).parent / name).read_bytes())
-    except OSError:
-        return "unavailable"
-    return h.hexdigest()[:16]
+    """sha256 prefix of the sources inlined into these kernels (see _stamp.py)."""
+    return _stamp.deps_hash(_DEPS)
 
 
 _CACHE = deps_hash() == _DEPS_HASH

@@ -13,8 +13,21 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-_JIT = dict(nogil=True, cache=True, fastmath=False)
-_PJIT = dict(nogil=True, cache=True, parallel=True, fastmath=False)
+from . import _stamp
+from ._simd import vfma, vhsum, vload, vzero
+
+_DEPS = ("_simd.py",)        # inlined here: see _stamp.py
+_DEPS_HASH = "87956b1a768fad6f"
+
+
+def deps_hash() -> str:
+    return _stamp.deps_hash(_DEPS)
+
+
+_CACHE = deps_hash() == _DEPS_HASH
+
+_JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
+_PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 
 
 @intrinsic
@@ -148,7 +161,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
     """
     T, H, D = q.shape
     bs = k_cache.shape[1]
-    group = H // k_cache.shape[2]
+    KVH = k_cache.shape[2]
+    group = H // KVH
     for th in prange(T * H):
         t = th // H
         h = th % H
@@ -167,10 +181,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
         for j in range(n):
             p = start + j
             blk = block_tables[s, p // bs]
-            kv = k_cache[blk, p % bs, kvh]
-            acc = np.float32(0.0)
-            for d in range(D):
-                acc += qv[d] * kv[d]
+            if D % 16 == 0:
+                # 16 partial sums, then a fixed tree: vectorized, and the same order for a
+                # token whatever else is in the batch
+                kbase = ((blk * bs + p % bs) * KVH + kvh) * D
+                accv = vzero()
+                for d in range(0, D, 16):
+                    accv = vfma(vload(qv, d), vload(k_cache, kbase + d), accv)
+                acc = vhsum(accv)
+            else:
+                kv = k_cache[blk, p % bs, kvh]
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += qv[d] * kv[d]
             acc *= scale
             scores[j] = acc
             if acc > m:

@@ -208,5 +208,6 @@ def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
             _int8.quantize_rows(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
         else:
             _int8.quantize_rows_serial(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
-        _int8.int8_matmul(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni, nw)
+        _int8.int8_matmul(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni, nw,
+                          np.zeros(1, np.int64))
     return out
