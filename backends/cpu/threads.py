@@ -48,6 +48,7 @@ class ThreadGovernor:
         self.threads = min(self.fixed or self.max_threads, self.max_threads)
         self._last = None            # (wall, machine busy, own cpu)
         self.others = 0.0            # cores other programs kept busy, last window
+        self._applied = None         # what numba was last told
 
     def update(self) -> int:
         """Set numba's thread count for this thread; cheap when called every step."""
@@ -55,7 +56,9 @@ class ThreadGovernor:
             now = time.monotonic()
             if self._last is None or now - self._last[0] >= self.interval:
                 self._measure(now)
-        numba.set_num_threads(self.threads)
+        if self.threads != self._applied:
+            numba.set_num_threads(self.threads)
+            self._applied = self.threads
         return self.threads
 
     def _measure(self, now: float) -> None:
