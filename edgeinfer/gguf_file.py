@@ -81,6 +81,28 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def release_pages(self, name: str | None = None) -> None:
+        """Drop mapped file pages (of one tensor, or all) from this process's memory; the page
+        cache keeps them.
+
+        For backends that copy or repack weights at load: the pages they read stay mapped and
+        count in the process's RSS until then. Safe for any mapping: a view still in use reads
+        its pages back from the file on the next access."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start, end = 0, len(self._mmap)
+        if name is not None:
+            t = self.tensors[name]
+            page = mmap.PAGESIZE
+            start = -(-t.offset // page) * page              # whole pages inside the tensor
+            end = (t.offset + t.nbytes) // page * page
+            if end <= start:
+                return
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
+
     def close(self) -> None:
         # Views handed out by raw() keep the map alive; let the GC close it then.
         self._mmap = None

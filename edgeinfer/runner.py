@@ -62,6 +62,8 @@ class ModelRunner:
         from edgeinfer.models import build_model
         self.gf, self.cfg, self.ops, self.plan = gf, cfg, ops, plan
         self.model = build_model(cfg, ops, gf)
+        if getattr(ops, "weights_copied", False):
+            gf.release_pages()      # the weights live in the backend's own memory now
         self.kv = ops.new_kv_cache(cfg.n_layers, plan.num_blocks, plan.block_size,
                                    cfg.n_kv_head, cfg.head_dim)
 

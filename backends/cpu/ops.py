@@ -97,6 +97,11 @@ class CpuOps:
         self.governor.update()
 
     @property
+    def weights_copied(self) -> bool:
+        """Whether the model's weights were copied out of the GGUF's memory map."""
+        return bool(self.repack)
+
+    @property
     def weights_format(self) -> str:
         if self.repack:
             kind = "VNNI" if HAVE_VNNI else "portable"
@@ -115,7 +120,9 @@ class CpuOps:
             self.repack = self._decide_repack(gguf_file)
         w = QuantMatrix.from_gguf(gguf_file, name)
         if self.repack and int(w.qtype) in REPACKABLE:
-            return PackedMatrix.from_quant(w)
+            packed = PackedMatrix.from_quant(w)
+            gguf_file.release_pages(name)      # keeps peak RSS near one copy of the weights
+            return packed
         return w
 
     def vector(self, gguf_file, name: str) -> np.ndarray:

@@ -47,6 +47,7 @@ class TorchOps:
         self.kv_dtype = torch.float16 if self.info.kind == "cpu" else self.dtype
         self.kv_bytes_per_value = torch.empty((), dtype=self.kv_dtype).element_size()
         self.weights_format = str(self.dtype).removeprefix("torch.")
+        self.weights_copied = True      # dequantized onto the device at load
         self.name = f"torch:{self.info.kind}"
         self.check_memory = check_memory
         self._checked = False
