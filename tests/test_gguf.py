@@ -181,3 +181,16 @@ def test_cli_show_real_model(gemma3_path):
     for needle in ("gemma3", "Q4_K_M", "32768", "18", "4 / 1", "256", "262,144", "llama tokenizer",
                    "18,432 bytes/token", "253,113,024"):
         assert needle in r.stdout, needle
+
+
+def test_released_pages_read_back_the_same_bytes(gemma3_path):
+    gf = read_gguf(gemma3_path)
+    names = ["token_embd.weight", "blk.0.attn_q.weight", "output_norm.weight"]
+    before = {n: gf.raw(n).copy() for n in names}
+    view = gf.raw("blk.0.attn_q.weight")          # a view held across the release
+    gf.release_pages("token_embd.weight")
+    gf.release_pages("output_norm.weight")        # smaller than a page: nothing to drop
+    gf.release_pages()
+    for n in names:
+        np.testing.assert_array_equal(gf.raw(n), before[n])
+    np.testing.assert_array_equal(view, before["blk.0.attn_q.weight"])
