@@ -165,16 +165,11 @@ def _cpu_weights_format(path: str | None) -> str:
     try:
         from edgeinfer.backends.cpu.ops import CpuOps
         from edgeinfer.gguf_file import read_gguf
-        ops = CpuOps()
-        decide = getattr(ops, "_decide_repack", None)
-        if decide is None or not hasattr(ops, "repack"):
-            return str(getattr(ops, "weights_format", CPU_WEIGHTS))
         gf = read_gguf(str(path))
         try:
-            ops.repack = bool(decide(gf))
+            return CpuOps().weights_format_for(gf)
         finally:
             gf.close()
-        return str(ops.weights_format)
     except Exception:       # a prediction only: never fail `show` over it
         return CPU_WEIGHTS
 

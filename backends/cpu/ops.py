@@ -109,15 +109,25 @@ class CpuOps:
         return "gguf (quantized blocks, decoded per matmul)"
 
     # -- weights ---------------------------------------------------------------------------
-    def _decide_repack(self, gguf_file) -> bool:
+    def would_repack(self, gguf_file) -> bool:
+        """Whether this model's weights would be repacked (see __init__), without loading."""
         if self._repack_setting is not None:
             return self._repack_setting
         return (self.numerics == "ggml" and HAVE_VNNI
                 and repacked_bytes(gguf_file) <= _ram_bytes() // 2)
 
+    def weights_format_for(self, gguf_file) -> str:
+        """The weights_format a model from this file would report."""
+        saved = self.repack
+        self.repack = self.would_repack(gguf_file)
+        try:
+            return self.weights_format
+        finally:
+            self.repack = saved
+
     def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix:
         if self.repack is None:
-            self.repack = self._decide_repack(gguf_file)
+            self.repack = self.would_repack(gguf_file)
         w = QuantMatrix.from_gguf(gguf_file, name)
         if self.repack and int(w.qtype) in REPACKABLE:
             packed = PackedMatrix.from_quant(w)
