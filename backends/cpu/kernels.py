@@ -59,71 +59,108 @@ def round_f16(v):
     return _f16_round(np.float32(v))
 
 
+# Each kernel takes `par`: False runs it on the calling thread. A parallel region costs a few
+# microseconds to start, and tens when the workers went to sleep since the last one (the
+# engine runs small serial matmuls between them), so small inputs skip it (ops.py decides).
+
+@njit(inline="always", nogil=True)
+def _rms_row(x, w, eps, out, r):
+    n = x.shape[1]
+    acc = 0.0  # float64 sum, as ggml does, so long rows don't lose precision
+    for i in range(n):
+        v = x[r, i]
+        acc += v * v
+    scale = np.float32(1.0 / math.sqrt(acc / n + eps))
+    for i in range(n):
+        out[r, i] = x[r, i] * scale * w[i]
+
+
 @njit(**_PJIT)
-def rms_norm(x, w, eps, out):
+def rms_norm(x, w, eps, out, par):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for each row r of a 2-D array."""
-    rows, n = x.shape
-    for r in prange(rows):
-        acc = 0.0  # float64 sum, as ggml does, so long rows don't lose precision
-        for i in range(n):
-            v = x[r, i]
-            acc += v * v
-        scale = np.float32(1.0 / math.sqrt(acc / n + eps))
-        for i in range(n):
-            out[r, i] = x[r, i] * scale * w[i]
+    if par:
+        for r in prange(x.shape[0]):
+            _rms_row(x, w, eps, out, r)
+    else:
+        for r in range(x.shape[0]):
+            _rms_row(x, w, eps, out, r)
     return out
 
 
+@njit(inline="always", nogil=True)
+def _rope_head(x, cos, sin, neox, t, h):
+    D = x.shape[2]
+    half = D // 2
+    if neox:
+        for i in range(half):
+            a = x[t, h, i]
+            b = x[t, h, i + half]
+            c = cos[t, i]
+            s = sin[t, i]
+            x[t, h, i] = a * c - b * s
+            x[t, h, i + half] = b * c + a * s
+    else:
+        for i in range(half):
+            a = x[t, h, 2 * i]
+            b = x[t, h, 2 * i + 1]
+            c = cos[t, i]
+            s = sin[t, i]
+            x[t, h, 2 * i] = a * c - b * s
+            x[t, h, 2 * i + 1] = b * c + a * s
+
+
 @njit(**_PJIT)
-def rope_inplace(x, cos, sin, neox):
+def rope_inplace(x, cos, sin, neox, par):
     """Rotary embedding in place on x[T, H, D] with per-token tables cos/sin[T, D/2].
 
     neox=True rotates (x[i], x[i + D/2]) pairs (NeoX/HF order); False rotates adjacent pairs
     (x[2i], x[2i+1]), the original llama layout that GGUF llama weights are permuted for.
     """
-    T, H, D = x.shape
-    half = D // 2
-    for th in prange(T * H):
-        t = th // H
-        h = th % H
-        if neox:
-            for i in range(half):
-                a = x[t, h, i]
-                b = x[t, h, i + half]
-                c = cos[t, i]
-                s = sin[t, i]
-                x[t, h, i] = a * c - b * s
-                x[t, h, i + half] = b * c + a * s
-        else:
-            for i in range(half):
-                a = x[t, h, 2 * i]
-                b = x[t, h, 2 * i + 1]
-                c = cos[t, i]
-                s = sin[t, i]
-                x[t, h, 2 * i] = a * c - b * s
-                x[t, h, 2 * i + 1] = b * c + a * s
+    T, H = x.shape[0], x.shape[1]
+    if par:
+        for th in prange(T * H):
+            _rope_head(x, cos, sin, neox, th // H, th % H)
+    else:
+        for th in range(T * H):
+            _rope_head(x, cos, sin, neox, th // H, th % H)
+
+
+@njit(inline="always", nogil=True)
+def _gelu_row(gate, up, out, r):
+    k = np.float32(math.sqrt(2.0 / math.pi))
+    for i in range(gate.shape[1]):
+        g = gate[r, i]
+        out[r, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(k * (g + np.float32(0.044715) * g * g * g))) * up[r, i]
 
 
 @njit(**_PJIT)
-def gelu_tanh_mul(gate, up, out):
+def gelu_tanh_mul(gate, up, out, par):
     """GeGLU: gelu_tanh(gate) * up (Gemma's feed-forward)."""
-    rows, n = gate.shape
-    k = np.float32(math.sqrt(2.0 / math.pi))
-    for r in prange(rows):
-        for i in range(n):
-            g = gate[r, i]
-            out[r, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(k * (g + np.float32(0.044715) * g * g * g))) * up[r, i]
+    if par:
+        for r in prange(gate.shape[0]):
+            _gelu_row(gate, up, out, r)
+    else:
+        for r in range(gate.shape[0]):
+            _gelu_row(gate, up, out, r)
     return out
 
 
+@njit(inline="always", nogil=True)
+def _silu_row(gate, up, out, r):
+    for i in range(gate.shape[1]):
+        g = gate[r, i]
+        out[r, i] = g / (np.float32(1.0) + np.exp(-g)) * up[r, i]
+
+
 @njit(**_PJIT)
-def silu_mul(gate, up, out):
+def silu_mul(gate, up, out, par):
     """SwiGLU: silu(gate) * up (llama / qwen feed-forward)."""
-    rows, n = gate.shape
-    for r in prange(rows):
-        for i in range(n):
-            g = gate[r, i]
-            out[r, i] = g / (np.float32(1.0) + np.exp(-g)) * up[r, i]
+    if par:
+        for r in prange(gate.shape[0]):
+            _silu_row(gate, up, out, r)
+    else:
+        for r in range(gate.shape[0]):
+            _silu_row(gate, up, out, r)
     return out
 
 
@@ -148,9 +185,74 @@ def copy_blocks(k_cache, v_cache, src, dst):
         v_cache[dst[i]] = v_cache[src[i]]
 
 
-@njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"})
+@njit(inline="always", nogil=True)
+def _attend_one(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                ggml_rounding, out, th):
+    """Attention of one query token and head (th = t * H + h)."""
+    T, H, D = q.shape
+    bs = k_cache.shape[1]
+    KVH = k_cache.shape[2]
+    group = H // KVH
+    t = th // H
+    h = th % H
+    kvh = h // group
+    s = token_seq[t]
+    pos = positions[t]
+    start = 0
+    if window > 0 and pos - window + 1 > 0:
+        start = pos - window + 1
+    n = pos - start + 1
+    scores = np.empty(n, np.float32)
+    qv = np.empty(D, np.float32)
+    for d in range(D):
+        qv[d] = round_f16(q[t, h, d]) if ggml_rounding else q[t, h, d]
+    m = -np.inf
+    for j in range(n):
+        p = start + j
+        blk = block_tables[s, p // bs]
+        if D % 16 == 0:
+            # 16 partial sums, then a fixed tree: vectorized, and the same order for a
+            # token whatever else is in the batch
+            kbase = ((blk * bs + p % bs) * KVH + kvh) * D
+            accv = vzero()
+            for d in range(0, D, 16):
+                accv = vfma(vload(qv, d), vload(k_cache, kbase + d), accv)
+            acc = vhsum(accv)
+        else:
+            kv = k_cache[blk, p % bs, kvh]
+            acc = np.float32(0.0)
+            for d in range(D):
+                acc += qv[d] * kv[d]
+        acc *= scale
+        scores[j] = acc
+        if acc > m:
+            m = acc
+    total = 0.0  # float64, as ggml's softmax sums
+    for j in range(n):
+        e = np.exp(scores[j] - m)
+        scores[j] = e
+        total += e
+    inv = np.float32(1.0 / total)
+    for j in range(n):
+        w = scores[j] * inv
+        scores[j] = round_f16(w) if ggml_rounding else w
+    o = out[t, h]
+    for d in range(D):
+        o[d] = 0.0
+    for j in range(n):
+        p = start + j
+        blk = block_tables[s, p // bs]
+        vv = v_cache[blk, p % bs, kvh]
+        w = scores[j]
+        for d in range(D):
+            o[d] += w * vv[d]
+
+
+# No fastmath: with reassociation LLVM may order a sum differently in the parallel and the
+# serial copy of the loop, and a token's result would depend on its batch's size.
+@njit(**_PJIT)
 def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                    ggml_rounding, out):
+                    ggml_rounding, out, par):
     """Causal attention for a flat batch of query tokens, reading K/V through block tables.
 
     q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
@@ -159,64 +261,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
     Mixed prefill chunks and decode tokens of many sequences go in one call.
     ggml_rounding: round q and the softmax weights to f16 as llama.cpp's f16-cache matmuls do.
     """
-    T, H, D = q.shape
-    bs = k_cache.shape[1]
-    KVH = k_cache.shape[2]
-    group = H // KVH
-    for th in prange(T * H):
-        t = th // H
-        h = th % H
-        kvh = h // group
-        s = token_seq[t]
-        pos = positions[t]
-        start = 0
-        if window > 0 and pos - window + 1 > 0:
-            start = pos - window + 1
-        n = pos - start + 1
-        scores = np.empty(n, np.float32)
-        qv = np.empty(D, np.float32)
-        for d in range(D):
-            qv[d] = round_f16(q[t, h, d]) if ggml_rounding else q[t, h, d]
-        m = -np.inf
-        for j in range(n):
-            p = start + j
-            blk = block_tables[s, p // bs]
-            if D % 16 == 0:
-                # 16 partial sums, then a fixed tree: vectorized, and the same order for a
-                # token whatever else is in the batch
-                kbase = ((blk * bs + p % bs) * KVH + kvh) * D
-                accv = vzero()
-                for d in range(0, D, 16):
-                    accv = vfma(vload(qv, d), vload(k_cache, kbase + d), accv)
-                acc = vhsum(accv)
-            else:
-                kv = k_cache[blk, p % bs, kvh]
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += qv[d] * kv[d]
-            acc *= scale
-            scores[j] = acc
-            if acc > m:
-                m = acc
-        total = 0.0  # float64, as ggml's softmax sums
-        for j in range(n):
-            e = np.exp(scores[j] - m)
-            scores[j] = e
-            total += e
-        inv = np.float32(1.0 / total)
-        for j in range(n):
-            w = scores[j] * inv
-            scores[j] = round_f16(w) if ggml_rounding else w
-        o = out[t, h]
-        for d in range(D):
-            o[d] = 0.0
-        for j in range(n):
-            p = start + j
-            blk = block_tables[s, p // bs]
-            vv = v_cache[blk, p % bs, kvh]
-            w = scores[j]
-            for d in range(D):
-                o[d] += w * vv[d]
+    T, H = q.shape[0], q.shape[1]
+    if par:
+        for th in prange(T * H):
+            _attend_one(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                        ggml_rounding, out, th)
+    else:
+        for th in range(T * H):
+            _attend_one(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                        ggml_rounding, out, th)
     return out
 
 
@@ -321,19 +374,27 @@ def gelu_f16_table() -> np.ndarray:
     return _GELU_TABLE[0]
 
 
+@njit(inline="always", nogil=True)
+def _gelu_f16_row(gate, up, out, table, r):
+    for i in range(gate.shape[1]):
+        g = gate[r, i]
+        if g <= -10.0:
+            y = np.float32(0.0)
+        elif g >= 10.0:
+            y = g
+        else:
+            y = table[_f16_bits(g)]
+        out[r, i] = y * up[r, i]
+
+
 @njit(**_PJIT)
-def gelu_tanh_mul_f16(gate, up, out, table):
+def gelu_tanh_mul_f16(gate, up, out, table, par):
     """GeGLU as ggml computes it: GELU of the f16-rounded input, result rounded to f16, read
     from `table` (gelu_f16_table); inputs beyond +-10 take ggml's shortcuts."""
-    rows, n = gate.shape
-    for r in prange(rows):
-        for i in range(n):
-            g = gate[r, i]
-            if g <= -10.0:
-                y = np.float32(0.0)
-            elif g >= 10.0:
-                y = g
-            else:
-                y = table[_f16_bits(g)]
-            out[r, i] = y * up[r, i]
+    if par:
+        for r in prange(gate.shape[0]):
+            _gelu_f16_row(gate, up, out, table, r)
+    else:
+        for r in range(gate.shape[0]):
+            _gelu_f16_row(gate, up, out, table, r)
     return out

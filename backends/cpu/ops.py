@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
@@ -24,6 +25,15 @@ _ACT_ROUNDING = {
     **{int(t): K.act_round_q8_k for t in (_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)},
     int(_Q.F16): K.act_round_f16,
 }
+
+
+# Element counts below which an element-wise kernel runs on the calling thread (see kernels.py:
+# starting a parallel region costs more than the work).
+PAR_MIN_ELEMENTS = 1 << 15
+
+
+def _par(elements: int) -> bool:
+    return elements >= PAR_MIN_ELEMENTS and numba.get_num_threads() > 1
 
 
 @dataclass
@@ -168,7 +178,7 @@ class CpuOps:
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """Normalizes over the last axis (rows of hidden states, or heads of q/k)."""
         flat = x.reshape(-1, x.shape[-1])
-        return K.rms_norm(flat, w, eps, np.empty_like(flat)).reshape(x.shape)
+        return K.rms_norm(flat, w, eps, np.empty_like(flat), _par(flat.size)).reshape(x.shape)
 
     def rope(self, x: np.ndarray, batch: ForwardBatch, base: float, scale: float, neox: bool,
              freq_factors=None) -> np.ndarray:
@@ -178,16 +188,16 @@ class CpuOps:
             # One table per (step, base): computed by the first layer, reused by the rest.
             tables = K.rope_tables(batch.positions, x.shape[-1], base, scale, freq_factors)
             batch.cache[key] = tables
-        K.rope_inplace(x, tables[0], tables[1], neox)
+        K.rope_inplace(x, tables[0], tables[1], neox, _par(x.size))
         return x
 
     def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.numerics == "ggml":
-            return K.gelu_tanh_mul_f16(gate, up, gate, K.gelu_f16_table())
-        return K.gelu_tanh_mul(gate, up, gate)
+            return K.gelu_tanh_mul_f16(gate, up, gate, K.gelu_f16_table(), _par(gate.size))
+        return K.gelu_tanh_mul(gate, up, gate, _par(gate.size))
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        return K.silu_mul(gate, up, gate)
+        return K.silu_mul(gate, up, gate, _par(gate.size))
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         x += y
@@ -220,9 +230,13 @@ class CpuOps:
             v = v.astype(np.float16).astype(np.float32)
         K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slot_mapping)
         out = np.empty_like(q)
+        T, H, D = q.shape
+        keys = int(batch.positions.max()) + 1 if T else 0
+        if window > 0:
+            keys = min(keys, window)
         return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                  batch.token_seq, batch.positions, window, np.float32(scale),
-                                 self.numerics == "ggml", out)
+                                 self.numerics == "ggml", out, _par(T * H * keys * D // 16))
 
     def copy_blocks(self, cache: CpuKVCache, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
