@@ -23,3 +23,31 @@ def test_gelu_table_equals_the_f16_formula():
     # and close to the float32 GELU (f16 rounding only)
     ref = K.gelu_tanh_mul(g[:, :-6].copy(), up[:, :-6], np.empty_like(g[:, :-6]), True)
     np.testing.assert_allclose(got[:, :-6], ref, rtol=3e-3, atol=1e-3 * np.abs(up).max())
+
+
+def test_serial_and_parallel_kernels_agree_bit_for_bit():
+    """Small inputs run serially, large ones in parallel: a token's numbers must not depend on
+    which (batch invariance)."""
+    rng = np.random.default_rng(1)
+    T, H, KVH, D, bs, nblk = 37, 4, 1, 256, 16, 8
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    kc = rng.standard_normal((nblk, bs, KVH, D)).astype(np.float32)
+    vc = rng.standard_normal((nblk, bs, KVH, D)).astype(np.float32)
+    tables = rng.permutation(nblk).astype(np.int32).reshape(1, -1)
+    seq = np.zeros(T, np.int32)
+    pos = np.arange(60, 60 + T, dtype=np.int32)
+    for window in (0, 32):
+        a = K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.0625), True,
+                              np.empty_like(q), True)
+        b = K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.0625), True,
+                              np.empty_like(q), False)
+        np.testing.assert_array_equal(a, b)
+    x = rng.standard_normal((9, 640)).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    np.testing.assert_array_equal(K.rms_norm(x, w, 1e-6, np.empty_like(x), True),
+                                  K.rms_norm(x, w, 1e-6, np.empty_like(x), False))
+    cos, sin = K.rope_tables(pos, D, 10000.0)
+    r1, r2 = q.copy(), q.copy()
+    K.rope_inplace(r1, cos, sin, True, True)
+    K.rope_inplace(r2, cos, sin, True, False)
+    np.testing.assert_array_equal(r1, r2)
