@@ -8,7 +8,10 @@ Prints, for each type:
 - the same on the real Gemma 3 270M shapes (mostly cache-resident, so ratios can pass 1);
 - multi-row throughput in GFLOP/s (2*M*N*K / time) for M=8 (batched decode) and M=512
   (prefill), both the decode-16-rows + 4x4 micro-kernel path, next to numpy's float32 GEMM
-  (OpenBLAS) on the same shape with the weights already in float.
+  (OpenBLAS) on the same shape with the weights already in float;
+- the same for the integer-dot kernel on repacked weights ("int8", backends/cpu/repack.py),
+  the default CPU path on AVX-512 VNNI machines: M=1 time against the float matvec, M=8 and
+  M=512 GFLOP/s, and the whole-model pass with both.
 Every kernel figure is also given on one thread ("1T"): on a shared machine a 2-thread
 parallel region waits for whichever thread was preempted, so 1T is the steadier number.
 Absolute numbers drift run to run on shared machines; the ratios are what to compare.
@@ -24,6 +27,7 @@ from numba import get_num_threads, njit, prange, set_num_threads
 
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul, numba_threads
 from edgeinfer.backends.cpu.quants import random_quant_rows, row_bytes
+from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul
 from edgeinfer.backends.cpu._simd import vadd, vhsum, vload, vzero
 
 ALL = ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "F16", "BF16", "F32"]
@@ -85,14 +89,30 @@ def matvec_gbs(qtype, K: int, N: int, reps: int, rng) -> tuple[float, float, flo
     return w.nbytes / t / 1e9, t, w.nbytes / t1 / 1e9
 
 
-def multirow_gflops(qtype, K: int, N: int, M: int, reps: int, rng) -> tuple[float, float]:
-    """(GFLOP/s on all threads, GFLOP/s on one thread)."""
+def multirow_gflops(qtype, K: int, N: int, M: int, reps: int, rng,
+                    packed: bool = False) -> tuple[float, float]:
+    """(GFLOP/s on all threads, GFLOP/s on one thread); packed: the int8 kernel."""
     w = QuantMatrix.from_bytes(random_quant_rows(qtype, N, K, rng), qtype, K, N)
     x = rng.standard_normal((M, K)).astype(np.float32)
     out = np.empty((M, N), np.float32)
-    t = best_time(lambda: matmul(x, w, out), reps)
-    t1 = on_threads(1, lambda: best_time(lambda: matmul(x, w, out), reps))
+    if packed:
+        p = PackedMatrix.from_quant(w)
+        fn = lambda: packed_matmul(x, p, out)  # noqa: E731
+    else:
+        fn = lambda: matmul(x, w, out)  # noqa: E731
+    t = best_time(fn, reps)
+    t1 = on_threads(1, lambda: best_time(fn, reps))
     return 2.0 * M * N * K / t / 1e9, 2.0 * M * N * K / t1 / 1e9
+
+
+def int8_matvec_ms(qtype, K: int, N: int, reps: int, rng) -> tuple[float, float, float]:
+    """M=1: (float matvec ms, int8 ms, int8 bytes / GGUF bytes), all threads."""
+    w = QuantMatrix.from_bytes(random_quant_rows(qtype, N, K, rng), qtype, K, N)
+    p = PackedMatrix.from_quant(w)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    tf = best_time(lambda: matmul(x, w), reps)
+    ti = best_time(lambda: packed_matmul(x, p), reps)
+    return tf * 1e3, ti * 1e3, p.nbytes / w.nbytes
 
 
 def model_pass(path: str, reps: int) -> None:
@@ -107,31 +127,38 @@ def model_pass(path: str, reps: int) -> None:
 
     g = read_gguf(path)
     mats = [QuantMatrix.from_gguf(g, n) for n, t in g.tensors.items() if len(t.shape) == 2]
-    out_proj = max(mats, key=lambda w: w.N)
-    blocks = [w for w in mats if w is not out_proj]
     rng = np.random.default_rng(1)
     xs = {w.K: rng.standard_normal((512, w.K)).astype(np.float32) for w in mats}
-
-    def decode():
-        for w in blocks:
-            matmul(xs[w.K][:1], w)
-        matmul(xs[out_proj.K][:1], out_proj)
-
-    def prefill():
-        for w in blocks:
-            matmul(xs[w.K], w)
-        matmul(xs[out_proj.K][:1], out_proj)
-
     nbytes = sum(w.nbytes for w in mats)
-    td = best_time(decode, reps)
-    td1 = on_threads(1, lambda: best_time(decode, reps))
-    tp = best_time(prefill, max(2, reps // 4))
-    tp1 = on_threads(1, lambda: best_time(prefill, max(2, reps // 4)))
     print(f"\nwhole model, matmuls only ({len(mats)} matrices, {nbytes / 1e6:.0f} MB)")
-    print(f"decode : {td * 1e3:7.2f} ms/token = {1 / td:6.1f} tok/s  ({nbytes / td / 1e9:.1f} GB/s)"
-          f"   1T: {1 / td1:6.1f} tok/s")
-    print(f"prefill: {tp * 1e3:7.1f} ms/512  = {512 / tp:6.1f} tok/s"
-          f"   1T: {512 / tp1:6.1f} tok/s")
+    packed = [PackedMatrix.from_quant(w) if int(w.qtype) in REPACKABLE else w for w in mats]
+    for label, ws in (("float", mats), ("int8", packed)):
+        out_proj = max(ws, key=lambda w: w.N)
+        blocks = [w for w in ws if w is not out_proj]
+
+        def mm(x, w):
+            return packed_matmul(x, w) if isinstance(w, PackedMatrix) else matmul(x, w)
+
+        def decode(rows=1):
+            for w in blocks:
+                mm(xs[w.K][:rows], w)
+            mm(xs[out_proj.K][:rows], out_proj)
+
+        def prefill():
+            for w in blocks:
+                mm(xs[w.K], w)
+            mm(xs[out_proj.K][:1], out_proj)
+
+        td = best_time(decode, reps)
+        td1 = on_threads(1, lambda: best_time(decode, reps))
+        t8 = best_time(lambda: decode(8), reps)
+        tp = best_time(prefill, max(2, reps // 4))
+        tp1 = on_threads(1, lambda: best_time(prefill, max(2, reps // 4)))
+        print(f"{label:5} decode : {td * 1e3:7.2f} ms/token = {1 / td:6.1f} tok/s"
+              f"   1T: {1 / td1:6.1f} tok/s   8 rows: {t8 * 1e3:6.2f} ms = {8 / t8:6.1f} tok/s"
+              f" ({td * 8 / t8:.2f}x one row)")
+        print(f"{label:5} prefill: {tp * 1e3:7.1f} ms/512  = {512 / tp:6.1f} tok/s"
+              f"   1T: {512 / tp1:6.1f} tok/s")
 
 
 def main() -> None:
@@ -176,12 +203,20 @@ def main() -> None:
         xf = rng.standard_normal((M, K)).astype(np.float32)
         blas[M] = 2.0 * M * N * K / best_time(lambda: xf @ wf.T, reps) / 1e9
     print(f"\nmulti-row GFLOP/s, K={K} N={N} (numpy f32 GEMM: M=8 {blas[8]:.1f}, M=512 {blas[512]:.1f})")
-    print(f"{'type':6} {'M=8':>8} {'1T':>6} {'M=512':>8} {'1T':>6}")
+    print(f"{'type':6} {'M=8':>8} {'1T':>6} {'M=512':>8} {'1T':>6} | {'int8 M=8':>8} {'1T':>6} "
+          f"{'M=512':>8} {'1T':>6} | {'M=1 ms float':>12} {'int8':>6} {'bytes':>6}")
     for name in types:
         qt = T[name]
         g8, g8s = multirow_gflops(qt, K, N, 8, reps, rng)
         g512, g512s = multirow_gflops(qt, K, N, 512, max(3, reps // 3), rng)
-        print(f"{name:6} {g8:8.1f} {g8s:6.1f} {g512:8.1f} {g512s:6.1f}")
+        line = f"{name:6} {g8:8.1f} {g8s:6.1f} {g512:8.1f} {g512s:6.1f}"
+        if int(qt) in REPACKABLE:
+            i8, i8s = multirow_gflops(qt, K, N, 8, reps, rng, packed=True)
+            i512, i512s = multirow_gflops(qt, K, N, 512, max(3, reps // 3), rng, packed=True)
+            tf, ti, ratio = int8_matvec_ms(qt, K, N, reps, rng)
+            line += (f" | {i8:8.1f} {i8s:6.1f} {i512:8.1f} {i512s:6.1f} | {tf:12.3f} {ti:6.3f}"
+                     f" {ratio:5.2f}x")
+        print(line)
 
     path = args.model or _bundled_model()
     if path:
