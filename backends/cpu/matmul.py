@@ -92,8 +92,10 @@ def warm_kernels(qtypes=None) -> None:
     from .repack import REPACKABLE, PackedMatrix, packed_matmul
     for qt in (SUPPORTED_TYPES if qtypes is None else qtypes):
         if int(qt) in REPACKABLE:       # one specialization serves every type; run each path
-            w = QuantMatrix.from_bytes(random_quant_rows(qt, 16, 256, rng), qt, 256, 16)
-            packed_matmul(np.zeros((13, 256), np.float32), PackedMatrix.from_quant(w))
+            w = QuantMatrix.from_bytes(random_quant_rows(qt, 40, 256, rng), qt, 256, 40)
+            p = PackedMatrix.from_quant(w)
+            packed_matmul(np.zeros((1, 256), np.float32), p)       # serial quantize + matmul
+            packed_matmul(np.zeros((260, 256), np.float32), p)     # parallel quantize + matmul
 
 
 _X_INDEX: dict[tuple[int, int], np.ndarray] = {}
