@@ -59,13 +59,14 @@ HAVE_VNNI = _host_has_vnni()
 
 # -- one tile, as one LLVM IR loop ----------------------------------------------------------
 
-def _make_vnni_tile(nquads: int, with_offset: bool, rows: int):
+def _make_vnni_tile(rows: int):
     """An intrinsic computing `rows` activation rows x one 16-row weight tile, all blocks.
 
     Arguments (all intp): out (float32, row r at out + r * out_stride bytes), w, s, o (the tile's
     first block), a (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the
-    first row's entries of the [nb, M] arrays), M. The accumulators stay in registers for the
-    whole row of blocks and each block's weights are loaded once for all the rows.
+    first row's entries of the [nb, M] arrays), M, then B (16 or 32) and has_o. The
+    accumulators stay in registers for the whole row of blocks and each block's weights are
+    loaded once for all the rows. B and has_o pick one of four loops, each fully unrolled.
     """
     i32 = ir.IntType(32)
     i64 = ir.IntType(64)
@@ -73,7 +74,6 @@ def _make_vnni_tile(nquads: int, with_offset: bool, rows: int):
     v16i32 = ir.VectorType(i32, LANES)
     v16f32 = ir.VectorType(f32, LANES)
     zeros = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
-    bbytes = nquads * 4          # columns (= activation bytes) per block
 
     def splat(builder, value, vty):
         undef = ir.Constant(vty, ir.Undefined)
@@ -88,7 +88,22 @@ def _make_vnni_tile(nquads: int, with_offset: bool, rows: int):
         return builder.inttoptr(addr, ty.as_pointer())
 
     def codegen(context, builder, sig, args):
-        out_a, out_stride, w_a, s_a, o_a, a_a, K, nb, da_a, bsf_a, zb_a, M = args
+        B, has_o = args[12], args[13]
+        is32 = builder.icmp_signed("==", B, ir.Constant(i64, 32))
+        off = builder.icmp_signed("!=", has_o, ir.Constant(i64, 0))
+        with builder.if_else(is32) as (b32, b16):
+            for arm, nquads in ((b32, 8), (b16, 4)):
+                with arm:
+                    with builder.if_else(off) as (with_o, without_o):
+                        with with_o:
+                            emit(builder, args, nquads, True)
+                        with without_o:
+                            emit(builder, args, nquads, False)
+        return context.get_dummy_value()
+
+    def emit(builder, args, nquads, with_offset):
+        out_a, out_stride, w_a, s_a, o_a, a_a, K, nb, da_a, bsf_a, zb_a, M = args[:12]
+        bbytes = nquads * 4          # columns (= activation bytes) per block
         mod = builder.module
         dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512")
         if dp is None:
@@ -143,54 +158,26 @@ def _make_vnni_tile(nquads: int, with_offset: bool, rows: int):
         for r in range(rows):
             builder.store(new_accs[r], ptr(builder, out_a, builder.mul(out_stride, ir.Constant(i64, r)),
                                            v16f32), align=1)
-        return context.get_dummy_value()
 
     @intrinsic
-    def tile(typingctx, out, out_stride, w, s, o, a, K, nb, da, bsf, zb, M):
-        return types.void(*([types.intp] * 12)), codegen
+    def tile(typingctx, out, out_stride, w, s, o, a, K, nb, da, bsf, zb, M, B, has_o):
+        return types.void(*([types.intp] * 14)), codegen
 
     return tile
 
 
-_T = {(r, b, o): _make_vnni_tile(b // 4, o, r)
-      for r in (1, 4, 8) for b in (16, 32) for o in (False, True)}
-_t1_16, _t1_16o, _t1_32, _t1_32o = _T[1, 16, False], _T[1, 16, True], _T[1, 32, False], _T[1, 32, True]
-_t4_16, _t4_16o, _t4_32, _t4_32o = _T[4, 16, False], _T[4, 16, True], _T[4, 32, False], _T[4, 32, True]
-_t8_16, _t8_16o, _t8_32, _t8_32o = _T[8, 16, False], _T[8, 16, True], _T[8, 32, False], _T[8, 32, True]
+_tile1, _tile4, _tile8 = _make_vnni_tile(1), _make_vnni_tile(4), _make_vnni_tile(8)
 
 
 @njit(inline="always", nogil=True)
 def _vnni_tile(R, B, has_o, out, ostride, w, s, o, a, K, nb, da, bsf, zb, M):
+    ho = 1 if has_o else 0
     if R == 8:
-        if B == 32:
-            if has_o:
-                _t8_32o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-            else:
-                _t8_32(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-        elif has_o:
-            _t8_16o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-        else:
-            _t8_16(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        _tile8(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M, B, ho)
     elif R == 4:
-        if B == 32:
-            if has_o:
-                _t4_32o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-            else:
-                _t4_32(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-        elif has_o:
-            _t4_16o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-        else:
-            _t4_16(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        _tile4(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M, B, ho)
     else:
-        if B == 32:
-            if has_o:
-                _t1_32o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-            else:
-                _t1_32(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-        elif has_o:
-            _t1_16o(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
-        else:
-            _t1_16(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M)
+        _tile1(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M, B, ho)
 
 
 @njit(inline="always", nogil=True)
