@@ -149,7 +149,9 @@ def test_kernel_cache_stamp_is_current(module):
     """numba keys its disk cache on a kernel's own file; the hash there must cover its inlined
     deps (backends/cpu/_stamp.py)."""
     import importlib
+
+    from edgeinfer.backends.cpu import _stamp
     mod = importlib.import_module(f"edgeinfer.backends.cpu.{module}")
-    assert mod._DEPS_HASH == mod.deps_hash(), (
-        f"update _DEPS_HASH in backends/cpu/{module}.py to {mod.deps_hash()!r}")
+    want = _stamp.deps_hash(mod._DEPS)
+    assert mod._DEPS_HASH == want, f"update _DEPS_HASH in backends/cpu/{module}.py to {want!r}"
     assert mod._CACHE

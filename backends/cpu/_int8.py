@@ -32,14 +32,9 @@ from . import _stamp
 from .kernels import round_f16
 
 _DEPS = ("kernels.py", "_simd.py")     # inlined here (round_f16 and what kernels.py inlines)
-_DEPS_HASH = "2c21112217b6244d"
+_DEPS_HASH = "b9b71bf8ca38b1c9"
 
-
-def deps_hash() -> str:
-    return _stamp.deps_hash(_DEPS)
-
-
-_CACHE = deps_hash() == _DEPS_HASH
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 

@@ -25,12 +25,7 @@ _DEPS = ("_decode.py", "_dot.py", "_simd.py")
 _DEPS_HASH = "e59820164470a0ef"
 
 
-def deps_hash() -> str:
-    """sha256 prefix of the sources inlined into these kernels (see _stamp.py)."""
-    return _stamp.deps_hash(_DEPS)
-
-
-_CACHE = deps_hash() == _DEPS_HASH
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)        # see _stamp.py
 _f32 = np.float32
 _PAR = dict(nogil=True, cache=_CACHE, parallel=True)
 _CHUNK_ROWS = 16        # output rows per matvec work item

@@ -24,3 +24,8 @@ def deps_hash(names: tuple[str, ...]) -> str:
     except OSError:
         return "unavailable"
     return h.hexdigest()[:16]
+
+
+def current(names: tuple[str, ...], expected: str) -> bool:
+    """Whether `expected` (a module's _DEPS_HASH) matches its deps: then it may use the cache."""
+    return deps_hash(names) == expected

@@ -19,12 +19,7 @@ from ._simd import vfma, vhsum, vload, vzero
 _DEPS = ("_simd.py",)        # inlined here: see _stamp.py
 _DEPS_HASH = "87956b1a768fad6f"
 
-
-def deps_hash() -> str:
-    return _stamp.deps_hash(_DEPS)
-
-
-_CACHE = deps_hash() == _DEPS_HASH
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
