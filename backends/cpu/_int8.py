@@ -247,11 +247,15 @@ def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw, counter):
     """out[M, N] = dequant(x) @ W^T from the repacked weight (q, s, o) and the activation codes.
 
     q uint8[T, nb, B/4, 16, 4]; s, o float32[T, nb, 16]; qa int8[M, K]; da, bsf float32[nb, M];
-    zb int32[nb, M]; out float32[M, N] with N <= 16 T; nw: numba's thread count; counter:
-    int64[1] of zero, owned by the caller (an array made here could be freed after its last
-    use by name, while the threads still add to its address).
+    zb int32[nb, M]; out float32[M, N] with N <= 16 T; nw: threads to use (<= 1: the calling
+    thread only); counter: int64[1] of zero, owned by the caller (an array made here could be
+    freed after its last use by name while the threads still add to its address).
     """
     T = q.shape[0]
+    if nw <= 1:             # on the calling thread: products too small to pay a parallel region
+        for t in range(T):
+            _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni)
+        return out
     # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter, so
     # a thread the OS preempts (other work on the machine) delays only its current chunk
     # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
@@ -265,14 +269,6 @@ def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw, counter):
                 break
             for t in range(c * per, min(T, (c + 1) * per)):
                 _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni)
-    return out
-
-
-@njit(**_JIT)
-def int8_matmul_serial(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
-    """int8_matmul on the calling thread, for products too small to pay a parallel region."""
-    for t in range(q.shape[0]):
-        _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni)
     return out
 
 
@@ -320,21 +316,17 @@ def _quantize_block(x, r, ab, A, B, zp, qa, da, bsf, zb):
 
 
 @njit(**_PJIT)
-def quantize_rows(x, A, B, zp, qa, da, bsf, zb):
-    """x float32[M, K] -> int8 codes qa[M, K] and the per-weight-block da, bsf, zb [K/B, M]."""
+def quantize_rows(x, A, B, zp, qa, da, bsf, zb, par):
+    """x float32[M, K] -> int8 codes qa[M, K] and the per-weight-block da, bsf, zb [K/B, M];
+    par=False: on the calling thread (small inputs: no parallel region to wake)."""
     M, K = x.shape
     na = K // A
-    for i in prange(M * na):
-        _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
-
-
-@njit(**_JIT)
-def quantize_rows_serial(x, A, B, zp, qa, da, bsf, zb):
-    """quantize_rows on the calling thread (small inputs: no parallel region to wake)."""
-    M, K = x.shape
-    na = K // A
-    for i in range(M * na):
-        _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+    if par:
+        for i in prange(M * na):
+            _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+    else:
+        for i in range(M * na):
+            _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
 
 
 # -- repacking (see repack.py) --------------------------------------------------------------

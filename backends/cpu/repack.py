@@ -200,14 +200,9 @@ def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
         out = np.empty((M, w.N), np.float32)
     vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
     nw = numba.get_num_threads()
-    if nw == 1 or M * K * w.N < SERIAL_MACS:
-        _int8.quantize_rows_serial(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
-        _int8.int8_matmul_serial(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni)
-    else:
-        if M * K >= 1 << 16:
-            _int8.quantize_rows(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
-        else:
-            _int8.quantize_rows_serial(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb)
-        _int8.int8_matmul(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni, nw,
-                          np.zeros(1, np.int64))
+    if M * K * w.N < SERIAL_MACS:
+        nw = 1
+    _int8.quantize_rows(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb, nw > 1 and M * K >= 1 << 16)
+    _int8.int8_matmul(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni, nw,
+                      np.zeros(1, np.int64))
     return out
