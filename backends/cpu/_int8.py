@@ -330,13 +330,18 @@ def quantize_rows(x, A, B, zp, qa, da, bsf, zb, par):
 
 
 # -- repacking (see repack.py) --------------------------------------------------------------
+# Serial on purpose: a model loads on one thread (the daemon's loader) and runs on another (the
+# engine's). Every thread that starts a parallel region gets an OpenMP team of its own that
+# lives on, and once libgomp manages more threads than there are cores it throttles their
+# spin-waiting, so each of the engine's regions pays a futex wake-up: a parallel repack made
+# the engine's decode step 18-19 ms instead of 12-13 (2 cores).
 
-@njit(**_PJIT)
+@njit(**_JIT)
 def tile_codes(codes, out):
     """codes uint8[16 T, K] -> out uint8[T, nb, B/4, 16, 4] (the tile layout)."""
     T, nb, nq = out.shape[0], out.shape[1], out.shape[2]
     B = nq * 4
-    for t in prange(T):
+    for t in range(T):
         for b in range(nb):
             for j in range(nq):
                 for lane in range(LANES):
@@ -344,11 +349,11 @@ def tile_codes(codes, out):
                         out[t, b, j, lane, k] = codes[t * LANES + lane, b * B + 4 * j + k]
 
 
-@njit(**_PJIT)
+@njit(**_JIT)
 def tile_q8_0(blocks, out):
     """Q8_0 blocks uint8[16 T, nb, 34] -> codes q + 128 in the tile layout, in one pass."""
     T, nb = out.shape[0], out.shape[1]
-    for t in prange(T):
+    for t in range(T):
         for b in range(nb):
             for j in range(8):
                 for lane in range(LANES):
