@@ -76,10 +76,11 @@ def _make_vnni_tile(rows: int):
                                       undef, zeros)
 
     def ptr(builder, addr, offset, ty):
-        if not (isinstance(offset, ir.Constant) or isinstance(offset, int)):
+        """addr + offset (an IR value, or a Python int byte count) as a pointer to ty."""
+        if isinstance(offset, int):
+            offset = ir.Constant(i64, offset) if offset else None
+        if offset is not None:
             addr = builder.add(addr, offset)
-        elif offset:
-            addr = builder.add(addr, ir.Constant(i64, offset))
         return builder.inttoptr(addr, ty.as_pointer())
 
     def codegen(context, builder, sig, args):
@@ -204,7 +205,7 @@ def _fetch_add(typingctx, addr, value):
 @njit(inline="always", nogil=True)
 def _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
     """Output columns 16t .. 16t+15 of every row."""
-    T, nb, nq = q.shape[0], q.shape[1], q.shape[2]
+    nb, nq = q.shape[1], q.shape[2]
     B = nq * 4
     M, K = qa.shape
     N = out.shape[1]
@@ -231,15 +232,6 @@ def _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
         for m in range(M):
             for lane in range(min(LANES, N - n0)):
                 out[m, n0 + lane] = acc[m, lane]
-
-
-@intrinsic
-def _fetch_add(typingctx, addr, value):
-    """Atomically add value to the int64 at addr; returns the previous value."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
-    return types.int64(types.intp, types.int64), codegen
 
 
 @njit(**_PJIT)
