@@ -29,10 +29,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import _stamp
-from .kernels import round_f16
+from .kernels import quantize_act_block
 
-_DEPS = ("kernels.py", "_simd.py")     # inlined here (round_f16 and what kernels.py inlines)
-_DEPS_HASH = "b9b71bf8ca38b1c9"
+_DEPS = ("kernels.py", "_simd.py")     # inlined here (quantize_act_block and its deps)
+_DEPS_HASH = "91ba03be875e3b92"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
@@ -266,38 +266,14 @@ def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw, counter):
 
 # -- activation quantization ---------------------------------------------------------------
 # The activation codes ggml's CPU backend feeds each weight type's dot product: Q8_0 blocks of
-# A = 32 (scale amax/127 stored in f16) for the legacy quants, Q8_K blocks of A = 256 (scale
-# from the signed max, float32) for the k-quants; same rounding as kernels.act_round_q8_0/_k.
-# The same pass writes, per weight block of B columns, what the tile loop needs: da (the
+# 32 for the legacy quants, Q8_K blocks of 256 for the k-quants (kernels.quantize_act_block,
+# which the float path's act_round_q8_0/_k use too). The same pass writes, per weight block of B columns, what the tile loop needs: da (the
 # activation scale), bsf (sum of the codes) and zb (zero_point * that sum), as [nb, M].
 
 @njit(inline="always", nogil=True)
 def _quantize_block(x, r, ab, A, B, zp, qa, da, bsf, zb):
     b0 = ab * A
-    amax = np.float32(0.0)
-    mx = np.float32(0.0)
-    for j in range(A):
-        v = x[r, b0 + j]
-        if abs(v) > amax:
-            amax = abs(v)
-            mx = v
-    d = np.float32(0.0)
-    if amax == 0.0:
-        for j in range(A):
-            qa[r, b0 + j] = 0
-    elif A == 32:
-        d = round_f16(amax / np.float32(127.0))
-        idv = np.float32(127.0) / amax
-        for j in range(A):
-            qa[r, b0 + j] = np.int8(np.rint(x[r, b0 + j] * idv))
-    else:
-        iscale = np.float32(-127.0) / mx
-        d = np.float32(1.0) / iscale
-        for j in range(A):
-            v = np.rint(iscale * x[r, b0 + j])
-            if v > 127.0:
-                v = 127.0
-            qa[r, b0 + j] = np.int8(v)
+    d = quantize_act_block(x, r, b0, A, qa)
     for wb in range(b0 // B, (b0 + A) // B):
         sm = np.int32(0)
         for j in range(B):

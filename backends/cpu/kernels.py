@@ -284,57 +284,61 @@ def rope_tables(positions: np.ndarray, head_dim: int, base: float, scale: float 
 # Rounding our activations the same way makes our logits match llama.cpp's to float
 # summation order, so greedy text agrees token for token instead of drifting at near-ties.
 
+@njit(inline="always", nogil=True)
+def quantize_act_block(x, r, b0, A, qa):
+    """ggml's 8-bit activation block x[r, b0:b0+A]: writes the int8 codes to qa[r, b0:b0+A] and
+    returns the scale. A = 32: Q8_0 (d = amax/127 stored in f16); A = 256: Q8_K (scale from the
+    signed max, -127/max, float32)."""
+    amax = np.float32(0.0)
+    mx = np.float32(0.0)
+    for j in range(A):
+        v = x[r, b0 + j]
+        if abs(v) > amax:
+            amax = abs(v)
+            mx = v
+    if amax == 0.0:
+        for j in range(A):
+            qa[r, b0 + j] = 0
+        return np.float32(0.0)
+    if A == 32:
+        idv = np.float32(127.0) / amax
+        for j in range(A):
+            qa[r, b0 + j] = np.int8(np.rint(x[r, b0 + j] * idv))
+        return round_f16(amax / np.float32(127.0))
+    iscale = np.float32(-127.0) / mx
+    for j in range(A):
+        v = np.rint(iscale * x[r, b0 + j])
+        if v > 127.0:
+            v = 127.0
+        qa[r, b0 + j] = np.int8(v)
+    return np.float32(1.0) / iscale
+
+
+@njit(inline="always", nogil=True)
+def _act_round(x, out, A):
+    """x -> the values of its A-column activation blocks (codes times scale)."""
+    rows, n = x.shape
+    nb = n // A
+    qa = np.empty((rows, n), np.int8)
+    for rb in prange(rows * nb):
+        r = rb // nb
+        b0 = (rb % nb) * A
+        d = quantize_act_block(x, r, b0, A, qa)
+        for j in range(A):
+            out[r, b0 + j] = np.float32(qa[r, b0 + j]) * d
+    return out
+
+
 @njit(**_PJIT)
 def act_round_q8_0(x, out):
     """x -> the values of its Q8_0 quantization (d = amax/127 stored in f16)."""
-    rows, n = x.shape
-    nb = n // 32
-    for rb in prange(rows * nb):
-        r = rb // nb
-        b0 = (rb % nb) * 32
-        amax = np.float32(0.0)
-        for j in range(32):
-            a = abs(x[r, b0 + j])
-            if a > amax:
-                amax = a
-        if amax == 0.0:
-            for j in range(32):
-                out[r, b0 + j] = 0.0
-            continue
-        d = round_f16(amax / np.float32(127.0))
-        idv = np.float32(127.0) / amax
-        for j in range(32):
-            out[r, b0 + j] = np.float32(np.rint(x[r, b0 + j] * idv)) * d
-    return out
+    return _act_round(x, out, 32)
 
 
 @njit(**_PJIT)
 def act_round_q8_k(x, out):
     """x -> the values of its Q8_K quantization (scale from the signed max, -127/max)."""
-    rows, n = x.shape
-    nb = n // 256
-    for rb in prange(rows * nb):
-        r = rb // nb
-        b0 = (rb % nb) * 256
-        amax = np.float32(0.0)
-        mx = np.float32(0.0)
-        for j in range(256):
-            v = x[r, b0 + j]
-            if abs(v) > amax:
-                amax = abs(v)
-                mx = v
-        if amax == 0.0:
-            for j in range(256):
-                out[r, b0 + j] = 0.0
-            continue
-        iscale = np.float32(-127.0) / mx
-        d = np.float32(1.0) / iscale
-        for j in range(256):
-            q = np.rint(iscale * x[r, b0 + j])
-            if q > 127.0:
-                q = 127.0
-            out[r, b0 + j] = np.float32(q) * d
-    return out
+    return _act_round(x, out, 256)
 
 
 @njit(**_PJIT)
