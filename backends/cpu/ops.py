@@ -14,7 +14,7 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
-from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul
+from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
 
 
@@ -50,14 +50,9 @@ class CpuKVCache:
 
 def repacked_bytes(gguf_file) -> int:
     """Memory the integer-dot layout would take for this file's repackable matrices."""
-    total = 0
-    for t in gguf_file.tensors.values():
-        if len(t.shape) == 2 and int(t.ggml_type) in REPACKABLE:
-            K, N = int(t.shape[0]), int(t.shape[1])
-            B = 16 if t.type_name in ("Q2_K", "Q3_K", "Q6_K") else 32
-            scales = 2 if t.type_name in ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K") else 1
-            total += -(-N // 16) * 16 * (K + K // B * 4 * scales)
-    return total
+    return sum(packed_nbytes(t.ggml_type, int(t.shape[0]), int(t.shape[1]))
+               for t in gguf_file.tensors.values()
+               if len(t.shape) == 2 and int(t.ggml_type) in REPACKABLE)
 
 
 def _ram_bytes() -> int:

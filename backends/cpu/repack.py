@@ -25,6 +25,16 @@ LANES = _int8.LANES
 _ACT_BLOCK = {**{int(t): 32 for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)},
               **{int(t): 256 for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}}
 REPACKABLE = frozenset(_ACT_BLOCK)
+# columns per repacked scale, and the formats whose blocks carry an offset (a minimum)
+_COLS = {int(t): (16 if t in (Q.Q2_K, Q.Q3_K, Q.Q6_K) else 32) for t in map(Q, REPACKABLE)}
+_WITH_OFFSET = frozenset(int(t) for t in (Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K))
+
+
+def packed_nbytes(qtype, K: int, N: int) -> int:
+    """Bytes a K x N matrix of this type takes repacked (codes, scales, offsets, padded rows)."""
+    code = int(qtype)
+    scales = 2 if code in _WITH_OFFSET else 1
+    return -(-N // LANES) * LANES * (K + K // _COLS[code] * 4 * scales)
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -51,26 +61,26 @@ def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def unpack(w: QuantMatrix):
-    """(codes uint8[N, K], s float32[N, K/B], o float32[N, K/B] or None, zero_point, B)."""
+    """(codes uint8[N, K], s float32[N, K/B], o float32[N, K/B] or None, zero_point), with
+    B = _COLS[type] columns per scale."""
     code = int(w.qtype)
     N, K = w.N, w.K
-    blk = w.data.reshape(-1, w.data.shape[1] // (K // (256 if code in (
-        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32)))
+    blk = w.blocks.reshape(-1, w.blocks.shape[2])        # one GGUF block per row
     n = blk.shape[0]
     if code == Q.Q8_0:
         d = _f16(blk[:, 0:2])
         codes = blk[:, 2:34] ^ np.uint8(0x80)          # int8 q -> q + 128, one pass
-        return codes.reshape(N, K), d.reshape(N, -1), None, 128, 32
+        return codes.reshape(N, K), d.reshape(N, -1), None, 128
     if code == Q.Q4_0:
-        return _nibbles(blk[:, 2:18]).reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1), None, 8, 32
+        return _nibbles(blk[:, 2:18]).reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1), None, 8
     if code == Q.Q4_1:
         return (_nibbles(blk[:, 4:20]).reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1),
-                _f16(blk[:, 2:4]).reshape(N, -1), 0, 32)
+                _f16(blk[:, 2:4]).reshape(N, -1), 0)
     if code in (Q.Q5_0, Q.Q5_1):
         off = 2 if code == Q.Q5_0 else 4
         codes = _nibbles(blk[:, off + 4:off + 20]) | (_high_bits(blk[:, off:off + 4], 32) << 4)
         o = None if code == Q.Q5_0 else _f16(blk[:, 2:4]).reshape(N, -1)
-        return codes.reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1), o, (16 if o is None else 0), 32
+        return codes.reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1), o, (16 if o is None else 0)
     if code in (Q.Q4_K, Q.Q5_K):
         d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
         sc, mn = _scale_min_k4(blk[:, 4:16])
@@ -85,7 +95,7 @@ def unpack(w: QuantMatrix):
             codes = (low | (high << 4)).reshape(n, 256)
         s = d * sc
         o = -(dmin * mn)
-        return codes.reshape(N, K), s.reshape(N, -1), o.reshape(N, -1), 0, 32
+        return codes.reshape(N, K), s.reshape(N, -1), o.reshape(N, -1), 0
     if code == Q.Q6_K:
         ql, qh = blk[:, 0:128], blk[:, 128:192]
         sc = blk[:, 192:208].view(np.int8).astype(np.float32)
@@ -95,14 +105,14 @@ def unpack(w: QuantMatrix):
         low = np.concatenate([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F,
                               ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2).reshape(n, 2, 4, 32)
         codes = (low | ((qh & 3) << 4)).reshape(n, 256)
-        return codes.reshape(N, K), (d * sc).reshape(N, -1), None, 32, 16
+        return codes.reshape(N, K), (d * sc).reshape(N, -1), None, 32
     if code == Q.Q2_K:
         sc, qs = blk[:, 0:16], blk[:, 16:80]
         d, dmin = _f16(blk[:, 80:82]), _f16(blk[:, 82:84])
         codes = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         s = d * (sc & 0x0F).astype(np.float32)
         o = -(dmin * (sc >> 4).astype(np.float32))
-        return codes.reshape(N, K), s.reshape(N, -1), o.reshape(N, -1), 0, 16
+        return codes.reshape(N, K), s.reshape(N, -1), o.reshape(N, -1), 0
     if code == Q.Q3_K:
         hmask, qs, scb = blk[:, 0:32], blk[:, 32:96], blk[:, 96:108]
         d = _f16(blk[:, 108:110])
@@ -112,7 +122,7 @@ def unpack(w: QuantMatrix):
         low = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         high = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
         codes = low.reshape(n, 8, 32) | (high << 2)        # q + 4, in 0..7
-        return codes.reshape(N, K), (d * scales).reshape(N, -1), None, 4, 16
+        return codes.reshape(N, K), (d * scales).reshape(N, -1), None, 4
     raise ValueError(f"{w.qtype.name} cannot be repacked")
 
 
@@ -136,18 +146,18 @@ class PackedMatrix:
 
     @classmethod
     def from_quant(cls, w: QuantMatrix) -> "PackedMatrix":
-        N, K = w.N, w.K
+        N, K, B = w.N, w.K, _COLS[int(w.qtype)]
         T = -(-N // LANES)
         pad = T * LANES - N
         if w.qtype == Q.Q8_0 and not pad:
-            # the common output-head format: straight from the GGUF bytes, in parallel
+            # the common output-head format: straight from the GGUF bytes in one pass
             blocks = w.blocks
-            nb, B, zp, o = K // 32, 32, 128, None
+            nb, zp, o = K // B, 128, None
             s = _f16(blocks[:, :, 0:2]).reshape(N, nb)
             q = np.empty((T, nb, B // 4, LANES, 4), np.uint8)
             _int8.tile_q8_0(blocks, q)
         else:
-            codes, s, o, zp, B = unpack(w)
+            codes, s, o, zp = unpack(w)
             if pad:    # zero rows (s = o = 0) fill the last tile; their outputs are never written
                 codes = np.concatenate([codes, np.full((pad, K), zp, np.uint8)])
                 s = np.concatenate([s, np.zeros((pad, s.shape[1]), np.float32)])
