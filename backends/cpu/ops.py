@@ -55,6 +55,13 @@ def repacked_bytes(gguf_file) -> int:
                if len(t.shape) == 2 and int(t.ggml_type) in REPACKABLE)
 
 
+def _weights_format(repacked: bool) -> str:
+    if repacked:
+        kind = "VNNI" if HAVE_VNNI else "portable"
+        return f"int8 tiles repacked from GGUF blocks ({kind} integer dot)"
+    return "gguf (quantized blocks, decoded per matmul)"
+
+
 def _ram_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -108,10 +115,7 @@ class CpuOps:
 
     @property
     def weights_format(self) -> str:
-        if self.repack:
-            kind = "VNNI" if HAVE_VNNI else "portable"
-            return f"int8 tiles repacked from GGUF blocks ({kind} integer dot)"
-        return "gguf (quantized blocks, decoded per matmul)"
+        return _weights_format(bool(self.repack))
 
     # -- weights ---------------------------------------------------------------------------
     def would_repack(self, gguf_file) -> bool:
@@ -123,12 +127,7 @@ class CpuOps:
 
     def weights_format_for(self, gguf_file) -> str:
         """The weights_format a model from this file would report."""
-        saved = self.repack
-        self.repack = self.would_repack(gguf_file)
-        try:
-            return self.weights_format
-        finally:
-            self.repack = saved
+        return _weights_format(self.would_repack(gguf_file))
 
     def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix:
         if self.repack is None:
@@ -226,9 +225,10 @@ class CpuOps:
         K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slot_mapping)
         out = np.empty_like(q)
         T, H, D = q.shape
-        keys = int(batch.positions.max()) + 1 if T else 0
-        if window > 0:
-            keys = min(keys, window)
+        longest = batch.cache.get("longest")
+        if longest is None:     # once per step, not per layer
+            longest = batch.cache["longest"] = int(batch.positions.max()) + 1 if T else 0
+        keys = min(longest, window) if window > 0 else longest
         return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                  batch.token_seq, batch.positions, window, np.float32(scale),
                                  self.numerics == "ggml", out, _par(T * H * keys * D // 16))
