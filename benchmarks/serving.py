@@ -29,20 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, model_path, pctl, setup_env, table  # noqa: E402
 
-SENTENCES = (
-    "The old lighthouse keeper climbed the stairs every evening to light the lamp.",
-    "In 1869 the Suez Canal opened and shortened the sea route from Europe to Asia.",
-    "Photosynthesis turns sunlight, water and carbon dioxide into sugar and oxygen.",
-    "My grandmother's recipe for apple pie calls for cinnamon, butter and patience.",
-    "The committee will meet on Tuesday to review the budget for the new library.",
-    "A binary search halves the interval at every step until the target is found.",
-    "Volcanic islands form where magma rises through cracks in the ocean floor.",
-    "She packed her violin, a map of Vienna and three letters she never sent.",
-    "The quarterly report shows revenue grew by twelve percent in the northern region.",
-    "Honeybees communicate the direction of flowers with a waggle dance.",
-    "To reset the router, hold the button on the back for ten seconds.",
-    "The detective noticed that the clock on the mantel had stopped at midnight.",
-)
+# Filler text for long prompts, shared with tests/test_serving_real.py.
+SENTENCES = tuple((REPO / "tests" / "data" / "sentences.txt").read_text().splitlines())
 TOPICS = ("a dragon", "the moon", "a lost key", "the ocean", "a robot", "winter", "a city",
           "a violin", "the desert", "a train", "a garden", "a storm", "a library", "a comet",
           "a fox", "a bridge")
@@ -85,6 +73,22 @@ class Trace:
 
 
 # -- edgeinfer ---------------------------------------------------------------------------------
+def submit_on_schedule(prompts: list[list[int]], arrivals: list[float] | None,
+                       submit) -> list[Trace]:
+    """Call submit(trace, prompt) for each prompt at its arrival offset (default: all now)."""
+    arrivals = arrivals or [0.0] * len(prompts)
+    traces: list[Trace] = []
+    t0 = time.monotonic()
+    for p, a in zip(prompts, arrivals):
+        delay = t0 + a - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        tr = Trace(time.monotonic())
+        traces.append(tr)
+        submit(tr, p)
+    return traces
+
+
 class EngineClient:
     def __init__(self, path: str):
         from edgeinfer.engine import Engine, EngineConfig
@@ -95,8 +99,6 @@ class EngineClient:
             arrivals: list[float] | None = None) -> list[Trace]:
         """Submit each prompt at its arrival offset (default: all now); wait for all."""
         from edgeinfer.engine import greedy
-        arrivals = arrivals or [0.0] * len(prompts)
-        traces: list[Trace] = []
         done = threading.Semaphore(0)
 
         def sink_for(tr: Trace):
@@ -111,14 +113,8 @@ class EngineClient:
                     tr.finish = now
                     done.release()
             return sink
-        t0 = time.monotonic()
-        for p, a in zip(prompts, arrivals):
-            delay = t0 + a - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            tr = Trace(time.monotonic())
-            traces.append(tr)
-            self.engine.submit(p, greedy(max_tokens, ignore_eos=True), sink_for(tr))
+        traces = submit_on_schedule(prompts, arrivals, lambda tr, p: self.engine.submit(
+            p, greedy(max_tokens, ignore_eos=True), sink_for(tr)))
         for _ in prompts:
             done.acquire()
         return traces
@@ -150,9 +146,7 @@ class LlamaClient:
             arrivals: list[float] | None = None) -> list[Trace]:
         """Arrivals on their schedule; a single worker serves them FIFO (queueing counts)."""
         import queue
-        arrivals = arrivals or [0.0] * len(prompts)
         q: queue.SimpleQueue = queue.SimpleQueue()
-        traces: list[Trace] = []
 
         def worker():
             for _ in prompts:
@@ -160,14 +154,7 @@ class LlamaClient:
                 self.one(tr, p, max_tokens)
         w = threading.Thread(target=worker)
         w.start()
-        t0 = time.monotonic()
-        for p, a in zip(prompts, arrivals):
-            delay = t0 + a - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            tr = Trace(time.monotonic())
-            traces.append(tr)
-            q.put((tr, p))
+        traces = submit_on_schedule(prompts, arrivals, lambda tr, p: q.put((tr, p)))
         w.join()
         return traces
 

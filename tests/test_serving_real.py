@@ -15,26 +15,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.engine import Engine, EngineConfig, RequestOutput, greedy
 
-SENTENCES = (
-    "The old lighthouse keeper climbed the stairs every evening to light the lamp.",
-    "In 1869 the Suez Canal opened and shortened the sea route from Europe to Asia.",
-    "Photosynthesis turns sunlight, water and carbon dioxide into sugar and oxygen.",
-    "My grandmother's recipe for apple pie calls for cinnamon, butter and patience.",
-    "The committee will meet on Tuesday to review the budget for the new library.",
-    "A binary search halves the interval at every step until the target is found.",
-    "Volcanic islands form where magma rises through cracks in the ocean floor.",
-    "She packed her violin, a map of Vienna and three letters she never sent.",
-    "The quarterly report shows revenue grew by twelve percent in the northern region.",
-    "Honeybees communicate the direction of flowers with a waggle dance.",
-    "To reset the router, hold the button on the back for ten seconds.",
-    "The detective noticed that the clock on the mantel had stopped at midnight.",
-)
+# Filler text for long prompts, shared with benchmarks/serving.py.
+SENTENCES = tuple((Path(__file__).parent / "data" / "sentences.txt").read_text().splitlines())
 
 
 def text_of(n_sentences: int, seed: int) -> str:
