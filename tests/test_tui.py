@@ -7,6 +7,7 @@ run `edgeinfer serve` with the bundled gemma3 model when the daemon exists in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,6 +50,15 @@ def model_select_ready(app) -> bool:
     screen = app.screen
     return isinstance(screen, ChatScreen) and isinstance(
         screen.query_one("#model", Select).value, str)
+
+
+@contextlib.asynccontextmanager
+async def chat_session(fake):
+    """The app on the fake daemon, run by Textual's pilot, once the model list has loaded."""
+    app = make_app(fake.host)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        yield app, pilot
 
 
 async def send(pilot, text: str) -> None:
@@ -104,9 +114,7 @@ def test_parse_stats_tolerates_shapes():
 
 @pytest.mark.asyncio
 async def test_chat_streams_reply_with_figures_and_keeps_history(fake):
-    app = make_app(fake.host)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+    async with chat_session(fake) as (app, pilot):
         screen = app.screen
         screen.query_one("#system").value = "Be brief."
         screen.query_one("#temperature").value = "0.3"
@@ -143,9 +151,7 @@ async def test_chat_streams_reply_with_figures_and_keeps_history(fake):
 async def test_tokens_per_s_is_live_while_streaming(fake):
     fake.state.reply = [f" w{i}" for i in range(40)]
     fake.state.token_delay = 0.05
-    app = make_app(fake.host)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+    async with chat_session(fake) as (app, pilot):
         await send(pilot, "count")
         status = app.screen.query_one(StreamStatus)
         await wait_for(pilot, lambda: status.state == "streaming" and status.tokens >= 5
@@ -158,9 +164,7 @@ async def test_tokens_per_s_is_live_while_streaming(fake):
 async def test_stop_key_cancels_generation(fake):
     fake.state.reply = [f" w{i}" for i in range(500)]
     fake.state.token_delay = 0.02
-    app = make_app(fake.host)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+    async with chat_session(fake) as (app, pilot):
         await send(pilot, "go on forever")
         screen = app.screen
         status = screen.query_one(StreamStatus)
@@ -183,9 +187,7 @@ async def test_stop_key_cancels_generation(fake):
 async def test_new_chat_while_streaming_drops_the_old_reply(fake):
     fake.state.reply = [f" w{i}" for i in range(500)]
     fake.state.token_delay = 0.02
-    app = make_app(fake.host)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+    async with chat_session(fake) as (app, pilot):
         screen = app.screen
         status = screen.query_one(StreamStatus)
         await send(pilot, "first")
@@ -216,9 +218,7 @@ async def test_empty_store_points_to_models_screen():
 
 @pytest.mark.asyncio
 async def test_chat_error_from_daemon_is_shown_not_raised(fake):
-    app = make_app(fake.host)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+    async with chat_session(fake) as (app, pilot):
         fake.state.models.pop(0)           # the selected model disappears
         await send(pilot, "hello?")
         status = app.screen.query_one(StreamStatus)
@@ -342,9 +342,7 @@ async def test_banner_when_daemon_down_then_reconnects():
 async def test_daemon_killed_mid_stream_shows_banner(fake):
     fake.state.reply = [f" w{i}" for i in range(2000)]
     fake.state.token_delay = 0.01
-    app = make_app(fake.host)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+    async with chat_session(fake) as (app, pilot):
         await send(pilot, "long one")
         screen = app.screen
         status = screen.query_one(StreamStatus)
