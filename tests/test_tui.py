@@ -53,11 +53,11 @@ def model_select_ready(app) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def chat_session(fake):
-    """The app on the fake daemon, run by Textual's pilot, once the model list has loaded."""
-    app = make_app(fake.host)
+async def chat_session(host: str, timeout: float = 10.0, **kw):
+    """The app on a daemon, run by Textual's pilot, once the model list has loaded."""
+    app = make_app(host, **kw)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), what="model list")
+        await wait_for(pilot, lambda: model_select_ready(app), timeout=timeout, what="model list")
         yield app, pilot
 
 
@@ -114,7 +114,7 @@ def test_parse_stats_tolerates_shapes():
 
 @pytest.mark.asyncio
 async def test_chat_streams_reply_with_figures_and_keeps_history(fake):
-    async with chat_session(fake) as (app, pilot):
+    async with chat_session(fake.host) as (app, pilot):
         screen = app.screen
         screen.query_one("#system").value = "Be brief."
         screen.query_one("#temperature").value = "0.3"
@@ -151,7 +151,7 @@ async def test_chat_streams_reply_with_figures_and_keeps_history(fake):
 async def test_tokens_per_s_is_live_while_streaming(fake):
     fake.state.reply = [f" w{i}" for i in range(40)]
     fake.state.token_delay = 0.05
-    async with chat_session(fake) as (app, pilot):
+    async with chat_session(fake.host) as (app, pilot):
         await send(pilot, "count")
         status = app.screen.query_one(StreamStatus)
         await wait_for(pilot, lambda: status.state == "streaming" and status.tokens >= 5
@@ -164,7 +164,7 @@ async def test_tokens_per_s_is_live_while_streaming(fake):
 async def test_stop_key_cancels_generation(fake):
     fake.state.reply = [f" w{i}" for i in range(500)]
     fake.state.token_delay = 0.02
-    async with chat_session(fake) as (app, pilot):
+    async with chat_session(fake.host) as (app, pilot):
         await send(pilot, "go on forever")
         screen = app.screen
         status = screen.query_one(StreamStatus)
@@ -187,7 +187,7 @@ async def test_stop_key_cancels_generation(fake):
 async def test_new_chat_while_streaming_drops_the_old_reply(fake):
     fake.state.reply = [f" w{i}" for i in range(500)]
     fake.state.token_delay = 0.02
-    async with chat_session(fake) as (app, pilot):
+    async with chat_session(fake.host) as (app, pilot):
         screen = app.screen
         status = screen.query_one(StreamStatus)
         await send(pilot, "first")
@@ -218,7 +218,7 @@ async def test_empty_store_points_to_models_screen():
 
 @pytest.mark.asyncio
 async def test_chat_error_from_daemon_is_shown_not_raised(fake):
-    async with chat_session(fake) as (app, pilot):
+    async with chat_session(fake.host) as (app, pilot):
         fake.state.models.pop(0)           # the selected model disappears
         await send(pilot, "hello?")
         status = app.screen.query_one(StreamStatus)
@@ -342,7 +342,7 @@ async def test_banner_when_daemon_down_then_reconnects():
 async def test_daemon_killed_mid_stream_shows_banner(fake):
     fake.state.reply = [f" w{i}" for i in range(2000)]
     fake.state.token_delay = 0.01
-    async with chat_session(fake) as (app, pilot):
+    async with chat_session(fake.host) as (app, pilot):
         await send(pilot, "long one")
         screen = app.screen
         status = screen.query_one(StreamStatus)
@@ -487,9 +487,7 @@ def own_daemon(tmp_path_factory, gemma3_path):
 @needs_daemon
 @pytest.mark.asyncio
 async def test_real_daemon_chat_dashboard_models(shared_daemon):
-    app = make_app(f"127.0.0.1:{shared_daemon.port}", clock=None)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), timeout=30, what="model list")
+    async with chat_session(f"127.0.0.1:{shared_daemon.port}", timeout=30, clock=None) as (app, pilot):
         assert app.screen.query_one("#model").value == "gemma3:270m"
         app.screen.query_one("#temperature").value = "0"
         await send(pilot, "The capital of France is")
@@ -558,9 +556,7 @@ async def test_real_daemon_pull_progress_from_local_server(own_daemon, tmp_path)
 @needs_daemon
 @pytest.mark.asyncio
 async def test_real_daemon_killed_mid_stream_shows_banner(own_daemon):
-    app = make_app(f"127.0.0.1:{own_daemon.port}", clock=None)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: model_select_ready(app), timeout=30, what="model list")
+    async with chat_session(f"127.0.0.1:{own_daemon.port}", timeout=30, clock=None) as (app, pilot):
         app.screen.select_model("gemma3:270m")
         await pilot.pause()
         status = app.screen.query_one(StreamStatus)
