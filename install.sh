@@ -41,10 +41,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 
 echo "==> registering the bundled model as gemma3:270m"
-.venv/bin/python -m edgeinfer.setup_tasks register-bundled
+.venv/bin/python -m edgeinfer.cli.setup_tasks register-bundled
 
 echo "==> warming the kernel cache"
-.venv/bin/python -m edgeinfer.setup_tasks warm-kernels
+.venv/bin/python -m edgeinfer.cli.setup_tasks warm-kernels
 
 if [ "$dev" = 1 ]; then
   echo "==> test data: llama.cpp vocabularies and chat templates (from the llama-cpp-python sdist)"

@@ -35,14 +35,14 @@ def _set_threads(n: int, with_torch: bool) -> None:
 
 
 def _engine(path: str, backend: str):
-    from edgeinfer.engine import Engine, EngineConfig
+    from edgeinfer.engine.core import Engine, EngineConfig
     return Engine(path, EngineConfig(backend=backend, kv_budget_bytes=256 << 20,
                                      max_running_seqs=16, max_tokens_per_step=512))
 
 
 def _run_all(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, float]:
     """(wall seconds, generated tokens, time to first token of the first request)."""
-    from edgeinfer.engine import greedy
+    from edgeinfer.engine.core import greedy
     got: dict[int, int] = {}
     first: list[float] = []
 

@@ -29,8 +29,8 @@ def _since_process_start() -> float:
 
 
 def worker_native(model: str) -> dict:
-    from edgeinfer.engine import Engine, EngineConfig
-    from edgeinfer.sampling import SamplingParams
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.engine.sampling import SamplingParams
     engine = Engine(model, EngineConfig(max_model_len=2048, kv_budget_bytes=256 << 20,
                                         max_tokens_per_step=1024))
     ids = engine.encode_raw("Hello")
@@ -102,7 +102,7 @@ def main() -> None:
     REPEATS = args.repeats
     model = args.model
     if model is None:
-        from edgeinfer.store import Store
+        from edgeinfer.store.model_store import Store
         model = str(Store().resolve("gemma3:270m").path)
     if args.worker:
         res = worker_native(model) if args.worker == "native" else worker_llamacpp(model, args.threads)

@@ -123,7 +123,7 @@ def model_pass(path: str, reps: int) -> None:
     Gives the matmul-only ceiling in tokens/s to set against llama.cpp's whole-model figures
     (~58 decode, ~560 prefill tok/s through llama-cpp-python on the reference machine).
     """
-    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.formats.gguf_file import read_gguf
 
     g = read_gguf(path)
     mats = [QuantMatrix.from_gguf(g, n) for n, t in g.tensors.items() if len(t.shape) == 2]

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from edgeinfer.sampling import SamplingParams, Sampler, SeqSamplingState
+from edgeinfer.engine.sampling import SamplingParams, Sampler, SeqSamplingState
 
 VOCAB = 262_144
 

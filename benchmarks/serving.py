@@ -91,14 +91,14 @@ def submit_on_schedule(prompts: list[list[int]], arrivals: list[float] | None,
 
 class EngineClient:
     def __init__(self, path: str):
-        from edgeinfer.engine import Engine, EngineConfig
+        from edgeinfer.engine.core import Engine, EngineConfig
         self.engine = Engine(path, EngineConfig(kv_budget_bytes=512 << 20, max_running_seqs=16,
                                                 max_tokens_per_step=512)).start()
 
     def run(self, prompts: list[list[int]], max_tokens: int,
             arrivals: list[float] | None = None) -> list[Trace]:
         """Submit each prompt at its arrival offset (default: all now); wait for all."""
-        from edgeinfer.engine import greedy
+        from edgeinfer.engine.core import greedy
         done = threading.Semaphore(0)
 
         def sink_for(tr: Trace):
@@ -211,7 +211,7 @@ def section_a(eng: EngineClient, llm: LlamaClient | None, streams: list[int], to
 
 
 def section_b(eng: EngineClient, llm: LlamaClient | None, rounds: int, results: dict) -> None:
-    from edgeinfer.engine import greedy
+    from edgeinfer.engine.core import greedy
     e = eng.engine
     suffix_a = e.encode_raw(" Summarize the text above in one sentence.")[1:]
     suffix_b = e.encode_raw(" What is the second sentence about?")[1:]

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from edgeinfer.gguf_file import read_gguf
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = Path(os.environ.get("EDGEINFER_TEST_DATA", REPO / ".cache" / "llama-vocab"))

@@ -1,6 +1,6 @@
 """`python -m edgeinfer ...`: the same as the `edgeinfer` command (the daemon starts this way)."""
 import sys
 
-from edgeinfer.cli import main
+from edgeinfer.cli.main import main
 
 sys.exit(main())

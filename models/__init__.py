@@ -1,7 +1,7 @@
 """Architectures, one file each, written against the backend ops interface."""
 from __future__ import annotations
 
-from edgeinfer.model_config import ModelConfig
+from edgeinfer.formats.model_config import ModelConfig
 
 
 def build_model(cfg: ModelConfig, ops, gguf_file):

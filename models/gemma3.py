@@ -8,7 +8,7 @@ include Gemma's (1 + w) offset, so plain RMSNorm applies.
 from __future__ import annotations
 
 from edgeinfer.backends.base import ForwardBatch
-from edgeinfer.model_config import ModelConfig
+from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.models.llama import attention, load_head, load_layers
 
 

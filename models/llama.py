@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgeinfer.backends.base import ForwardBatch
-from edgeinfer.model_config import ModelConfig
+from edgeinfer.formats.model_config import ModelConfig
 
 
 @dataclass

@@ -78,7 +78,7 @@ class Daemon:
 
 
 def register_gemma(home: Path, gemma3_path: Path) -> None:
-    from edgeinfer.store import Store
+    from edgeinfer.store.model_store import Store
     Store(home).register_file(gemma3_path, "gemma3:270m")
 
 

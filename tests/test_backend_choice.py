@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from edgeinfer.backend_choice import (BackendChoiceError, check, device_missing, resolve,
+from edgeinfer.runners.choice import (BackendChoiceError, check, device_missing, resolve,
                                       with_defaults)
-from edgeinfer.cli import main
+from edgeinfer.cli.main import main
 
 HAS_CUDA = device_missing("cuda") is None
 HAS_MPS = device_missing("mps") is None
@@ -92,7 +92,7 @@ def test_cli_usage_errors_exit_2(argv, words, capsys):
 
 
 def test_cli_parses_device(monkeypatch):
-    from edgeinfer.cli import build_parser
+    from edgeinfer.cli.main import build_parser
     a = build_parser().parse_args(["run", "m", "--backend", "torch", "--device", "cpu"])
     assert (a.backend, a.device) == ("torch", "cpu")
     a = build_parser().parse_args(["serve", "--device", "mps"])
@@ -150,7 +150,7 @@ def _summary(arch: str = "gemma3"):
 
 
 def test_show_rows_for_a_loaded_model():
-    from edgeinfer.show_cmd import placement_rows
+    from edgeinfer.cli.show import placement_rows
     rows = dict(placement_rows(_summary(), [
         {"backend": "torch:cpu", "device": "cpu", "weights_format": "float32"}]))
     assert rows["backend"] == "torch:cpu (loaded in the daemon)"
@@ -164,8 +164,8 @@ def test_show_rows_for_a_loaded_model():
 
 
 def test_show_rows_predict_auto_when_not_loaded(monkeypatch):
-    from edgeinfer.backend_choice import resolve
-    from edgeinfer.show_cmd import placement_rows
+    from edgeinfer.runners.choice import resolve
+    from edgeinfer.cli.show import placement_rows
     rows = dict(placement_rows(_summary(), []))
     picked = resolve("auto", None, "gemma3")
     assert rows["backend"] == f"{picked} (not loaded; what --backend auto picks on this machine)"
@@ -177,7 +177,7 @@ def test_show_rows_predict_auto_when_not_loaded(monkeypatch):
 
 
 def test_torch_weights_format_prediction(monkeypatch):
-    from edgeinfer.backend_choice import describe_weights, weights_format_of
+    from edgeinfer.runners.choice import describe_weights, weights_format_of
     assert weights_format_of("torch:cpu") == "float32"       # exact parity with numba on CPU
     monkeypatch.setenv("EDGEINFER_TORCH_DTYPE", "bfloat16")
     assert weights_format_of("torch:cpu") == "bfloat16"
@@ -189,7 +189,7 @@ def test_torch_weights_format_prediction(monkeypatch):
 
 def test_cpu_weights_prediction_follows_the_runner(gemma3_path, monkeypatch):
     """What `show` predicts for the numba backend is what CpuOps decides for the file."""
-    from edgeinfer.backend_choice import weights_format_of
+    from edgeinfer.runners.choice import weights_format_of
     monkeypatch.setenv("EDGEINFER_REPACK", "0")
     assert "int8" not in weights_format_of("cpu", str(gemma3_path))
     monkeypatch.setenv("EDGEINFER_REPACK", "1")
@@ -198,7 +198,7 @@ def test_cpu_weights_prediction_follows_the_runner(gemma3_path, monkeypatch):
 
 def test_cli_show_without_daemon(gemma3_path, capsys):
     """The tests' EDGEINFER_HOST answers nothing: show predicts auto's choice."""
-    from edgeinfer.backend_choice import resolve, weights_format_of
+    from edgeinfer.runners.choice import resolve, weights_format_of
     assert main(["show", str(gemma3_path)]) == 0
     out = capsys.readouterr().out
     picked = resolve("auto", None, "gemma3")
@@ -207,7 +207,7 @@ def test_cli_show_without_daemon(gemma3_path, capsys):
 
 
 def test_format_ps_backend_and_weights_columns():
-    from edgeinfer.client_cli import format_ps
+    from edgeinfer.cli.manage import format_ps
     out = format_ps([
         {"name": "gemma3:270m", "digest": "a" * 64, "size": 300_000_000, "backend": "cpu",
          "device": "cpu", "weights_format": "gguf (quantized)", "context_length": 8192,

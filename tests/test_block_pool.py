@@ -2,8 +2,8 @@
 
 import pytest
 
-from edgeinfer.block_pool import BlockPool, BlockPoolError
-from edgeinfer.sequence import Sequence
+from edgeinfer.engine.block_pool import BlockPool, BlockPoolError
+from edgeinfer.engine.sequence import Sequence
 
 
 class _Params:
@@ -98,7 +98,7 @@ def test_invariants_catch_leaks_double_ownership_and_bad_refcounts():
 
 
 def test_invariants_catch_a_finished_sequence_holding_blocks():
-    from edgeinfer.sequence import SequenceStatus
+    from edgeinfer.engine.sequence import SequenceStatus
 
     pool = BlockPool(2)
     a = pool.allocate()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer.chat_template import (BUILTIN_NAMES, ChatFormat, ChatTemplateError,
+from edgeinfer.formats.chat_template import (BUILTIN_NAMES, ChatFormat, ChatTemplateError,
                                      ChatTemplateSecurityError,
                                      builtin_name_for, builtin_template, chat_template_for,
                                      encode_prompt, render_chat, special_token_strings)
@@ -78,8 +78,8 @@ def test_chat_template_for_picks_own_then_fallback():
 
 
 def test_bundled_gemma3_gets_gemma_fallback_and_tokenizes_turns(gemma3_path):
-    from edgeinfer.gguf_file import read_gguf
-    from edgeinfer.tokenizer import Tokenizer
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.tokenizer import Tokenizer
     md = read_gguf(gemma3_path).metadata
     assert "tokenizer.chat_template" not in md
     tmpl = chat_template_for(md, md["general.architecture"])
@@ -148,8 +148,8 @@ def test_qwen25_real_template_default_system_and_tools():
 
 
 def test_llama3_prompt_has_one_bos_and_turn_tokens():
-    from edgeinfer.gguf_file import read_gguf
-    from edgeinfer.tokenizer import Tokenizer
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.tokenizer import Tokenizer
     vocab = TEMPLATES.parent / "ggml-vocab-llama-bpe.gguf"
     if not vocab.exists():
         pytest.skip(f"llama.cpp vocab files missing in {TEMPLATES.parent}")

@@ -118,7 +118,7 @@ def test_daemon_start_status_logs_stop(tmp_path, gemma3_path):
 
 
 def test_client_autostarts_daemon_and_pulls_through_it(tmp_path, gemma3_path, monkeypatch):
-    from edgeinfer import client
+    from edgeinfer.cli import client
     from edgeinfer.server import daemon
     home = tmp_path / "home"
     register_gemma(home, gemma3_path)
@@ -135,7 +135,7 @@ def test_client_autostarts_daemon_and_pulls_through_it(tmp_path, gemma3_path, mo
             assert events[-1].status == "success"
             tags = c.request("GET", "/api/tags")["models"]
             assert {"gemma3:270m", "again:v2"} <= {m["name"] for m in tags}
-            from edgeinfer.store import StoreError
+            from edgeinfer.store.model_store import StoreError
             with pytest.raises(StoreError, match="unknown model"):
                 client.daemon_pull("not-a-model:1b", None, None, events.append)
     finally:
@@ -176,7 +176,7 @@ def test_parse_keep_alive_rejects(value):
 async def test_manager_lru_budget_and_keep_alive(tmp_path, gemma3_path):
     from edgeinfer.server.errors import APIError
     from edgeinfer.server.model_manager import ModelManager, ServerConfig
-    from edgeinfer.store import Store
+    from edgeinfer.store.model_store import Store
     home = tmp_path / "home"
     register_gemma(home, gemma3_path)
     store = Store(home)

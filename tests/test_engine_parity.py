@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeinfer.engine import Engine, EngineConfig, greedy
-from edgeinfer.gguf_file import read_gguf
-from edgeinfer.runner import ModelRunner
-from edgeinfer.tokenizer import Tokenizer
+from edgeinfer.engine.core import Engine, EngineConfig, greedy
+from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.runners.native import ModelRunner
+from edgeinfer.formats.tokenizer import Tokenizer
 from synth import synthetic_model
 
 llama_cpp = pytest.importorskip("llama_cpp")

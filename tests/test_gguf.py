@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from edgeinfer.gguf_file import GGUFError, read_gguf
-from edgeinfer.model_config import UnsupportedArchitecture, load_model_config, summarize
+from edgeinfer.formats.gguf_file import GGUFError, read_gguf
+from edgeinfer.formats.model_config import UnsupportedArchitecture, load_model_config, summarize
 
 HEADER = 4 + 4 + 8 + 8
 
@@ -165,18 +165,18 @@ def test_cli_show_bad_files_no_traceback(tmp_path):
                        ("hostile.gguf", b"GGUF" + struct.pack("<IQQ", 3, 2**62, 2**62))]:
         p = tmp_path / name
         p.write_bytes(data)
-        r = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "show", str(p)],
+        r = subprocess.run([sys.executable, "-m", "edgeinfer.cli.main", "show", str(p)],
                            capture_output=True, text=True)
         assert r.returncode == 1, r
         assert "Traceback" not in r.stderr and str(p) in r.stderr
         assert len(r.stderr.strip().splitlines()) <= 2
-    r = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "show", str(tmp_path / "nope.gguf")],
+    r = subprocess.run([sys.executable, "-m", "edgeinfer.cli.main", "show", str(tmp_path / "nope.gguf")],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "not found" in r.stderr
 
 
 def test_cli_show_real_model(gemma3_path):
-    r = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "show", str(gemma3_path)],
+    r = subprocess.run([sys.executable, "-m", "edgeinfer.cli.main", "show", str(gemma3_path)],
                        capture_output=True, text=True, check=True)
     for needle in ("gemma3", "Q4_K_M", "32768", "18", "4 / 1", "256", "262,144", "llama tokenizer",
                    "18,432 bytes/token", "253,113,024"):

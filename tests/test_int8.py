@@ -117,7 +117,7 @@ def test_zero_rows_and_zero_blocks():
 
 
 def test_cpu_ops_repack_setting(monkeypatch, gemma3_path):
-    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.formats.gguf_file import read_gguf
     gf = read_gguf(gemma3_path)
     monkeypatch.setenv("EDGEINFER_REPACK", "0")
     ops = CpuOps()

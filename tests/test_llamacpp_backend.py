@@ -10,8 +10,8 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from edgeinfer.backends.llamacpp.runner import LlamaCppRunner  # noqa: E402
-from edgeinfer.engine import Engine, EngineConfig, greedy  # noqa: E402
+from edgeinfer.runners.llamacpp.runner import LlamaCppRunner  # noqa: E402
+from edgeinfer.engine.core import Engine, EngineConfig, greedy  # noqa: E402
 
 os.environ.setdefault("EDGEINFER_THREADS", "2")
 
@@ -150,7 +150,7 @@ def test_non_native_architecture_through_auto(tmp_path):
 
 def test_llama_tokenizer_fallback_agrees(engine):
     """The fallback used for vocabularies our tokenizer cannot read agrees with ours here."""
-    from edgeinfer.backends.llamacpp.tokenizer import LlamaTokenizer
+    from edgeinfer.runners.llamacpp.tokenizer import LlamaTokenizer
     ours = engine.tokenizer
     theirs = LlamaTokenizer(engine.runner.ctx, engine.runner.gf.metadata)
     text = "Hello world! Ünïcödé and <start_of_turn>user\n  spaces"

@@ -106,7 +106,7 @@ def test_callable_from_a_worker_thread_and_deterministic():
 
 
 def test_real_model_tensors(gemma3_path):
-    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.formats.gguf_file import read_gguf
 
     g = read_gguf(str(gemma3_path))
     done = set()

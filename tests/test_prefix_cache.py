@@ -5,10 +5,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from edgeinfer.block_pool import BlockPool, BlockPoolError
-from edgeinfer.kv_manager import KVCacheManager
-from edgeinfer.prefix_cache import PrefixCache
-from edgeinfer.sequence import Sequence
+from edgeinfer.engine.block_pool import BlockPool, BlockPoolError
+from edgeinfer.engine.kv_manager import KVCacheManager
+from edgeinfer.engine.prefix_cache import PrefixCache
+from edgeinfer.engine.sequence import Sequence
 
 BS = 4
 

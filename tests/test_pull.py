@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer.download import DiskFullError, DownloadError, DownloadPolicy, OfflineError, \
+from edgeinfer.store.download import DiskFullError, DownloadError, DownloadPolicy, OfflineError, \
     RemoteNotFound
-from edgeinfer.names import InvalidModelName, ModelNotFound, StoreError
-from edgeinfer.pull import (ChecksumMismatch, InvalidDownload, PullProgress, load_catalog, pull,
+from edgeinfer.store.names import InvalidModelName, ModelNotFound, StoreError
+from edgeinfer.store.pull import (ChecksumMismatch, InvalidDownload, PullProgress, load_catalog, pull,
                             resolve_source)
-from edgeinfer.store import Store
+from edgeinfer.store.model_store import Store
 from httpfault import FaultServer, make_gguf, sha256
 
 FAST = DownloadPolicy(retries=3, connect_retries=1, backoff=0.01, backoff_max=0.05,
@@ -300,7 +300,7 @@ def test_disk_too_small_seen_only_on_get(server, store, payload, monkeypatch):
     route = server.add("/x.gguf", payload)
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 100, 100))
-    import edgeinfer.pull as pull_mod
+    import edgeinfer.store.pull as pull_mod
     monkeypatch.setattr(pull_mod, "probe", lambda *a, **k: pull_mod.RemoteInfo(
         f"{server.url}/x.gguf", None, None, None, False))
     with pytest.raises(DiskFullError):
@@ -378,7 +378,7 @@ def test_resolve_source_forms(server, tmp_path):
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("edgeinfer")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "edgeinfer.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "edgeinfer.cli.main"]
     env = dict(os.environ, EDGEINFER_HOME=str(home), NO_COLOR="1")
     return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env,
                           timeout=120, cwd=REPO)

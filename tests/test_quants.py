@@ -115,7 +115,7 @@ def _row_slices(n_rows: int) -> list[slice]:
 
 
 def test_every_tensor_of_the_real_model_bit_exact(gemma3_path):
-    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.formats.gguf_file import read_gguf
 
     g = read_gguf(str(gemma3_path))
     seen = set()

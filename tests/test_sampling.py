@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from edgeinfer.sampling import (
+from edgeinfer.engine.sampling import (
     SamplingParams, Sampler, SeqSamplingState, _categorical, process_logits, truncate,
 )
 

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.kv_manager import KVCacheManager
-from edgeinfer.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from edgeinfer.sequence import Sequence, SequenceStatus
+from edgeinfer.engine.kv_manager import KVCacheManager
+from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from edgeinfer.engine.sequence import Sequence, SequenceStatus
 
 VOCAB = 997
 

@@ -210,7 +210,7 @@ def _cli_env(d) -> dict:
 
 
 def test_stream_generate_client(shared_daemon, monkeypatch):  # noqa: F811
-    from edgeinfer.client import GenerationStats, stream_generate
+    from edgeinfer.cli.client import GenerationStats, stream_generate
     monkeypatch.setenv("EDGEINFER_HOST", f"127.0.0.1:{shared_daemon.port}")
     monkeypatch.setenv("EDGEINFER_HOME", str(shared_daemon.home))
     items = list(stream_generate(MODEL, prompt="Why is the sky blue?", options=GREEDY))
@@ -336,7 +336,7 @@ def test_device_option_through_the_daemon(ol, shared_daemon):  # noqa: F811
     ol.generate(model=MODEL, prompt="1, 2, 3,", raw=True, options=GREEDY)
     ps = shared_daemon.get("/api/ps").json()["models"]
     assert [(m["backend"], m["device"]) for m in ps] == [("cpu", "cpu")]
-    from edgeinfer.backend_choice import device_missing
+    from edgeinfer.runners.choice import device_missing
     if device_missing("cuda") is not None:
         with pytest.raises(ollama.ResponseError) as e:
             ol.generate(model=MODEL, prompt="hi", options={"device": "cuda"})

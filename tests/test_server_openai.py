@@ -156,7 +156,7 @@ def test_bad_backend_or_device_is_400(oa, extra, param, words):
 
 
 def test_missing_device_is_400(oa):
-    from edgeinfer.backend_choice import device_missing
+    from edgeinfer.runners.choice import device_missing
     if device_missing("cuda") is None:
         pytest.skip("this machine has a CUDA device")
     with pytest.raises(openai.BadRequestError) as e:

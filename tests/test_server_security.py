@@ -5,7 +5,7 @@ import pytest
 
 from edgeinfer.server.errors import APIError
 from edgeinfer.server.model_manager import ModelManager, ServerConfig
-from edgeinfer.store import InvalidModelName, Store
+from edgeinfer.store.model_store import InvalidModelName, Store
 
 
 @pytest.mark.parametrize("model", ["/etc/passwd", "../../etc/shadow.gguf", "./x.gguf",

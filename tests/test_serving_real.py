@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
-from edgeinfer.engine import Engine, EngineConfig, RequestOutput, greedy
+from edgeinfer.engine.core import Engine, EngineConfig, RequestOutput, greedy
 
 # Filler text for long prompts, shared with benchmarks/serving.py.
 SENTENCES = tuple((Path(__file__).parent / "data" / "sentences.txt").read_text().splitlines())

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.stops import StopMatcher, stop_token_set
+from edgeinfer.engine.stops import StopMatcher, stop_token_set
 
 
 def run(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool, int]:

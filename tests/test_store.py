@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from edgeinfer.names import NAME_RULE, name_from_filename, parse_name
-from edgeinfer.store import (InvalidModelName, ModelNotFound, ModelRef, Store, StoreError,
+from edgeinfer.store.names import NAME_RULE, name_from_filename, parse_name
+from edgeinfer.store.model_store import (InvalidModelName, ModelNotFound, ModelRef, Store, StoreError,
                              sha256_file)
 from httpfault import make_gguf, sha256
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.gguf_file import read_gguf
-from edgeinfer.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, TokenType
+from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, TokenType
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB_DIR = Path(os.environ.get("EDGEINFER_TEST_DATA", REPO / ".cache" / "llama-vocab"))
@@ -279,7 +279,7 @@ def _check_vocab_tables(tok: Tokenizer, ll) -> None:
 
 
 def bpe_alphabet() -> list[str]:
-    from edgeinfer.tokenizer.bpe import BYTE_TO_CHAR
+    from edgeinfer.formats.tokenizer.bpe import BYTE_TO_CHAR
     return BYTE_TO_CHAR
 
 

@@ -15,8 +15,8 @@ from edgeinfer.backends.base import ForwardBatch  # noqa: E402
 from edgeinfer.backends.torch.attention import StepLayout, paged_attention, write_kv  # noqa: E402
 from edgeinfer.backends.torch.device import (InsufficientMemory, check_fits, choose_backend,  # noqa: E402
                                              detect)
-from edgeinfer.engine import Engine, EngineConfig, greedy  # noqa: E402
-from edgeinfer.runner import ModelRunner  # noqa: E402
+from edgeinfer.engine.core import Engine, EngineConfig, greedy  # noqa: E402
+from edgeinfer.runners.native import ModelRunner  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -134,8 +134,8 @@ def test_weights_format_and_cache(runners):
 
 def test_logits_match_numba_with_chunked_prefill_and_decode(runners, gemma3_path):
     rt, rc = runners
-    from edgeinfer.tokenizer import Tokenizer
-    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.formats.tokenizer import Tokenizer
+    from edgeinfer.formats.gguf_file import read_gguf
     tok = Tokenizer.from_gguf(read_gguf(str(gemma3_path)).metadata)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
     rng = np.random.default_rng(3)
@@ -275,7 +275,7 @@ def test_synthetic_models_match_numba(arch):
 
 
 def test_info_command(capsys):
-    from edgeinfer.cli import main
+    from edgeinfer.cli.main import main
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "auto picks" in out and choose_backend("auto") in out and "GiB" in out
@@ -284,9 +284,9 @@ def test_info_command(capsys):
 def test_bf16_weights_opt_in(gemma3_path, runners):
     """EDGEINFER_TORCH_DTYPE=bfloat16 (the GPU default) on the CPU: same top-1, looser logits."""
     from edgeinfer.backends.torch.ops import TorchOps
-    from edgeinfer.runner import plan_kv
-    from edgeinfer.gguf_file import read_gguf
-    from edgeinfer.model_config import load_model_config
+    from edgeinfer.runners.native import plan_kv
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import load_model_config
     gf = read_gguf(str(gemma3_path))
     cfg = load_model_config(gf)
     ops = TorchOps("cpu", dtype="bfloat16")
@@ -306,7 +306,7 @@ def test_load_refused_or_kv_capped_by_free_memory(gemma3_path, monkeypatch):
     from edgeinfer.backends.torch import device as dev
     from edgeinfer.backends.torch.device import DeviceInfo
     from edgeinfer.backends.torch.weights import dense_bytes
-    from edgeinfer.gguf_file import read_gguf
+    from edgeinfer.formats.gguf_file import read_gguf
     need = dense_bytes(read_gguf(str(gemma3_path)), torch.float32)
     small = DeviceInfo("cpu", "test", 4 << 30, need // 2, 2)
     monkeypatch.setattr(dev, "detect", lambda kind=None: small)

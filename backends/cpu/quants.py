@@ -85,7 +85,7 @@ class QuantMatrix:
 
     @classmethod
     def from_gguf(cls, gguf_file, name: str) -> "QuantMatrix":
-        """The named 2-D tensor of an open `edgeinfer.gguf_file.GGUFFile`, zero copy."""
+        """The named 2-D tensor of an open `edgeinfer.formats.gguf_file.GGUFFile`, zero copy."""
         t = gguf_file.tensors[name]
         if len(t.shape) != 2:
             raise ValueError(f"tensor {name} has shape {t.shape}; a matrix needs two dimensions")

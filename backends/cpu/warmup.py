@@ -12,12 +12,12 @@ def run(model_path: str | None = None) -> None:
     print(f"    quantized matmul kernels: {time.monotonic() - t:.1f} s")
     if model_path is None:
         try:
-            from edgeinfer.store import Store
+            from edgeinfer.store.model_store import Store
             model_path = str(Store().resolve("gemma3:270m").path)
         except Exception:  # no bundled model: the model kernels compile on first use
             return
-    from edgeinfer.engine import Engine, EngineConfig
-    from edgeinfer.sampling import SamplingParams
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.engine.sampling import SamplingParams
     t = time.monotonic()
     engine = Engine(model_path, EngineConfig(kv_budget_bytes=64 << 20, max_model_len=512))
     prompt = engine.encode_raw("warm up " * 12)          # prefill path (many rows)

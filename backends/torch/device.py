@@ -101,7 +101,7 @@ def choose_backend(backend: str = "auto", arch: str | None = None) -> str:
     llama.cpp for architectures the native models do not cover."""
     if backend != "auto":
         return backend
-    from edgeinfer.model_config import NATIVE_ARCHS
+    from edgeinfer.formats.model_config import NATIVE_ARCHS
     if arch is not None and arch not in NATIVE_ARCHS:
         return "llamacpp"
     torch = _torch()

@@ -16,8 +16,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import StreamingResponse
 
-from edgeinfer.engine import RequestError, RequestOutput
-from edgeinfer.sampling import SamplingParams
+from edgeinfer.engine.core import RequestError, RequestOutput
+from edgeinfer.engine.sampling import SamplingParams
 
 from .errors import APIError
 from .metrics import Metrics

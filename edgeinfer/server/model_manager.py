@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from edgeinfer.engine import Engine, EngineConfig
-from edgeinfer.store import ModelNotFound, Store, StoreError
+from edgeinfer.engine.core import Engine, EngineConfig
+from edgeinfer.store.model_store import ModelNotFound, Store, StoreError
 
 from .errors import APIError, not_found
 
@@ -72,7 +72,7 @@ class ServerConfig:
         """The environment's settings, then `overrides` (command-line flags) on top. The
         backend/device pair is validated here, and a named cuda/mps device must be present:
         BackendChoiceError (a ValueError) with one sentence otherwise."""
-        from edgeinfer.backend_choice import check, require_device, with_defaults
+        from edgeinfer.runners.choice import check, require_device, with_defaults
         env = os.environ
 
         def num(name: str, default, scale: int = 1):
@@ -128,7 +128,7 @@ class LoadedModel:
 
     @property
     def device(self) -> str:
-        from edgeinfer.backend_choice import device_of
+        from edgeinfer.runners.choice import device_of
         return device_of(self.backend)
 
     @property
@@ -144,7 +144,7 @@ class LoadedModel:
 
 def _arch_of(path) -> str | None:
     """general.architecture from the file, for manifests written without it."""
-    from edgeinfer.gguf_file import GGUFError, read_gguf
+    from edgeinfer.formats.gguf_file import GGUFError, read_gguf
     try:
         f = read_gguf(str(path))
     except (GGUFError, OSError):
@@ -223,7 +223,7 @@ class ModelManager:
         """The concrete backend (cpu, llamacpp, torch:DEVICE) a request's `backend`/`device`
         load options mean for this model, the server's defaults filling what they leave out.
         A bad name, or a device this machine lacks, is a 400 naming the field."""
-        from edgeinfer.backend_choice import BackendChoiceError, resolve, with_defaults
+        from edgeinfer.runners.choice import BackendChoiceError, resolve, with_defaults
         backend, device = with_defaults(backend, device, self.config.backend, self.config.device)
         arch = (ref.manifest.get("gguf") or {}).get("architecture")
         if not isinstance(arch, str):

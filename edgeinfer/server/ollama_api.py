@@ -12,11 +12,11 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from edgeinfer import __version__
-from edgeinfer.chat_template import ChatTemplateError, chat_template_for
-from edgeinfer.engine import RequestOutput
-from edgeinfer.gguf_file import GGUFError, read_gguf
-from edgeinfer.model_config import summarize
-from edgeinfer.store import ModelNotFound, StoreError
+from edgeinfer.formats.chat_template import ChatTemplateError, chat_template_for
+from edgeinfer.engine.core import RequestOutput
+from edgeinfer.formats.gguf_file import GGUFError, read_gguf
+from edgeinfer.formats.model_config import summarize
+from edgeinfer.store.model_store import ModelNotFound, StoreError
 
 from . import generation
 from .errors import APIError, bad_param, not_found
@@ -294,7 +294,7 @@ async def show(body: ModelNameRequest, request: Request):
 def _runtime(manager, ref) -> dict[str, Any]:
     """edgeinfer extension of /api/show: the loaded copies' backend and weights format, and
     what a load with the server's default backend/device would use."""
-    from edgeinfer.backend_choice import describe_weights, device_of, weights_format_of
+    from edgeinfer.runners.choice import describe_weights, device_of, weights_format_of
     loaded = [{"backend": lm.backend, "device": lm.device, "weights_format": lm.weights_format,
                "weights": describe_weights(lm.backend, lm.weights_format)}
               for (name, _), lm in list(manager.models.items()) if name == ref.full_name]
@@ -336,7 +336,7 @@ async def copy(body: CopyRequest, request: Request):
 
 @router.post("/pull")
 async def pull(body: PullRequest, request: Request):
-    from edgeinfer.pull import pull as do_pull, resolve_source   # httpx machinery: lazily
+    from edgeinfer.store.pull import pull as do_pull, resolve_source   # httpx machinery: lazily
 
     source = _model_of(body)
     store = request.app.state.manager.store
@@ -398,7 +398,7 @@ async def pull(body: PullRequest, request: Request):
 
 
 def _pull_error(e: Exception) -> tuple[int, str]:
-    from edgeinfer.download import DownloadError
+    from edgeinfer.store.download import DownloadError
     if isinstance(e, ModelNotFound):
         return 404, str(e)
     if isinstance(e, DownloadError):

@@ -9,8 +9,8 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from edgeinfer.chat_template import ChatTemplateError
-from edgeinfer.engine import RequestOutput
+from edgeinfer.formats.chat_template import ChatTemplateError
+from edgeinfer.engine.core import RequestOutput
 
 from . import generation
 from .errors import APIError, bad_param

@@ -8,7 +8,7 @@ time budget. The environment mirrors Hugging Face's (trim_blocks, lstrip_blocks,
 loopcontrols, `raise_exception`, `strftime_now`, a non-HTML-escaping `tojson`) so real
 templates render the same text they render in `transformers`.
 
-GGUFs without a template get a built-in one per architecture (edgeinfer/templates/*.jinja).
+GGUFs without a template get a built-in one per architecture (edgeinfer/formats/templates/*.jinja).
 """
 from __future__ import annotations
 
@@ -299,7 +299,7 @@ def builtin_template(name: str) -> str:
     """The text of a bundled template (one of BUILTIN_NAMES)."""
     if name not in BUILTIN_NAMES:
         raise ChatTemplateError(f"no built-in chat template named {name!r}")
-    return (resources.files("edgeinfer") / "templates" / f"{name}.jinja").read_text("utf-8")
+    return (resources.files("edgeinfer.formats") / "templates" / f"{name}.jinja").read_text("utf-8")
 
 
 def builtin_name_for(metadata: dict[str, Any], arch: str | None = None) -> str:

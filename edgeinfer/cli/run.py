@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from edgeinfer.cli import UserError
+from edgeinfer.cli.errors import UserError
 
 
 @dataclass
@@ -35,7 +35,7 @@ class RunStats:
 
 
 def sampling_from_args(args: argparse.Namespace):
-    from edgeinfer.sampling import SamplingParams
+    from edgeinfer.engine.sampling import SamplingParams
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repeat_penalty=args.repeat_penalty,
@@ -46,8 +46,8 @@ def sampling_from_args(args: argparse.Namespace):
 
 
 def load_engine(path: str, backend: str, num_ctx: int | None):
-    from edgeinfer.engine import Engine, EngineConfig
-    from edgeinfer.gguf_file import GGUFError
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.formats.gguf_file import GGUFError
     try:
         return Engine(path, EngineConfig(backend=backend, max_model_len=num_ctx)).start()
     except GGUFError as e:
@@ -57,7 +57,7 @@ def load_engine(path: str, backend: str, num_ctx: int | None):
 def stream(engine, prompt_ids: list[int], params, out=None) -> tuple[str, RunStats]:
     """Submit, print text as it arrives, return the text and timings. Ctrl-C aborts."""
     out = out or sys.stdout
-    from edgeinfer.engine import RequestError
+    from edgeinfer.engine.core import RequestError
     events: queue.SimpleQueue = queue.SimpleQueue()
     t0 = time.monotonic()
     try:
@@ -118,7 +118,7 @@ class DaemonSession:
 
     def __init__(self, model: str, backend: str, num_ctx: int | None, params,
                  device: str | None = None):
-        from edgeinfer.client import ClientError, connect
+        from edgeinfer.cli.client import ClientError, connect
         try:
             self.client = connect(autostart=True)
         except ClientError as e:
@@ -142,7 +142,7 @@ class DaemonSession:
 
     def generate(self, messages: list[dict] | None, prompt: str | None,
                  raw: bool) -> tuple[str, RunStats]:
-        from edgeinfer.client import ClientError, GenerationStats, stream_generate
+        from edgeinfer.cli.client import ClientError, GenerationStats, stream_generate
         kw = dict(messages=messages) if messages is not None else dict(prompt=prompt, raw=raw)
         t0 = time.monotonic()
         first = None
@@ -210,8 +210,8 @@ def chat_loop(session, system: str | None, verbose: bool) -> int:
 def local_backend(path: str, backend: str, device: str | None) -> str:
     """--backend/--device for the engine in this process, resolved against the file's
     architecture and this machine's devices (a missing device is one line, exit 1)."""
-    from edgeinfer.backend_choice import BackendChoiceError, resolve
-    from edgeinfer.gguf_file import GGUFError, read_gguf
+    from edgeinfer.runners.choice import BackendChoiceError, resolve
+    from edgeinfer.formats.gguf_file import GGUFError, read_gguf
     try:
         gf = read_gguf(path)
     except GGUFError as e:
@@ -225,7 +225,7 @@ def local_backend(path: str, backend: str, device: str | None) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from edgeinfer.show_cmd import resolve_model_file
+    from edgeinfer.cli.show import resolve_model_file
     params = sampling_from_args(args)
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
@@ -267,7 +267,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_device_arg(p: argparse.ArgumentParser, help_: str) -> None:
-    from edgeinfer.backend_choice import DEVICES
+    from edgeinfer.runners.choice import DEVICES
     p.add_argument("--device", choices=DEVICES, default=None, help=help_)
 
 
@@ -276,7 +276,7 @@ def check_device_args(p: argparse.ArgumentParser, backend: str | None,
     """A bad --backend name, or a --device that cannot go with it, is a usage error (exit 2)."""
     if backend is None:
         return
-    from edgeinfer.backend_choice import BackendChoiceError, check
+    from edgeinfer.runners.choice import BackendChoiceError, check
     try:
         check(backend, device)
     except BackendChoiceError as e:

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .pull import PullProgress, pull
-from .store import ModelRef, Store
+from edgeinfer.store.pull import PullProgress, pull
+from edgeinfer.store.model_store import ModelRef, Store
 
 
 def add_commands(subparsers: Any) -> None:
@@ -73,10 +73,10 @@ class _ProgressView:
 def _daemon_pull(args: argparse.Namespace, progress: Callable[[PullProgress], None]
                  ) -> bool | None:
     """Pull through a running daemon, so CLI and API share one download and its progress.
-    Contract with edgeinfer.client: `daemon_pull(source, name, sha256, progress) -> bool`,
+    Contract with edgeinfer.cli.client: `daemon_pull(source, name, sha256, progress) -> bool`,
     False when no daemon answers. Local files are always imported here, in-process."""
     try:
-        from . import client  # type: ignore[attr-defined]
+        from edgeinfer.cli import client
     except ImportError:
         return None
     fn = getattr(client, "daemon_pull", None)

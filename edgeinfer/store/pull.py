@@ -23,10 +23,10 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from .download import (DownloadError, DownloadPolicy, RemoteInfo, check_disk, download, probe)
-from .gguf_file import GGUFError
+from edgeinfer.formats.gguf_file import GGUFError
 from .names import InvalidModelName, ModelName, ModelNotFound, StoreError, name_from_filename, \
     parse_name
-from .store import ModelRef, Store, bundled_available, gguf_summary, sha256_file
+from .model_store import ModelRef, Store, bundled_available, gguf_summary, sha256_file
 
 __all__ = ["pull", "PullProgress", "PullSource", "CatalogEntry", "load_catalog",
            "resolve_source", "ChecksumMismatch", "InvalidDownload", "HF_ENDPOINT_DEFAULT"]
@@ -77,7 +77,7 @@ class CatalogEntry:
 
 
 def load_catalog() -> dict[str, CatalogEntry]:
-    raw = json.loads(resources.files("edgeinfer").joinpath("catalog.json").read_text("utf-8"))
+    raw = json.loads(resources.files("edgeinfer.store").joinpath("catalog.json").read_text("utf-8"))
     out = {}
     for key, e in raw.items():
         if key.startswith("_"):

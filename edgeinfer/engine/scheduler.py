@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from edgeinfer.kv_manager import KVCacheManager, KVStats
-from edgeinfer.sequence import FINISH_REASONS, Sequence, SequenceStatus
+from edgeinfer.engine.kv_manager import KVCacheManager, KVStats
+from edgeinfer.engine.sequence import FINISH_REASONS, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

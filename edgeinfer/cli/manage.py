@@ -8,7 +8,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from edgeinfer.client import Client, ClientError, connect
+from edgeinfer.cli.client import Client, ClientError, connect
 from edgeinfer.server import DEFAULT_PORT, daemon
 
 
@@ -52,7 +52,7 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="default backend for the models it loads: cpu, torch, "
                                      "torch:DEVICE, llamacpp or auto (default EDGEINFER_BACKEND, "
                                      "else cpu)")
-    from edgeinfer.run_cmd import add_device_arg
+    from edgeinfer.cli.run import add_device_arg
     add_device_arg(p, "default device for the models it loads, for torch and auto (default "
                       "EDGEINFER_DEVICE): --backend torch --device cuda is torch:cuda; a "
                       "device alone lets auto place models on it")
@@ -60,13 +60,13 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 
 def _validate_placement(p: argparse.ArgumentParser):
     def validate(args: argparse.Namespace) -> None:
-        from edgeinfer.run_cmd import check_device_args
+        from edgeinfer.cli.run import check_device_args
         check_device_args(p, args.backend, args.device)
     return validate
 
 
 def _user_error(msg: str) -> Exception:
-    from edgeinfer.cli import UserError
+    from edgeinfer.cli.errors import UserError
     return UserError(msg)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from edgeinfer.gguf_file import GGUFError, read_gguf
-from edgeinfer.model_config import ModelSummary, load_model_config, summarize
+from edgeinfer.formats.gguf_file import GGUFError, read_gguf
+from edgeinfer.formats.model_config import ModelSummary, load_model_config, summarize
 
 
 def resolve_model_file(model: str) -> str:
@@ -14,7 +14,7 @@ def resolve_model_file(model: str) -> str:
         if not os.path.exists(model):
             raise GGUFError(f"{model}: file not found")
         return model
-    from edgeinfer.store import Store
+    from edgeinfer.store.model_store import Store
     return str(Store().resolve(model).path)
 
 
@@ -50,8 +50,8 @@ def loaded_copies(model: str) -> list[dict]:
     daemon answers or `model` is a file path. Never starts a daemon."""
     if model.endswith(".gguf") or os.sep in model or os.path.exists(model):
         return []
-    from edgeinfer.client import ClientError, connect
-    from edgeinfer.store import Store, StoreError
+    from edgeinfer.cli.client import ClientError, connect
+    from edgeinfer.store.model_store import Store, StoreError
     try:
         full = Store().resolve(model).full_name
         with connect(autostart=False) as c:
@@ -64,7 +64,7 @@ def loaded_copies(model: str) -> list[dict]:
 def placement_rows(s: ModelSummary, loaded: list[dict]) -> list[tuple[str, str]]:
     """backend/weights rows: each loaded copy's, else what `--backend auto` would pick here
     and how that backend would hold the weights."""
-    from edgeinfer.backend_choice import BackendChoiceError, describe_weights, resolve
+    from edgeinfer.runners.choice import BackendChoiceError, describe_weights, resolve
     rows = []
     for m in loaded:
         b = m.get("backend") or "?"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gguf import LlamaFileType
 
-from edgeinfer.gguf_file import GGUFError, GGUFFile
+from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 

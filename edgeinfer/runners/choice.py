@@ -93,7 +93,7 @@ def resolve(backend: str, device: str | None = None, arch: str | None = None) ->
     field = "device" if device is not None else "backend"
     base, _, dev = backend.partition(":")
     if base == "auto":
-        from edgeinfer.model_config import NATIVE_ARCHS
+        from edgeinfer.formats.model_config import NATIVE_ARCHS
         if arch is not None and arch not in NATIVE_ARCHS:
             if device in (None, "cpu"):
                 return "llamacpp"
@@ -164,7 +164,7 @@ def _cpu_weights_format(path: str | None) -> str:
         return CPU_WEIGHTS
     try:
         from edgeinfer.backends.cpu.ops import CpuOps
-        from edgeinfer.gguf_file import read_gguf
+        from edgeinfer.formats.gguf_file import read_gguf
         gf = read_gguf(str(path))
         try:
             return CpuOps().weights_format_for(gf)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from edgeinfer.sequence import Sequence
+from edgeinfer.engine.sequence import Sequence
 
 
 class BlockPoolError(AssertionError):

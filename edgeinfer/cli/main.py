@@ -14,8 +14,7 @@ import sys
 from edgeinfer import __version__
 
 
-class UserError(Exception):
-    """A failure the user can act on; its message is printed as is."""
+from edgeinfer.cli.errors import UserError  # noqa: F401  (re-exported for the commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,26 +24,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    from edgeinfer import show_cmd
-    show_cmd.add_commands(subparsers)
-    # --- subcommand registrations (one line per module) ---
-    from edgeinfer import store_cli; store_cli.add_commands(subparsers)  # pull list rm cp
-    from edgeinfer import run_cmd; run_cmd.add_commands(subparsers)  # run
-    from edgeinfer import client_cli; client_cli.add_commands(subparsers)  # serve daemon ps stop
-    from edgeinfer.tui import command as tui_cmd; tui_cmd.add_commands(subparsers)  # tui
-    from edgeinfer import info_cmd; info_cmd.add_commands(subparsers)  # info
-    # --- end of registrations ---
+    from edgeinfer.cli import info, manage, run, show, store_cmds
+    from edgeinfer.tui import command as tui_cmd
+    show.add_commands(subparsers)
+    store_cmds.add_commands(subparsers)     # pull list rm cp
+    run.add_commands(subparsers)            # run
+    manage.add_commands(subparsers)         # serve daemon ps stop
+    tui_cmd.add_commands(subparsers)        # tui
+    info.add_commands(subparsers)           # info
     return parser
 
 
 # Domain errors whose message is meant for the user (module, class); looked up only when an
 # error happens, so a command never imports a backend it did not use.
 _USER_FACING = (
-    ("edgeinfer.gguf_file", "GGUFError"),
-    ("edgeinfer.store", "StoreError"),
+    ("edgeinfer.formats.gguf_file", "GGUFError"),
+    ("edgeinfer.store.model_store", "StoreError"),
     ("edgeinfer.backends.torch.device", "InsufficientMemory"),
-    ("edgeinfer.backends.llamacpp.context", "LlamaError"),
-    ("edgeinfer.backend_choice", "BackendChoiceError"),
+    ("edgeinfer.runners.llamacpp.context", "LlamaError"),
+    ("edgeinfer.runners.choice", "BackendChoiceError"),
 )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgeinfer.block_pool import BlockPool, BlockPoolError
+from edgeinfer.engine.block_pool import BlockPool, BlockPoolError
 
 
 class _Node:

@@ -16,17 +16,17 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from edgeinfer.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
-from edgeinfer.kv_manager import KVCacheManager
-from edgeinfer.model_config import ModelConfig
-from edgeinfer.runner import make_runner
-from edgeinfer.sampling import Sampler, SamplingParams, SeqSamplingState
-from edgeinfer.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from edgeinfer.sequence import Sequence
-from edgeinfer.stops import StopMatcher, stop_token_set
-from edgeinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
+from edgeinfer.engine.kv_manager import KVCacheManager
+from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.runners.native import make_runner
+from edgeinfer.engine.sampling import Sampler, SamplingParams, SeqSamplingState
+from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from edgeinfer.engine.sequence import Sequence
+from edgeinfer.engine.stops import StopMatcher, stop_token_set
+from edgeinfer.formats.tokenizer import IncrementalDetokenizer, Tokenizer
 
-log = logging.getLogger("edgeinfer.engine")
+log = logging.getLogger("edgeinfer.engine.core")
 
 
 class RequestError(ValueError):

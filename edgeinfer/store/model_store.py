@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-from .gguf_file import GGUFError, read_gguf
+from edgeinfer.formats.gguf_file import GGUFError, read_gguf
 from .names import (InvalidModelName, ModelName, ModelNotFound, StoreError,
                     name_from_filename, parse_name)
 

@@ -1,6 +1,6 @@
 """The llama.cpp runner: our scheduler drives one llama.cpp context holding many sequences.
 
-Same interface as `edgeinfer.runner.ModelRunner` (`cfg`, `plan`, `gf`, `execute`), so the
+Same interface as `edgeinfer.runners.native.ModelRunner` (`cfg`, `plan`, `gf`, `execute`), so the
 engine, scheduler and sampler are unchanged. llama.cpp keeps its own KV cache, so our block
 tables are only used for admission control; what llama.cpp holds is tracked per *slot* (a
 llama seq id) as the list of tokens at positions 0..n-1:
@@ -22,10 +22,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edgeinfer.backends.llamacpp.context import LlamaContext, LlamaError
-from edgeinfer.gguf_file import read_gguf
-from edgeinfer.model_config import ModelConfig, UnsupportedArchitecture, load_model_config, summarize
-from edgeinfer.runner import KVPlan
+from edgeinfer.runners.llamacpp.context import LlamaContext, LlamaError
+from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.model_config import ModelConfig, UnsupportedArchitecture, load_model_config, summarize
+from edgeinfer.runners.native import KVPlan
 
 RETAINED_SLOTS = 4   # finished sequences kept for prefix reuse beyond the running ones
 
@@ -98,11 +98,11 @@ class LlamaCppRunner:
         return cls(str(path), kv_budget_bytes, block_size, min_kv_tokens, **kw)
 
     def _tokenizer(self):
-        from edgeinfer.tokenizer import Tokenizer
+        from edgeinfer.formats.tokenizer import Tokenizer
         try:
             return Tokenizer.from_gguf(self.gf.metadata)
         except Exception:  # a vocabulary our tokenizer does not know: llama.cpp's own
-            from edgeinfer.backends.llamacpp.tokenizer import LlamaTokenizer
+            from edgeinfer.runners.llamacpp.tokenizer import LlamaTokenizer
             return LlamaTokenizer(self.ctx, self.gf.metadata)
 
     # -- slots -----------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from edgeinfer.backends.base import ForwardBatch
-from edgeinfer.gguf_file import GGUFFile, read_gguf
-from edgeinfer.model_config import ModelConfig, load_model_config
+from edgeinfer.formats.gguf_file import GGUFFile, read_gguf
+from edgeinfer.formats.model_config import ModelConfig, load_model_config
 
 
 class _Seq(Protocol):
@@ -21,7 +21,7 @@ class _Seq(Protocol):
 
 
 class Chunk(Protocol):
-    """What the runner needs of a scheduled chunk (edgeinfer.scheduler.ScheduledChunk)."""
+    """What the runner needs of a scheduled chunk (edgeinfer.engine.scheduler.ScheduledChunk)."""
     seq: _Seq
     start: int
     token_ids: Sequence[int]
@@ -145,7 +145,7 @@ def make_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
     architectures the native models do not cover."""
     backend = resolve_backend(path, backend)
     if backend == "llamacpp":
-        from edgeinfer.backends.llamacpp.runner import LlamaCppRunner
+        from edgeinfer.runners.llamacpp.runner import LlamaCppRunner
         return LlamaCppRunner.load(path, kv_budget_bytes, block_size, min_kv_tokens,
                                    max_running_seqs=max_running_seqs,
                                    max_tokens_per_step=max_tokens_per_step)

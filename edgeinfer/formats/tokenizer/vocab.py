@@ -133,7 +133,7 @@ class Tokenizer:
     # --- construction ----------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any]) -> "Tokenizer":
-        """Build from a GGUF metadata dict (edgeinfer.gguf_file.read_gguf(path).metadata)."""
+        """Build from a GGUF metadata dict (edgeinfer.formats.gguf_file.read_gguf(path).metadata)."""
         model = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
         if model is None or tokens is None:

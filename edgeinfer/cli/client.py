@@ -149,8 +149,8 @@ def daemon_pull(source: str, name: str | None, sha256: str | None,
                 progress: Callable[[Any], None]) -> bool:
     """Pull through a running daemon (never starts one). False when none answers; the
     store's own errors come back as StoreError so the CLI prints them as usual."""
-    from edgeinfer.pull import PullProgress
-    from edgeinfer.store import StoreError
+    from edgeinfer.store.pull import PullProgress
+    from edgeinfer.store.model_store import StoreError
     with Client() as c:
         if c.health() is None:
             return False

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from edgeinfer.block_pool import BlockPool, BlockPoolError
-from edgeinfer.prefix_cache import PrefixCache, PrefixCacheStats, _Node
-from edgeinfer.sequence import Sequence
+from edgeinfer.engine.block_pool import BlockPool, BlockPoolError
+from edgeinfer.engine.prefix_cache import PrefixCache, PrefixCacheStats, _Node
+from edgeinfer.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import sys
 
 
 def register_bundled() -> None:
-    from edgeinfer.store import Store
+    from edgeinfer.store.model_store import Store
     ref = Store().ensure_bundled()
     print(f"    gemma3:270m -> {ref.path}")
 

@@ -1,0 +1,1 @@
+"""Command line: each subcommand in its own module, registered by main.py."""

@@ -1,0 +1,1 @@
+"""Engine core: the engine thread, scheduler, KV allocator, prefix cache, sampling, stops."""

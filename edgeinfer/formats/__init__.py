@@ -1,0 +1,1 @@
+"""File formats: GGUF reading and validation, model config, tokenizers, chat templates."""

@@ -1,0 +1,1 @@
+"""Model store and pull: content-addressed blobs, manifests, names, resumable downloads."""
