@@ -12,7 +12,7 @@ import asyncio
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi.responses import StreamingResponse
 
@@ -24,6 +24,7 @@ from .metrics import Metrics
 from .model_manager import LoadedModel, ModelManager
 
 Disconnected = Callable[[], Awaitable[bool]]
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -74,6 +75,12 @@ class Generation:
                 self.lm.engine.abort(rid)
                 self.metrics.on_abort(self.lm.name)
         self.manager.release(self.lm, self.n)
+
+    async def encode(self, build: Callable[..., "T"]) -> "T":
+        """`build(engine)` (chat-template rendering, tokenization) on a worker thread: a
+        100 KB prompt takes the tokenizer most of a second, and on the event loop that time
+        would stall every other stream. Exceptions (ChatTemplateError, APIError) pass through."""
+        return await asyncio.to_thread(build, self.lm.engine)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                prompt_param: str = "messages") -> None:

@@ -124,7 +124,7 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape) -> Any:
     try:
         engine = gen.lm.engine
         try:
-            prompt = build_prompt(engine)
+            prompt = await gen.encode(build_prompt)
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
         params = _sampling(body.options, len(prompt), body.logprobs, body.top_logprobs)

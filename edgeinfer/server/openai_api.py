@@ -143,7 +143,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                  device=body.device)
     try:
         try:
-            prompt = gen.lm.engine.encode_chat(messages)
+            prompt = await gen.encode(lambda e: e.encode_chat(messages))
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
         rid, created, model = _id("chatcmpl"), int(time.time()), body.model
@@ -234,7 +234,7 @@ async def completions(body: CompletionRequest, request: Request):
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
                                  device=body.device)
     try:
-        prompts = _prompts(body, gen.lm.engine)
+        prompts = await gen.encode(lambda e: _prompts(body, e))
         if len(prompts) > 1:
             # One Generation holds n sequences; several prompts hold n each, one at a time.
             if body.stream:
