@@ -1,0 +1,377 @@
+"""Grammar-constrained decoding on llguidance: tokenizer views, grammar compiles, matchers.
+
+Three pieces, each cached where it pays:
+
+- `tokenizer_view(tok, vocab_size)`: llguidance's `LLTokenizer` built from our GGUF
+  vocabulary (each token's bytes; control tokens marked with llguidance's 0xFF prefix so no
+  grammar can emit them as text; the end-of-generation ids as EOS). ~1 s on gemma3's 262k
+  vocabulary, so it is built once per tokenizer and kept (weakly keyed on the tokenizer).
+- `GrammarSpec` -> `compile_spec()`: JSON Schema, "any JSON object", regex, a choice list,
+  GBNF (llama.cpp's format) or Lark become one llguidance grammar. Bad input raises
+  `GrammarError` naming what is wrong; compiles are bounded by llguidance's parser limits
+  and by a wall-clock timeout when the caller uses `compile_async` (off the event loop and
+  off the engine thread). Compiled matchers are cached per (view, grammar) and each request
+  gets a `deep_copy()` of the cached one, which is microseconds.
+- `GrammarConstraint`: the per-request matcher behind the engine's `TokenConstraint`
+  protocol (edgeinfer.engine.constraint): `allowed_tokens()` (bool [vocab]), `bitmask()`
+  (llguidance's packed int32 mask, for a sampler that applies bits directly), `accept()`,
+  `is_complete()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgeinfer.engine.constraint import ConstraintError
+
+try:                                   # an optional dependency: the server says so if absent
+    import llguidance as _llg
+    from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper
+except ImportError:                    # pragma: no cover - exercised only without the extra
+    _llg = None
+
+# The llguidance parser limits for requests: llguidance's defaults, with errors that do not
+# echo the grammar back (a schema can be large; the message names the problem).
+_LIMITS_KW = dict(verbose_errors=False)
+COMPILE_TIMEOUT_S = 10.0               # a grammar that takes longer is refused (400)
+MAX_SPEC_BYTES = 1 << 20               # 1 MiB of schema / grammar text
+
+
+class GrammarError(ValueError):
+    """A grammar or schema that cannot be compiled; the API answers 400 with this text."""
+
+
+def available() -> bool:
+    return _llg is not None
+
+
+def _require() -> None:
+    if _llg is None:
+        raise GrammarError("structured output needs the llguidance package "
+                           "(pip install 'edgeinfer[structured]')")
+
+
+# ----- tokenizer views ---------------------------------------------------------------------
+
+class _GGUFVocab:
+    """The object llguidance's TokenizerWrapper reads: token bytes, EOS/BOS, specials, and a
+    callable that tokenizes bytes (used for forced text and canonical-token checks)."""
+
+    def __init__(self, tok, vocab_size: int):
+        from edgeinfer.formats.tokenizer.vocab import TokenType
+        types = tok.types
+        tokens: list[bytes] = list(tok.token_bytes)
+        special = []
+        for i in np.nonzero((types == TokenType.CONTROL) | (types == TokenType.UNKNOWN))[0]:
+            i = int(i)
+            tokens[i] = b"\xff" + tok.tokens[i].encode("utf-8", "surrogateescape")
+            special.append(i)
+        for i in np.nonzero(types == TokenType.USER_DEFINED)[0]:
+            i = int(i)
+            t = tok.tokens[i]
+            if t.startswith("<") and t.endswith(">") and len(t) > 2:   # chat tags: not text
+                tokens[i] = b"\xff" + t.encode("utf-8", "surrogateescape")
+                special.append(i)
+        for i, b in enumerate(tokens):
+            if not b:                    # llguidance wants every token to have some bytes
+                tokens[i] = b"\xff<[" + str(i).encode() + b"]>"
+                special.append(i)
+        while len(tokens) < vocab_size:  # the output matrix may be padded past the vocabulary
+            tokens.append(b"\xff<[" + str(len(tokens)).encode() + b"]>")
+            special.append(len(tokens) - 1)
+        self.tokens = tokens
+        self.special_token_ids = special
+        eos = sorted(tok.eot_ids) or ([tok.eos_id] if tok.eos_id is not None else [])
+        self.eos_token_ids = eos
+        self.eos_token_id = tok.eos_id if tok.eos_id in eos else (eos[0] if eos else 0)
+        self.bos_token_id = tok.bos_id
+        self._tok = tok
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tok.encode(text, add_special=False, parse_special=False)
+
+
+_views: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+_views_lock = threading.Lock()
+
+
+def tokenizer_view(tok, vocab_size: int | None = None):
+    """llguidance's LLTokenizer for our Tokenizer, built once per (tokenizer, vocab size)."""
+    _require()
+    n = max(vocab_size or 0, tok.vocab_size)
+    with _views_lock:
+        per = _views.setdefault(tok, {})
+        view = per.get(n)
+        if view is None:
+            vocab = _GGUFVocab(tok, n)
+            view = LLTokenizer(TokenizerWrapper(vocab), n_vocab=n,
+                               eos_token=vocab.eos_token_ids or None)
+            per[n] = view
+    return view
+
+
+# ----- grammar specs -----------------------------------------------------------------------
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "gbnf", "lark")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to. `source`: a schema (dict or JSON text) for
+    json_schema, None for json_object, the pattern for regex, a list of strings for choice,
+    the grammar text for gbnf / lark."""
+    kind: str
+    source: Any = None
+    strict: bool = True
+
+    def key(self) -> str:
+        src = self.source
+        if isinstance(src, (dict, list)):
+            src = json.dumps(src, sort_keys=True, separators=(",", ":"))
+        return f"{self.kind}\x00{self.strict}\x00{src}"
+
+
+def json_schema(schema: Any, strict: bool = True) -> GrammarSpec:
+    return GrammarSpec("json_schema", schema, strict)
+
+
+def any_json_object() -> GrammarSpec:
+    return GrammarSpec("json_object")
+
+
+_JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _check_schema(schema: Any) -> None:
+    """Reject what is not a JSON Schema at all, naming the problem (llguidance checks the
+    keywords it implements, and refuses unknown ones unless lenient)."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    t = schema.get("type")
+    ok = ("string", "number", "integer", "boolean", "object", "array", "null")
+    for x in (t if isinstance(t, list) else [t] if t is not None else []):
+        if x not in ok:
+            raise GrammarError(f"schema keyword 'type': {x!r} is not a JSON Schema type "
+                               f"(one of {', '.join(ok)})")
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise GrammarError("schema keyword 'properties' must be an object")
+        for k, v in props.items():
+            try:
+                _check_schema(v)
+            except GrammarError as e:
+                raise GrammarError(f"properties.{k}: {e}") from None
+    req = schema.get("required")
+    if req is not None and not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+        raise GrammarError("schema keyword 'required' must be a list of property names")
+
+
+def to_llguidance(spec: GrammarSpec) -> str:
+    """The llguidance grammar text for a spec (not yet checked against a tokenizer)."""
+    _require()
+    k, src = spec.kind, spec.source
+    if isinstance(src, str) and len(src) > MAX_SPEC_BYTES:
+        raise GrammarError(f"the {k} grammar is {len(src)} bytes, more than the "
+                           f"{MAX_SPEC_BYTES} allowed")
+    if k == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTS)
+    if k == "json_schema":
+        if isinstance(src, str):
+            try:
+                src = json.loads(src)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        _check_schema(src)
+        if len(json.dumps(src)) > MAX_SPEC_BYTES:
+            raise GrammarError(f"the JSON schema is more than {MAX_SPEC_BYTES} bytes")
+        opts = dict(_JSON_OPTS)
+        if not spec.strict:
+            opts["lenient"] = True
+        try:
+            return LLMatcher.grammar_from_json_schema(src, defaults=opts)
+        except ValueError as e:
+            raise GrammarError(f"invalid JSON schema: {e}") from None
+    if k == "regex":
+        if not isinstance(src, str):
+            raise GrammarError("a regex grammar must be a string")
+        return LLMatcher.grammar_from_regex(src)
+    if k == "choice":
+        if not (isinstance(src, list) and src and all(isinstance(x, str) for x in src)):
+            raise GrammarError("a choice grammar must be a non-empty list of strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(x) for x in src))
+    if k in ("gbnf", "lark"):
+        if not isinstance(src, str) or not src.strip():
+            raise GrammarError(f"a {k} grammar must be non-empty text")
+        try:
+            return _llg.grammar_from("gbnf" if k == "gbnf" else "lark", src)
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
+    raise GrammarError(f"unknown grammar kind {k!r} (one of {', '.join(KINDS)})")
+
+
+def _clean(msg: str) -> str:
+    msg = (msg or "").strip()
+    for prefix in ("Error: ", "error: "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    msg = " ".join(x.strip() for x in msg.splitlines() if x.strip())
+    if len(msg) > 400:
+        msg = msg[:400] + "..."
+    return msg or "the grammar could not be compiled"
+
+
+class _Cache:
+    """LRU of compiled matchers (fresh, never advanced) per (view, grammar key)."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._d: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        with self._lock:
+            m = self._d.get(key)
+            if m is not None:
+                self._d.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return m
+
+    def put(self, key, m) -> None:
+        with self._lock:
+            self._d[key] = m
+            self._d.move_to_end(key)
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
+
+cache = _Cache()
+
+
+def compile_spec(view, spec: GrammarSpec) -> "LLMatcher":
+    """A fresh matcher for `spec` on `view` (cached; the caller gets its own copy).
+    Raises GrammarError with llguidance's reason when the grammar cannot be compiled."""
+    _require()
+    key = (id(view), spec.key())
+    m = cache.get(key)
+    if m is None:
+        grammar = to_llguidance(spec)
+        m = LLMatcher(view, grammar, log_level=0, limits=LLParserLimits(**_LIMITS_KW))
+        if m.is_error():
+            raise GrammarError(f"cannot compile the {spec.kind.replace('_', ' ')}: "
+                               f"{_clean(m.get_error())}")
+        cache.put(key, m)
+    return m.deep_copy()
+
+
+async def compile_async(view, spec: GrammarSpec, timeout: float = COMPILE_TIMEOUT_S):
+    """compile_spec on a worker thread, bounded in wall time (llguidance drops the GIL while
+    it builds). A compile past the timeout is a GrammarError; its thread finishes on its own
+    and the result is dropped."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(compile_spec, view, spec), timeout)
+    except asyncio.TimeoutError:
+        raise GrammarError(f"the {spec.kind.replace('_', ' ')} took more than {timeout:g} s "
+                           f"to compile; simplify it") from None
+
+
+# ----- the per-request constraint ----------------------------------------------------------
+
+class GrammarConstraint:
+    """One request's matcher, implementing edgeinfer.engine.constraint.TokenConstraint."""
+
+    def __init__(self, matcher: "LLMatcher", vocab_size: int, eos_ids=()):
+        self.m = matcher
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._mask = np.full(self.words, -1, dtype=np.int32)
+        self._eos = frozenset(int(e) for e in eos_ids)
+        self.tokens = 0
+        self.mask_seconds = 0.0
+        self._fresh = False              # _mask holds the mask for the current state
+
+    @classmethod
+    def for_spec(cls, tok, vocab_size: int, spec: GrammarSpec) -> "GrammarConstraint":
+        view = tokenizer_view(tok, vocab_size)
+        return cls(compile_spec(view, spec), max(vocab_size, tok.vocab_size), tok.eot_ids)
+
+    def bitmask(self) -> np.ndarray:
+        """int32 [ceil(vocab/32)]: bit j of word i allows token 32*i + j (llguidance's
+        layout). The array is reused by the next call."""
+        if self._fresh:
+            return self._mask
+        if self.m.is_error():
+            raise ConstraintError(f"grammar: {_clean(self.m.get_error())}")
+        t = time.perf_counter()
+        self.m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        self.mask_seconds += time.perf_counter() - t
+        if self.m.is_error():
+            raise ConstraintError(f"grammar: {_clean(self.m.get_error())}")
+        self._fresh = True
+        return self._mask
+
+    def allowed_tokens(self) -> np.ndarray:
+        bits = np.unpackbits(self.bitmask().view(np.uint8), bitorder="little")
+        return bits[:self.vocab_size].view(bool)
+
+    def accept(self, token: int) -> None:
+        self._fresh = False
+        if not self.m.consume_token(int(token)):
+            raise ConstraintError(f"grammar rejected token {int(token)}: "
+                                  f"{_clean(self.m.get_error())}")
+        self.tokens += 1
+
+    def is_complete(self) -> bool:
+        """True when nothing more can follow: the grammar stopped, or only EOS may come."""
+        if self.m.is_stopped():
+            return True
+        if not self.m.is_accepting():
+            return False
+        ff = self.m.compute_ff_tokens()
+        if ff:
+            return False
+        mask = self.bitmask()
+        nz = np.nonzero(mask)[0]
+        allowed = []
+        for w in nz.tolist():
+            v = int(mask[w]) & 0xFFFFFFFF
+            while v:
+                b = v & -v
+                allowed.append(32 * w + b.bit_length() - 1)
+                if len(allowed) > len(self._eos) + 1:
+                    return False
+                v ^= b
+        return bool(allowed) and all(a in self._eos for a in allowed)
+
+    def text_so_far_is_complete(self) -> bool:
+        return self.m.is_accepting()
+
+
+def apply_bitmask(logits: np.ndarray, mask: np.ndarray) -> None:
+    """logits[i] = -inf where the mask's bit i is 0 (float32 [vocab], in place)."""
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:logits.shape[-1]]
+    logits[..., bits == 0] = -np.inf
+
+
+__all__ = ["GrammarSpec", "GrammarError", "GrammarConstraint", "tokenizer_view",
+           "compile_spec", "compile_async", "json_schema", "any_json_object", "available",
+           "apply_bitmask", "KINDS"]
