@@ -218,10 +218,128 @@ def test_ignore_eos_bans_eos():
     assert Sampler().sample(logits, [st]).tokens[0] == 2
 
 
-def test_all_banned_falls_back_to_raw_argmax():
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=2.0), dict(temperature=0.0),
+                                dict(temperature=1.5, top_p=0.9, min_p=0.01), dict(top_k=2)])
+def test_all_banned_falls_back_to_raw_argmax(kw):
+    # Issue 18: the fallback used to sample the raw row at the request's temperature, so
+    # tokens 0 and 2 came out with their raw probabilities (0.9% at T=0.8, 21% at T=2).
+    # 2,000 seeds: a sampling fallback would fail here with probability > 1 - 1e-7.
     logits = np.array([[0.0, 5.0, 1.0]], dtype=np.float32)
-    st = SeqSamplingState(SamplingParams(logit_bias={0: -100, 1: -100, 2: -100}))
-    assert Sampler().sample(logits, [st]).tokens[0] == 1
+    s = Sampler()
+    for seed in range(2000):
+        st = SeqSamplingState(SamplingParams(logit_bias={0: -100, 1: -100, 2: -100}, seed=seed,
+                                             **kw))
+        assert s.sample(logits, [st]).tokens[0] == 1, seed
+    # Random seeds too (the issue's own form), and a large flat row where a sampled
+    # fallback would almost never hit the argmax.
+    for _ in range(500):
+        st = SeqSamplingState(SamplingParams(logit_bias={0: -100, 1: -100, 2: -100}, **kw))
+        assert s.sample(logits, [st]).tokens[0] == 1
+    row = np.random.default_rng(11).standard_normal((1, 5000)).astype(np.float32)
+    ban = {i: -100 for i in range(5000)}
+    for seed in range(50):
+        res = Sampler().sample(row, [SeqSamplingState(SamplingParams(logit_bias=ban, seed=seed,
+                                                                     logprobs=0, **kw))])
+        assert res.tokens[0] == row.argmax() and res.errors == [None]
+        # logprob of the raw row (the fallback's distribution): finite, <= 0
+        want = row[0, row.argmax()] - np.log(np.exp(row[0].astype(np.float64)).sum())
+        assert res.logprobs[0] == pytest.approx(want, abs=1e-5)
+
+
+def test_fallback_draws_nothing_from_the_generator():
+    st = SeqSamplingState(SamplingParams(logit_bias={0: -100, 1: -100}, seed=5))
+    Sampler().sample(np.array([[1.0, 2.0]], np.float32), [st])
+    assert st.rng.random() == SeqSamplingState(SamplingParams(seed=5)).rng.random()
+
+
+# --- non-finite logits and other edges ---------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(), dict(temperature=2.0),
+                                dict(top_k=3), dict(top_p=0.5), dict(min_p=0.2)])
+def test_nan_logits_are_never_chosen(kw):
+    logits = np.array([[np.nan, 1.0, np.nan, 0.5, np.nan]], np.float32)
+    s = Sampler()
+    seen = set()
+    for seed in range(300):
+        res = s.sample(logits, [SeqSamplingState(SamplingParams(seed=seed, logprobs=5, **kw))])
+        t = int(res.tokens[0])
+        seen.add(t)
+        assert t in (1, 3) and np.isfinite(res.logprobs[0]) and res.logprobs[0] <= 0
+        assert {i for i, _ in res.top_logprobs[0]} == {1, 3}
+    assert kw.get("temperature", 0.8) == 0.0 or kw == dict(top_p=0.5) or seen == {1, 3}
+    assert not np.isnan(logits[0, [1, 3]]).any()  # input untouched
+
+
+def test_plus_inf_logits_share_the_mass():
+    logits = np.array([[3.0, np.inf, 1.0, np.inf, -np.inf]], np.float32)
+    s = Sampler()
+    assert s.sample(logits, [SeqSamplingState(SamplingParams(temperature=0.0))]).tokens[0] == 1
+    toks = [int(s.sample(logits, [SeqSamplingState(SamplingParams(seed=i, logprobs=0))]).tokens[0])
+            for i in range(400)]
+    assert set(toks) == {1, 3} and 140 < toks.count(1) < 260
+    res = s.sample(logits, [SeqSamplingState(SamplingParams(seed=0, logprobs=4))])
+    assert res.logprobs[0] == pytest.approx(-math.log(2))
+    assert [i for i, _ in res.top_logprobs[0]] == [1, 3]
+    # a ban on a +inf token wins (inf + -inf is NaN, which counts as -inf)
+    st = SeqSamplingState(SamplingParams(temperature=0.0, logit_bias={1: -100}))
+    assert s.sample(logits, [st]).tokens[0] == 3
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_row_without_any_finite_logit_is_an_error_not_a_token(bad):
+    logits = np.array([[bad] * 4, [0.0, 1.0, 3.0, 2.0]], np.float32)
+    logits[0, 1] = -np.inf
+    states = [SeqSamplingState(SamplingParams(seed=1, logprobs=2)),
+              SeqSamplingState(SamplingParams(temperature=0.0))]
+    res = Sampler().sample(logits, states)
+    assert res.tokens.tolist() == [-1, 2]
+    assert res.errors[0] and "finite" in res.errors[0] and res.errors[1] is None
+    assert np.isnan(res.logprobs[0]) and res.top_logprobs[0] == []
+
+
+def test_tiny_temperature_is_greedy():
+    rng = np.random.default_rng(12)
+    s = Sampler()
+    for temp in (1e-45, 1e-39, 2.0 ** -128):
+        for i in range(50):
+            logits = rng.standard_normal((1, 300)).astype(np.float32)
+            logits[0, i % 3] = 9.0        # the max at the start, where a NaN weight hid it
+            st = SeqSamplingState(SamplingParams(temperature=temp, seed=i))
+            assert s.sample(logits, [st]).tokens[0] == i % 3
+    # ties go to the lower id, as greedy does (weights of NaN used to pick the last one)
+    logits = np.array([[0.0, 4.0, 1.0, 4.0]], np.float32)
+    for temp in (1e-45, 2.0 ** -128):
+        st = SeqSamplingState(SamplingParams(temperature=temp, seed=0))
+        assert s.sample(logits, [st]).tokens[0] == 1
+    # the smallest temperature that still samples is exact: it is greedy in effect
+    logits = np.array([[1.0, 1.0 - 1e-6, 0.0]], np.float32)
+    st = SeqSamplingState(SamplingParams(temperature=2.0 ** -127, seed=3))
+    assert all(s.sample(logits, [st]).tokens[0] == 0 for _ in range(50))
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(), dict(top_k=1), dict(top_k=5),
+                                dict(top_p=0.0), dict(top_p=0.3), dict(min_p=1.0)])
+def test_vocab_of_one(kw):
+    res = Sampler().sample(np.array([[-3.0]], np.float32),
+                           [SeqSamplingState(SamplingParams(seed=0, logprobs=3, **kw))])
+    assert res.tokens.tolist() == [0] and res.logprobs[0] == 0.0
+    assert res.top_logprobs == [[(0, 0.0)]]
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.0), dict(min_p=1.0), dict(top_k=1, top_p=0.0)])
+def test_strictest_truncation_keeps_the_max(kw):
+    row = _row("flat")          # many tokens near the max: the bucketed top-p path too
+    best = int(row.argmax())
+    toks = draw(row, 20, temperature=1.0, **kw)
+    assert (toks == best).all()
+
+
+def test_top_logprobs_list_only_possible_tokens():
+    logits = np.array([[1.0, 2.0, 3.0, 0.5]], np.float32)
+    st = SeqSamplingState(SamplingParams(temperature=0.0, logprobs=4, logit_bias={2: -100, 3: -100}))
+    res = Sampler().sample(logits, [st])
+    assert [i for i, _ in res.top_logprobs[0]] == [1, 0]
+    assert all(np.isfinite(v) for _, v in res.top_logprobs[0])
 
 
 # --- temperature and the draw ------------------------------------------------------------

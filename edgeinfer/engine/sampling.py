@@ -2,6 +2,8 @@
 
 Order of application (llama.cpp's sampler chain), per row of logits:
 
+  0. token mask        (structured output) tokens the row's mask does not allow are -inf,
+                       exactly as if banned. Rows without a mask skip this step entirely.
   1. logit bias        logits[id] += bias; a bias of -100 (or less) is an exact ban (-inf).
                        With `ignore_eos`, the model's EOS ids are banned too (as llama.cpp).
   2. penalties         repeat penalty over the last `repeat_last_n` tokens of prompt+output
@@ -15,17 +17,30 @@ Order of application (llama.cpp's sampler chain), per row of logits:
   6. temperature       divide the survivors' logits by T.
   7. sample            one uniform draw from the sequence's own PCG64 generator.
 
-Temperature 0 (or top_k 1) is greedy: argmax after steps 1-2, no softmax, no RNG draw.
+Temperature 0 (or top_k 1) is greedy: argmax after steps 0-2, no softmax, no RNG draw. A
+temperature so small that 1/T overflows float32 is greedy too (the limit T -> 0).
 
-Logprobs (when asked) are of the distribution after bias and penalties, before top-k/p,
-min-p and temperature: the model's view of the token, comparable across sampling settings.
+Non-finite logits, after steps 0-2: NaN counts as -inf (a token the model cannot rank is
+never chosen); if some logits are +inf, those tokens are the only candidates, equally
+likely. If no token is left (every allowed token banned), the row falls back to the best
+allowed token by raw logit (argmax of the row after step 0 only; never a masked token; no
+RNG draw). If even that has no finite logit (the mask allows nothing, or the model gave no
+finite logit for any allowed token), the row gets token -1 and a message in
+`SampleResult.errors`; other rows of the batch are unaffected.
+
+Logprobs (when asked) are of the distribution after mask, bias and penalties, before
+top-k/p, min-p and temperature: the model's view of the token, comparable across sampling
+settings (for a fallback row: of the masked raw row). Top alternatives list only tokens
+that are possible (logprob > -inf), so a row can have fewer than asked for.
 
 Cost: bias and penalties touch only the affected ids. Greedy is one argmax. Top-k is an
 in-place partition. Top-p without top-k never sorts the vocabulary: the nucleus is looked
 for among tokens near the max, else found by bucketing logits (numba) and sorting only the
 bucket where the cumulative mass crosses top_p. Full-vocabulary temporaries live in
 reusable scratch buffers (fresh large arrays cost more in page faults than in arithmetic).
-All steps are exact; the draw uses float32 weights exp((logit - max) / T).
+All steps are exact; the draw uses float32 weights exp((logit - max) / T). A mask costs its
+row three vocabulary passes (check, masked copy); non-finite handling runs only when the
+row's max is not finite, which np.max reports for free.
 
 Reproducibility: each sequence owns a `SeqSamplingState` whose generator is seeded once
 (`np.random.Generator(np.random.PCG64(seed))`; choice i of an n>1 request uses spawn key i).
@@ -50,6 +65,8 @@ _PROBE = 10.0              # top-p: first look for the nucleus within this of th
 _NUCLEUS_BINS = 2048       # top-p without top-k: logit buckets instead of a full sort
 _BLOCK = 4096              # categorical draw: two-level cumsum above this many candidates
 _U64 = (1 << 64) - 1
+# Below this, 1/T is past float32's range (~2**128): such a temperature is greedy (T -> 0).
+_MIN_TEMPERATURE = 2.0 ** -127
 
 
 def _is_int(x) -> bool:
@@ -152,7 +169,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < _MIN_TEMPERATURE or self.top_k == 1
 
 
 class SeqSamplingState:
@@ -217,7 +234,8 @@ def process_logits(row: np.ndarray, state: SeqSamplingState,
                    out: np.ndarray | None = None) -> np.ndarray:
     """Steps 1-2 (bias, penalties) on one row of logits. Returns `row` itself when nothing
     applies, otherwise a modified float32 copy (in `out` if given); the input is never
-    written. Only the few affected ids are touched, so this is cheap for any vocabulary."""
+    written (unless it is `out` itself: then it is processed in place). Only the few affected
+    ids are touched, so this is cheap for any vocabulary."""
     p = state.params
     vocab = row.shape[0]
     rep_ids = state.repeat_window() if p.repeat_penalty != 1.0 else None
@@ -227,10 +245,16 @@ def process_logits(row: np.ndarray, state: SeqSamplingState,
         return row
     if out is None:
         out = np.empty(vocab, dtype=np.float32)
-    np.copyto(out, row)
+    if out is not row:
+        np.copyto(out, row)
     if state.bias_ids.size:
         ok = state.bias_ids < vocab            # ids were checked against the vocab at the API
-        out[state.bias_ids[ok]] += state.bias_values[ok]
+        ids, vals = state.bias_ids[ok], state.bias_values[ok]
+        v = out[ids]
+        ban = vals == -np.inf
+        np.add(v, vals, out=v, where=~ban)     # a ban is -inf outright, even over a +inf logit
+        v[ban] = -np.inf
+        out[ids] = v
     if rep_ids is not None and rep_ids.size:
         rep_ids = rep_ids[(rep_ids >= 0) & (rep_ids < vocab)]
         v = out[rep_ids]
@@ -248,6 +272,8 @@ class SampleResult:
     tokens: np.ndarray                    # int64[B]
     logprobs: np.ndarray                  # float64[B]; NaN for rows that did not ask
     top_logprobs: list[list[tuple[int, float]]] | None  # None if no row asked for any
+    # One per row: None, or why the row has no token (its token is then -1, logprob NaN).
+    errors: list[str | None] = field(default_factory=list)
 
 
 class _Scratch:
@@ -458,6 +484,37 @@ def truncate(row: np.ndarray, p: SamplingParams) -> np.ndarray:
     return np.flatnonzero(~sc.drop) if has_drop else np.arange(row.shape[0])
 
 
+def _check_mask(mask, vocab: int) -> np.ndarray:
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != (vocab,):
+        got = (f"{mask.dtype} array of shape {mask.shape}" if isinstance(mask, np.ndarray)
+               else type(mask).__name__)
+        raise ValueError(f"a token mask must be a bool array of shape ({vocab},), got {got}")
+    return mask
+
+
+def _masked_copy(row: np.ndarray, mask: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Step 0: `row` where the mask allows, -inf elsewhere, written into `out`."""
+    out.fill(-np.inf)
+    np.copyto(out, row, where=mask)
+    return out
+
+
+def _finite_view(row: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, float]:
+    """A row whose max is not finite, made samplable (into `out`, which may be `row`): NaN
+    becomes -inf; if any logit is +inf, those tokens become 0 and all others -inf (they
+    share all the mass). Returns (row, max); max is -inf when no token is possible."""
+    if out is not row:
+        np.copyto(out, row)
+    out[np.isnan(out)] = -np.inf
+    m = float(out.max())
+    if m == math.inf:
+        inf = out == np.inf
+        out.fill(-np.inf)
+        out[inf] = 0.0
+        m = 0.0
+    return out, m
+
+
 class Sampler:
     """Samples one token per row of a logits batch. Apart from reusable scratch buffers it
     holds no state (that lives in each sequence's SeqSamplingState); one Sampler serves the
@@ -466,10 +523,16 @@ class Sampler:
     def __init__(self) -> None:
         self._sc: _Scratch | None = None
 
-    def sample(self, logits: np.ndarray, states: Sequence[SeqSamplingState]) -> SampleResult:
+    def sample(self, logits: np.ndarray, states: Sequence[SeqSamplingState],
+               masks: Sequence[np.ndarray | None] | None = None) -> SampleResult:
+        """One token per row. `masks`, if given, has one entry per row: None, or a bool
+        array [vocab] of allowed tokens (True = allowed). A row that can produce no token
+        gets token -1 and its reason in `errors` (see the module docstring)."""
         logits = np.asarray(logits)
         if logits.ndim != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits shape {logits.shape} does not match {len(states)} states")
+        if masks is not None and len(masks) != len(states):
+            raise ValueError(f"{len(masks)} token masks for {len(states)} rows")
         if logits.dtype != np.float32:
             logits = logits.astype(np.float32)
         batch, vocab = logits.shape
@@ -478,18 +541,37 @@ class Sampler:
         sc = self._sc
         tokens = np.empty(batch, dtype=np.int64)
         logprobs = np.full(batch, np.nan, dtype=np.float64)
+        errors: list[str | None] = [None] * batch
         want_top = any(s.params.logprobs for s in states)
         top: list[list[tuple[int, float]]] | None = [[] for _ in range(batch)] if want_top else None
         for b, state in enumerate(states):
             p = state.params
-            row = process_logits(logits[b], state, out=sc.row)
-            m = float(row.max())
+            raw = logits[b]
+            mask = None if masks is None or masks[b] is None else _check_mask(masks[b], vocab)
+            if mask is None:
+                row = process_logits(raw, state, out=sc.row)
+            elif not mask.any():
+                tokens[b], errors[b] = -1, "the token mask allows no token"
+                continue
+            else:
+                row = process_logits(_masked_copy(raw, mask, sc.row), state, out=sc.row)
+            m = float(row.max())          # NaN if any logit is NaN
+            fallback = False
             if not math.isfinite(m):
-                # Every token banned (or the model produced no finite logit): fall back to
-                # the raw argmax rather than failing the whole batch.
-                row = logits[b]
-                m = float(row.max())
-            if p.greedy:
+                row, m = _finite_view(row, sc.row)
+                if m == -math.inf:
+                    # Every allowed token is banned: the best allowed token by raw logit,
+                    # deterministically (sampling the raw row would give other tokens
+                    # with their raw probabilities; issue 18).
+                    fallback = True
+                    row = raw if mask is None else _masked_copy(raw, mask, sc.row)
+                    row, m = _finite_view(row, sc.row)
+                    if m == -math.inf:
+                        tokens[b] = -1
+                        errors[b] = ("the model gave no finite logit for any allowed token"
+                                     if mask is not None else "the model gave no finite logit")
+                        continue
+            if fallback or p.greedy:
                 tok = int(np.argmax(row))
             else:
                 tok = _sample_row(row, m, p, float(state.rng.random()), sc)
@@ -498,5 +580,6 @@ class Sampler:
                 lse = _log_normalizer(row, m, sc)
                 logprobs[b] = float(row[tok]) - lse
                 if p.logprobs:
-                    top[b] = [(int(i), float(row[i]) - lse) for i in _top_n(row, p.logprobs, sc)]
-        return SampleResult(tokens=tokens, logprobs=logprobs, top_logprobs=top)
+                    top[b] = [(int(i), float(row[i]) - lse) for i in _top_n(row, p.logprobs, sc)
+                              if row[i] > -np.inf]
+        return SampleResult(tokens=tokens, logprobs=logprobs, top_logprobs=top, errors=errors)
