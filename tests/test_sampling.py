@@ -442,3 +442,165 @@ def test_validate_against_vocab_and_lenient_shapes():
         SamplingParams(stop_token_ids=(50,)).validate(vocab_size=20)
     with pytest.raises(Exception):
         p.temperature = 1.0  # frozen
+
+
+# --- token masks (structured output) ------------------------------------------------------
+
+def _mask(vocab: int, allowed) -> np.ndarray:
+    m = np.zeros(vocab, dtype=bool)
+    m[list(allowed)] = True
+    return m
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(), dict(temperature=2.0),
+                                dict(top_k=1), dict(top_k=3), dict(top_p=0.5), dict(min_p=0.5),
+                                dict(temperature=1.3, top_k=40, top_p=0.9, min_p=0.01)])
+def test_mask_restricts_tokens_before_everything_else(kw):
+    rng = np.random.default_rng(13)
+    logits = (rng.standard_normal((1, 3000)) * 3).astype(np.float32)
+    allowed = rng.choice(3000, 40, replace=False)
+    mask = _mask(3000, allowed)
+    best_allowed = int(allowed[np.argmax(logits[0, allowed])])
+    assert best_allowed != int(logits.argmax())
+    s = Sampler()
+    seen = set()
+    for seed in range(200):
+        t = int(s.sample(logits, [SeqSamplingState(SamplingParams(seed=seed, **kw))],
+                         [mask]).tokens[0])
+        assert mask[t]
+        seen.add(t)
+    # step 0 comes first: top_k 1 / greedy give the best *allowed* token, not nothing
+    if kw.get("temperature", 0.8) == 0.0 or kw.get("top_k") == 1:
+        assert seen == {best_allowed}
+    elif kw == dict(temperature=2.0):
+        assert len(seen) > 10              # the whole allowed set is in play
+
+
+def test_mask_on_large_vocab_sampling_paths():
+    row = _row("flat")[None, :]        # bucketed top-p and min-p drop paths, 262k vocab
+    rng = np.random.default_rng(14)
+    mask = rng.random(row.shape[1]) < 0.5
+    s = Sampler()
+    for kw in (dict(top_p=0.9), dict(min_p=0.05), dict(), dict(top_p=0.95, min_p=0.01)):
+        for seed in range(20):
+            t = int(s.sample(row, [SeqSamplingState(SamplingParams(seed=seed, temperature=1.0,
+                                                                   **kw))], [mask]).tokens[0])
+            assert mask[t]
+    # greedy over a 262k masked row
+    st = SeqSamplingState(SamplingParams(temperature=0.0))
+    want = int(np.flatnonzero(mask)[np.argmax(row[0, mask])])
+    assert s.sample(row, [st], [mask]).tokens[0] == want
+
+
+def test_empty_mask_is_a_row_error_and_other_rows_are_unaffected():
+    logits = np.random.default_rng(15).standard_normal((3, 100)).astype(np.float32)
+    params = [SamplingParams(seed=1, logprobs=2), SamplingParams(seed=2, logprobs=2),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    masks = [None, np.zeros(100, bool), _mask(100, [7, 9])]
+    res = Sampler().sample(logits, [SeqSamplingState(p) for p in params], masks)
+    assert res.tokens[1] == -1 and "allows no token" in res.errors[1]
+    assert res.errors[0] is None and res.errors[2] is None
+    assert np.isnan(res.logprobs[1]) and res.top_logprobs[1] == []
+    for b in (0, 2):
+        alone = Sampler().sample(logits[b:b + 1], [SeqSamplingState(params[b])], [masks[b]])
+        assert alone.tokens[0] == res.tokens[b]
+        assert alone.logprobs[0] == res.logprobs[b]
+        assert alone.top_logprobs[0] == res.top_logprobs[b]
+
+
+def test_bias_banning_every_allowed_token_falls_back_to_best_allowed_raw():
+    logits = np.array([[9.0, 1.0, 3.0, 2.0, 8.0]], np.float32)
+    mask = _mask(5, [1, 2, 3])
+    s = Sampler()
+    for kw in (dict(), dict(temperature=2.0), dict(temperature=0.0), dict(top_k=2)):
+        for seed in range(300):
+            st = SeqSamplingState(SamplingParams(seed=seed, logprobs=1,
+                                                 logit_bias={1: -100, 2: -100, 3: -100}, **kw))
+            res = s.sample(logits, [st], [mask])
+            assert res.tokens[0] == 2 and res.errors == [None]   # never 0 or 4 (masked)
+    # its logprob is of the masked raw distribution
+    want = 3.0 - math.log(math.exp(1) + math.exp(3) + math.exp(2))
+    assert res.logprobs[0] == pytest.approx(want, abs=1e-6)
+    assert [i for i, _ in res.top_logprobs[0]] == [2]
+    # a ban of only some allowed tokens is an ordinary ban
+    st = SeqSamplingState(SamplingParams(temperature=0.0, logit_bias={2: -100}))
+    assert s.sample(logits, [st], [mask]).tokens[0] == 3
+
+
+def test_mask_whose_allowed_tokens_have_no_finite_logit_is_an_error():
+    logits = np.array([[5.0, -np.inf, np.nan, 1.0]], np.float32)
+    st = SeqSamplingState(SamplingParams(seed=0, logit_bias={1: -100}))
+    res = Sampler().sample(logits, [st], [_mask(4, [1, 2])])
+    assert res.tokens[0] == -1 and "finite" in res.errors[0]
+    # NaN among allowed tokens: the finite allowed one is chosen
+    res = Sampler().sample(logits, [SeqSamplingState(SamplingParams(temperature=0.0))],
+                           [_mask(4, [2, 3])])
+    assert res.tokens[0] == 3
+
+
+def test_logprobs_with_a_mask_are_of_the_masked_distribution():
+    rng = np.random.default_rng(16)
+    logits = rng.standard_normal((1, 500)).astype(np.float32)
+    allowed = [3, 50, 77, 120, 400]
+    p = SamplingParams(temperature=0.9, logprobs=10, logit_bias={50: 1.5}, seed=2)
+    res = Sampler().sample(logits, [SeqSamplingState(p)], [_mask(500, allowed)])
+    x = logits[0].astype(np.float64)
+    x[50] += 1.5
+    lp = x[allowed] - np.log(np.exp(x[allowed]).sum())
+    lp_of = dict(zip(allowed, lp))
+    assert res.tokens[0] in allowed
+    assert res.logprobs[0] == pytest.approx(lp_of[int(res.tokens[0])], abs=1e-5)
+    top = res.top_logprobs[0]
+    assert [t for t, _ in top] == [allowed[i] for i in np.argsort(-lp)]   # only allowed, 5
+    np.testing.assert_allclose([v for _, v in top], np.sort(lp)[::-1], atol=1e-5)
+
+
+def test_constrained_greedy_and_seeded_output_is_batch_invariant():
+    rng = np.random.default_rng(17)
+    vocab, steps = 800, 15
+    params = [SamplingParams(temperature=0.0, repeat_penalty=1.3),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=4, logprobs=2),
+              SamplingParams(temperature=0.0, logit_bias={5: 3.0}),
+              SamplingParams(temperature=1.1, min_p=0.05, seed=8)]
+    rows = (rng.standard_normal((steps, len(params), vocab)) * 2).astype(np.float32)
+    masks = rng.random((steps, len(params), vocab)) < 0.2
+    masked = [True, True, False, True]          # row 2 has no mask: mixed batches
+    batched = [SeqSamplingState(p, prompt_ids=[1, 2]) for p in params]
+    alone = [SeqSamplingState(p, prompt_ids=[1, 2]) for p in params]
+    s_batch, s_alone = Sampler(), Sampler()
+    for t in range(steps):
+        mk = [masks[t, b] if masked[b] else None for b in range(len(params))]
+        res = s_batch.sample(rows[t], batched, mk)
+        for b, st in enumerate(alone):
+            one = s_alone.sample(rows[t, b:b + 1], [st], [mk[b]])
+            assert one.tokens[0] == res.tokens[b]
+            assert one.logprobs[0] == res.logprobs[b] or np.isnan(res.logprobs[b])
+            if mk[b] is not None:
+                assert mk[b][res.tokens[b]]
+            st.append(int(one.tokens[0]))
+            batched[b].append(int(res.tokens[b]))
+
+
+def test_no_masks_and_all_none_masks_agree_and_inputs_are_untouched():
+    logits = np.random.default_rng(18).standard_normal((2, 300)).astype(np.float32)
+    before = logits.copy()
+    mask = _mask(300, range(0, 300, 3))
+    mask_before = mask.copy()
+    p = SamplingParams(seed=9, logprobs=3, repeat_penalty=1.2, logit_bias={4: -100})
+    a = Sampler().sample(logits, [SeqSamplingState(p, prompt_ids=[3, 6]) for _ in range(2)])
+    b = Sampler().sample(logits, [SeqSamplingState(p, prompt_ids=[3, 6]) for _ in range(2)],
+                         [None, None])
+    assert a.tokens.tolist() == b.tokens.tolist() and a.errors == b.errors == [None, None]
+    Sampler().sample(logits, [SeqSamplingState(p, prompt_ids=[3, 6]) for _ in range(2)],
+                     [mask, mask])
+    assert np.array_equal(logits, before) and np.array_equal(mask, mask_before)
+
+
+@pytest.mark.parametrize("bad", [np.ones(299, bool), np.ones(300, np.int8), [True] * 300,
+                                 np.ones((1, 300), bool)])
+def test_bad_masks_are_refused(bad):
+    logits = np.zeros((1, 300), np.float32)
+    with pytest.raises(ValueError, match="token mask"):
+        Sampler().sample(logits, [SeqSamplingState(SamplingParams())], [bad])
+    with pytest.raises(ValueError, match="masks"):
+        Sampler().sample(logits, [SeqSamplingState(SamplingParams())], [None, None])
