@@ -15,6 +15,7 @@ import pytest
 
 from edgeinfer.engine.core import Engine, EngineConfig, greedy
 from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.runners.base import ScheduledSpan
 from edgeinfer.runners.native import ModelRunner
 from edgeinfer.formats.tokenizer import Tokenizer
 from synth import synthetic_model
@@ -24,15 +25,9 @@ llama_cpp = pytest.importorskip("llama_cpp")
 SYNTH = Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth"
 
 
-class _Seq:
-    def __init__(self, block_table):
-        self.block_table = block_table
-
-
-class _Chunk:
-    def __init__(self, start, token_ids, block_table, needs_logits=True):
-        self.start, self.token_ids, self.needs_logits = start, token_ids, needs_logits
-        self.seq = _Seq(block_table)
+def _Chunk(start, token_ids, block_table, needs_logits=True) -> ScheduledSpan:
+    return ScheduledSpan(0, start, tuple(token_ids), tuple(int(b) for b in block_table),
+                         needs_logits)
 
 
 def llama_logits(path: Path, tokens: list[int], n_ctx: int = 1024) -> np.ndarray:
@@ -48,9 +43,9 @@ def our_logits(path: Path, tokens: list[int], prefill: int) -> np.ndarray:
     """Prefill `prefill` tokens as one chunk, then decode the rest one by one, through a
     shuffled block table (block order must not matter)."""
     r = ModelRunner.load(str(path), kv_budget_bytes=32 << 20)
-    table = list(np.random.default_rng(0).permutation(r.plan.num_blocks)[: len(tokens) // 16 + 2])
-    rows = [r.execute([_Chunk(0, tokens[:prefill], table)])]
-    rows += [r.execute([_Chunk(i, [tokens[i]], table)]) for i in range(prefill, len(tokens))]
+    table = list(np.random.default_rng(0).permutation(r.kv_plan.num_blocks)[: len(tokens) // 16 + 2])
+    rows = [r.forward([_Chunk(0, tokens[:prefill], table)])]
+    rows += [r.forward([_Chunk(i, [tokens[i]], table)]) for i in range(prefill, len(tokens))]
     return np.concatenate(rows)
 
 

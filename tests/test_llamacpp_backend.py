@@ -12,6 +12,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from edgeinfer.runners.llamacpp.runner import LlamaCppRunner  # noqa: E402
 from edgeinfer.engine.core import Engine, EngineConfig, greedy  # noqa: E402
+from edgeinfer.engine.sampling import SamplingParams  # noqa: E402
+from edgeinfer.runners.base import NewRequest, ScheduledSpan, StepPlan  # noqa: E402
 
 os.environ.setdefault("EDGEINFER_THREADS", "2")
 
@@ -59,7 +61,7 @@ def test_runner_interface(engine):
     r = engine.runner
     assert isinstance(r, LlamaCppRunner)
     assert r.cfg.arch == "gemma3" and r.cfg.vocab_size == 262144
-    assert r.plan.capacity_tokens <= r.ctx.n_ctx
+    assert r.kv_plan.capacity_tokens <= r.ctx.n_ctx
 
 
 @pytest.mark.parametrize("text", PROMPTS)
@@ -104,22 +106,13 @@ def test_prefix_reuse_shared_head_new_tail(engine, reference):
 def test_recompute_from_start_matches(gemma3_path):
     """A sequence resent from position 0 (preemption by recompute) gives the same logits."""
     r = LlamaCppRunner(str(gemma3_path), kv_budget_bytes=8 << 20, max_running_seqs=2, n_threads=2)
-
-    class Seq:
-        status = type("S", (), {"value": "running"})()
-
-        def __init__(self, ids):
-            self.token_ids = ids
-
-    class Chunk:
-        def __init__(self, seq, start, n, needs=True):
-            self.seq, self.start, self.token_ids, self.needs_logits = seq, start, seq.token_ids[start:start + n], needs
-
-    s = Seq([2, 818, 5279, 529, 7001, 563])
-    first = r.execute([Chunk(s, 0, 6)])
-    s.token_ids.append(int(first.argmax()))
-    step = r.execute([Chunk(s, 6, 1)])
-    again = r.execute([Chunk(s, 0, 7)])        # resent from scratch: the slot's tail is dropped
+    ids = (2, 818, 5279, 529, 7001, 563)
+    new = NewRequest(1, ids, SamplingParams(temperature=0.0))
+    first = r.execute(StepPlan((ScheduledSpan(1, 0, ids, (), True),), (new,)))
+    t1 = first.tokens[1][0]
+    step, _ = r.forward([ScheduledSpan(1, 6, (t1,), (), True)])
+    again, reused = r.forward([ScheduledSpan(1, 0, ids + (t1,), (), True)])  # resent from 0
+    assert reused == {1: 6}        # the slot held the first six: only the last is recomputed
     assert np.abs(again - step).max() < 1e-2 * np.abs(step).max()
     assert again.argmax() == step.argmax()
     r.close()

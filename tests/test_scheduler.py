@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from edgeinfer.engine.kv_manager import KVCacheManager
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence, SequenceStatus
+from edgeinfer.engine.stops import length_reason
 
 VOCAB = 997
 
@@ -43,10 +44,10 @@ def reference(tokens, n_out, max_tokens, stops=frozenset(), max_model_len=10**9)
         t = next_token(tokens)
         tokens.append(t)
         n_out += 1
-        if n_out >= max_tokens or len(tokens) >= max_model_len:
-            return tokens, "length"
         if t in stops:
             return tokens, "stop"
+        if n_out >= max_tokens or len(tokens) >= max_model_len:
+            return tokens, "length"
 
 
 class FakeKVRunner:
@@ -135,13 +136,22 @@ class Harness:
             self.first_step.setdefault(c.seq.seq_id, self.steps)
         sampled = self.runner.execute(out)
         sched.update(out, sampled)
-        for seq_id, token in sampled.items():
-            seq = self.seqs[seq_id]
-            if not seq.is_finished and token in self.stops:
-                sched.finish(seq_id, "stop")
+        self.finish_sampled(sampled)
         sched.check_invariants()
         self.steps += 1
         return out
+
+    def finish_sampled(self, sampled):
+        """The engine's decision after each token: a stop token, else length."""
+        for seq_id, token in sampled.items():
+            seq = self.seqs[seq_id]
+            if seq.is_finished:
+                continue
+            reason = "stop" if token in self.stops else length_reason(
+                seq.num_output_tokens, seq.max_tokens, seq.num_tokens,
+                self.config.max_model_len)
+            if reason:
+                self.sched.finish(seq_id, reason)
 
     def run(self, max_steps=5000, arrivals=None):
         arrivals = dict(arrivals or {})
@@ -316,6 +326,7 @@ def test_abort_mid_prefill_and_mid_decode():
     n_before = b.num_output_tokens
     h.sched.abort(1)
     h.sched.update(out, sampled)
+    h.finish_sampled({k: v for k, v in sampled.items() if k != 1})
     assert b.num_output_tokens == n_before
     out = h.step()
     assert out.aborted == [b] and b.block_table == []

@@ -156,10 +156,10 @@ def test_preemption_under_tiny_pool(path):
     expected = [alone(ref, p, 32) for p in prompts]
 
     block = 16
-    per_token = ref.runner.plan.bytes_per_token
+    per_token = ref.runner.kv_plan.bytes_per_token
     # 10 blocks: each request needs 4 at its end (prompt + 32 outputs), all four need 16
     engine = make(path, kv_budget_bytes=10 * block * per_token)
-    assert engine.runner.plan.num_blocks == 10
+    assert engine.runner.kv_plan.num_blocks == 10
     # admit on the prompt alone, so decode growth has to preempt (recompute) to make room
     engine.scheduler.config = replace(engine.scheduler.config, output_reserve=0)
     sinks = [submit(engine, p, 32) for p in prompts]

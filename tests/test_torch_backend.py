@@ -13,9 +13,11 @@ torch = pytest.importorskip("torch")
 
 from edgeinfer.backends.base import ForwardBatch  # noqa: E402
 from edgeinfer.backends.torch.attention import StepLayout, paged_attention, write_kv  # noqa: E402
-from edgeinfer.backends.torch.device import (InsufficientMemory, check_fits, choose_backend,  # noqa: E402
+from edgeinfer.backends.torch.device import (InsufficientMemory, check_fits,  # noqa: E402
                                              detect)
 from edgeinfer.engine.core import Engine, EngineConfig, greedy  # noqa: E402
+from edgeinfer.runners.base import ScheduledSpan  # noqa: E402
+from edgeinfer.runners.choice import resolve  # noqa: E402
 from edgeinfer.runners.native import ModelRunner  # noqa: E402
 
 torch.set_num_threads(2)
@@ -28,9 +30,9 @@ class _Seq:
         self.block_table = block_table
 
 
-class _Chunk:
-    def __init__(self, seq, start, token_ids, needs_logits=True):
-        self.seq, self.start, self.token_ids, self.needs_logits = seq, start, token_ids, needs_logits
+def _Chunk(seq, start, token_ids, needs_logits=True) -> ScheduledSpan:
+    return ScheduledSpan(0, start, tuple(int(t) for t in token_ids),
+                         tuple(int(b) for b in seq.block_table), needs_logits)
 
 
 def exact_cpu(runner):
@@ -139,19 +141,19 @@ def test_logits_match_numba_with_chunked_prefill_and_decode(runners, gemma3_path
     tok = Tokenizer.from_gguf(read_gguf(str(gemma3_path)).metadata)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 3)
     rng = np.random.default_rng(3)
-    seq = _Seq([int(b) for b in rng.permutation(min(rt.plan.num_blocks, rc.plan.num_blocks))[:8]])
+    seq = _Seq([int(b) for b in rng.permutation(min(rt.kv_plan.num_blocks, rc.kv_plan.num_blocks))[:8]])
     # a prefill in two chunks (the second attends over cached keys), then decode steps
     for r in (rt, rc):
-        r.execute([_Chunk(seq, 0, ids[:13], needs_logits=False)])
-    a = rt.execute([_Chunk(seq, 13, ids[13:])])
-    b = rc.execute([_Chunk(seq, 13, ids[13:])])
+        r.forward([_Chunk(seq, 0, ids[:13], needs_logits=False)])
+    a = rt.forward([_Chunk(seq, 13, ids[13:])])
+    b = rc.forward([_Chunk(seq, 13, ids[13:])])
     assert np.abs(a - b).max() < 0.05 * np.abs(b).max()
     assert a.argmax() == b.argmax()
     n = len(ids)
     for i in range(8):
         t = int(b.argmax())
-        a = rt.execute([_Chunk(seq, n + i, [t])])
-        b = rc.execute([_Chunk(seq, n + i, [t])])
+        a = rt.forward([_Chunk(seq, n + i, [t])])
+        b = rc.forward([_Chunk(seq, n + i, [t])])
         assert np.abs(a - b).max() < 0.05 * np.abs(b).max(), i
         assert a.argmax() == b.argmax()
 
@@ -163,8 +165,8 @@ def test_sliding_window_long_prompt_matches_numba(runners, gemma3_path):
     seq = _Seq(list(range(40, 80)))
     out = []
     for r in (rt, rc):
-        r.execute([_Chunk(seq, 0, ids[:300], needs_logits=False)])
-        out.append(r.execute([_Chunk(seq, 300, ids[300:])]))
+        r.forward([_Chunk(seq, 0, ids[:300], needs_logits=False)])
+        out.append(r.forward([_Chunk(seq, 300, ids[300:])]))
     a, b = out
     assert np.abs(a - b).max() < 0.05 * np.abs(b).max()
     assert a.argmax() == b.argmax()
@@ -181,7 +183,7 @@ def test_logits_top1_vs_llama_cpp_teacher_forcing(runners, gemma3_path):
     ref = np.array(llm.scores[:len(ids)], np.float32)
     llm.close()
     seq = _Seq(list(range(100, 110)))
-    ours = np.concatenate([rt.execute([_Chunk(seq, i, [ids[i]])]) for i in range(len(ids))])
+    ours = np.concatenate([rt.forward([_Chunk(seq, i, [ids[i]])]) for i in range(len(ids))])
     agree = ours.argmax(1) == ref.argmax(1)
     top2 = np.sort(ref, axis=1)[:, -2:]
     decisive = (top2[:, 1] - top2[:, 0]) > 2 * np.abs(ours - ref).max(axis=1)
@@ -245,9 +247,9 @@ def test_detect_and_auto_choice():
     info = detect()
     assert info.kind in ("cuda", "mps", "cpu") and info.total_bytes > 0
     expected = {"cuda": "torch:cuda", "mps": "torch:mps", "cpu": "cpu"}[info.kind]
-    assert choose_backend("auto", "gemma3") == expected
-    assert choose_backend("auto", "phi3") == "llamacpp"
-    assert choose_backend("torch:cpu") == "torch:cpu"
+    assert resolve("auto", None, "gemma3") == expected
+    assert resolve("auto", None, "phi3") == "llamacpp"
+    assert resolve("torch:cpu") == "torch:cpu"
 
 
 def test_refuses_when_model_does_not_fit():
@@ -265,11 +267,11 @@ def test_synthetic_models_match_numba(arch):
     rt = ModelRunner.load(str(path), "torch", kv_budget_bytes=8 << 20)
     rc = exact_cpu(ModelRunner.load(str(path), "cpu", kv_budget_bytes=8 << 20))
     tokens = [int(t) for t in np.random.default_rng(1).integers(3, 250, 48)]
-    seq = _Seq(list(np.random.default_rng(2).permutation(min(rt.plan.num_blocks, rc.plan.num_blocks))[:5]))
-    a = np.concatenate([rt.execute([_Chunk(seq, 0, tokens[:40])])] +
-                       [rt.execute([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
-    b = np.concatenate([rc.execute([_Chunk(seq, 0, tokens[:40])])] +
-                       [rc.execute([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
+    seq = _Seq(list(np.random.default_rng(2).permutation(min(rt.kv_plan.num_blocks, rc.kv_plan.num_blocks))[:5]))
+    a = np.concatenate([rt.forward([_Chunk(seq, 0, tokens[:40])])] +
+                       [rt.forward([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
+    b = np.concatenate([rc.forward([_Chunk(seq, 0, tokens[:40])])] +
+                       [rc.forward([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
     assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
     assert (a.argmax(1) == b.argmax(1)).mean() >= 0.85
 
@@ -278,13 +280,13 @@ def test_info_command(capsys):
     from edgeinfer.cli.main import main
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    assert "auto picks" in out and choose_backend("auto") in out and "GiB" in out
+    assert "auto picks" in out and resolve("auto") in out and "GiB" in out
 
 
 def test_bf16_weights_opt_in(gemma3_path, runners):
     """EDGEINFER_TORCH_DTYPE=bfloat16 (the GPU default) on the CPU: same top-1, looser logits."""
     from edgeinfer.backends.torch.ops import TorchOps
-    from edgeinfer.runners.native import plan_kv
+    from edgeinfer.runners.base import plan_kv
     from edgeinfer.formats.gguf_file import read_gguf
     from edgeinfer.formats.model_config import load_model_config
     gf = read_gguf(str(gemma3_path))
@@ -295,7 +297,7 @@ def test_bf16_weights_opt_in(gemma3_path, runners):
     _, rc = runners
     seq = _Seq([0, 1])
     ids = [2, 818, 5279, 529, 7001, 563]
-    a, b = r.execute([_Chunk(seq, 0, ids)]), rc.execute([_Chunk(seq, 0, ids)])
+    a, b = r.forward([_Chunk(seq, 0, ids)]), rc.forward([_Chunk(seq, 0, ids)])
     assert a.argmax() == b.argmax()
     assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
 

@@ -73,8 +73,8 @@ class CpuOps:
     name = "cpu"
     kv_bytes_per_value = 4
 
-    def __init__(self, numerics: str = "ggml", batch_invariant: bool = True,
-                 repack: bool | None = None):
+    def __init__(self, numerics: str = "ggml", batch_invariant: bool = False,
+                 repack: bool | None = None, governor: ThreadGovernor | None = None):
         """numerics="ggml" rounds activations, K/V and GELU as llama.cpp's CPU backend does
         (8-bit activation blocks per weight type, f16 K/V and GELU), so greedy text matches it
         token for token; "f32" keeps every intermediate in float32.
@@ -100,7 +100,14 @@ class CpuOps:
             raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
         self._repack_setting = repack
         self.repack: bool | None = None           # decided on the first matrix of a model
-        self.governor: ThreadGovernor | None = None
+        # One governor per process (the model manager's), so two loaded models share the
+        # cores instead of each taking all of them; a lone ops object makes its own.
+        self.governor = governor
+
+    def fit_kv_budget(self, gguf_file, requested: int) -> int:
+        """The CPU pool lives in RAM beside the weights; the model manager checks free memory
+        before a load, so the request stands."""
+        return requested
 
     def begin_step(self) -> None:
         """Called by the runner before each forward, on the thread that runs it."""

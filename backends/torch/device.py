@@ -1,8 +1,8 @@
-"""Which hardware torch sees, how much memory it has, and what `--backend auto` picks.
+"""Which hardware torch sees and how much memory it has (`--backend auto` asks it here).
 
 Everything device-specific for cuda and mps lives in this module (memory queries, compute
 dtype), so the rest of the torch backend is written once for any `torch.device`.
-torch is imported lazily: `choose_backend("auto")` works, and picks the numba CPU backend,
+torch is imported lazily: `cuda_available()` / `mps_available()` work (False),
 on machines without torch.
 """
 from __future__ import annotations
@@ -96,20 +96,14 @@ def compute_dtype(kind: str, override: str | None = None):
     return torch.float32
 
 
-def choose_backend(backend: str = "auto", arch: str | None = None) -> str:
-    """Resolve "auto": torch on cuda, then torch on mps, then the native numba CPU backend;
-    llama.cpp for architectures the native models do not cover."""
-    if backend != "auto":
-        return backend
-    from edgeinfer.formats.model_config import NATIVE_ARCHS
-    if arch is not None and arch not in NATIVE_ARCHS:
-        return "llamacpp"
+def cuda_available() -> bool:
     torch = _torch()
-    if torch is not None and torch.cuda.is_available():
-        return "torch:cuda"
-    if torch is not None and _mps_available(torch):
-        return "torch:mps"
-    return "cpu"
+    return torch is not None and torch.cuda.is_available()
+
+
+def mps_available() -> bool:
+    torch = _torch()
+    return torch is not None and _mps_available(torch)
 
 
 def gib(n: int) -> str:

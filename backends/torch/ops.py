@@ -52,6 +52,12 @@ class TorchOps:
         self.check_memory = check_memory
         self._checked = False
 
+    def begin_step(self) -> None:
+        """Nothing per step: torch keeps its own thread pool and device queues."""
+
+    def weights_format_for(self, gguf_file) -> str:
+        return self.weights_format
+
     # -- weights ---------------------------------------------------------------------------
     def _check_model_fits(self, gf) -> None:
         if self._checked or not self.check_memory:

@@ -6,7 +6,8 @@ import os
 
 def gather() -> dict:
     """Plain facts for printing (and for tests): devices, memory, threads, auto's choice."""
-    from edgeinfer.backends.torch.device import choose_backend, detect
+    from edgeinfer.backends.torch.device import detect
+    from edgeinfer.runners.choice import resolve
     facts: dict = {"cpu": detect("cpu"), "accelerator": None, "torch": None, "llama_cpp": None}
     try:
         import torch
@@ -21,7 +22,7 @@ def gather() -> dict:
         facts["llama_cpp"] = llama_cpp.__version__
     except ImportError:
         pass
-    facts["auto"] = choose_backend("auto")
+    facts["auto"] = resolve("auto")
     return facts
 
 

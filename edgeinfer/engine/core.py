@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
+from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
 from edgeinfer.engine.kv_manager import KVCacheManager
-from edgeinfer.formats.model_config import ModelConfig
-from edgeinfer.runners.native import make_runner
-from edgeinfer.engine.sampling import Sampler, SamplingParams, SeqSamplingState
+from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
-from edgeinfer.engine.stops import StopMatcher, stop_token_set
-from edgeinfer.formats.tokenizer import IncrementalDetokenizer, Tokenizer
+from edgeinfer.engine.stops import FinishCheck, stop_token_set
+from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.formats.tokenizer import IncrementalDetokenizer
+from edgeinfer.runners.base import NewRequest, Runner, ScheduledSpan, StepPlan
+from edgeinfer.runners.load import load_runner
 
 log = logging.getLogger("edgeinfer.engine.core")
 
@@ -33,19 +34,24 @@ class RequestError(ValueError):
     """A request the engine cannot take (prompt too long, bad parameter); a 400 in the API."""
 
 
+DEFAULT_KV_BUDGET = 1 << 30
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """One engine's settings (edgeinfer.settings.Settings.engine_config builds it from the
+    process's flags and environment; nothing below reads the environment)."""
     backend: str = "cpu"
     max_model_len: int | None = None      # context per sequence; default min(model's, 8192)
-    kv_budget_bytes: int | None = None    # default: enough for 4 full contexts, capped at 2 GiB
+    kv_budget_bytes: int | None = None    # KV pool budget; default DEFAULT_KV_BUDGET
     max_running_seqs: int = 16
     max_tokens_per_step: int = 512
     block_size: int = 16
-    # True: a request's tokens do not depend on what it is batched with (one matmul kernel for
-    # every batch size), at about 2.4x the single-stream decode time until a fused small-batch
-    # kernel exists. Default: the fast single-row kernel for lone decodes.
-    batch_invariant: bool = field(
-        default_factory=lambda: os.environ.get("EDGEINFER_BATCH_INVARIANT", "0") == "1")
+    # True: every row through one matmul kernel whatever the batch size, so a request's
+    # tokens never depend on its batch. The repacked int8 path (VNNI CPUs) is invariant
+    # either way; this only matters for the float/quantized-block kernels.
+    batch_invariant: bool = False
+    governor: Any = field(default=None, compare=False)   # the process's CPU thread budget
 
 
 @dataclass
@@ -70,67 +76,71 @@ class RequestOutput:
 Sink = Callable[[RequestOutput], None]
 
 
-class _SeqState:
-    """Per-sequence engine slot (kept in Sequence.sampling_state)."""
+class _RequestState:
+    """The engine's per-request slot: where events go and how the request finishes. (The
+    token history is the Sequence's; sampling state lives on the runner's side.)"""
 
     def __init__(self, engine: "Engine", seq_id: int, prompt: list[int], params: SamplingParams,
-                 sink: Sink, choice: int):
+                 sink: Sink, choice: int, constraint: TokenConstraint | None):
         tok = engine.tokenizer
-        self.sampling = SeqSamplingState(params, prompt, choice_index=choice,
-                                         eos_token_ids=tok.eot_ids)
-        self.detok = IncrementalDetokenizer(tok)
-        self.stops = StopMatcher(list(params.stop))
-        self.stop_ids = stop_token_set(params.stop_token_ids, tok.eot_ids, params.ignore_eos)
+        self.choice = choice
+        self.constraint = constraint
+        self.finish = FinishCheck(
+            IncrementalDetokenizer(tok), params.stop,
+            stop_token_set(params.stop_token_ids, tok.eot_ids, params.ignore_eos),
+            max_tokens=int(params.max_tokens), max_model_len=engine.max_model_len,
+            constraint=constraint)
         self.sink = sink
         self.out = RequestOutput(seq_id, num_prompt_tokens=len(prompt),
                                  arrival_time=time.monotonic())
         self.want_logprobs = params.logprobs is not None
+        self.reused = 0       # prompt tokens the runner's own cache skipped (llama.cpp)
 
 
 class Engine:
     def __init__(self, path: str, config: EngineConfig = EngineConfig()):
         self.path = path
         self.config = config
-        self.runner = make_runner(path, config.backend,
-                                  kv_budget_bytes=self._kv_budget(config),
-                                  block_size=config.block_size,
-                                  max_running_seqs=config.max_running_seqs,
-                                  max_tokens_per_step=config.max_tokens_per_step,
-                                  batch_invariant=config.batch_invariant)
-        self.cfg: ModelConfig = self.runner.cfg
-        md = self.runner.gf.metadata
-        # the llama.cpp runner brings its own when our tokenizer cannot read the vocabulary
-        self.tokenizer = getattr(self.runner, "tokenizer", None) or Tokenizer.from_gguf(md)
-        self.chat_template = chat_template_for(md, self.cfg.arch)
-        self._specials = special_token_strings(md)
-        self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
-        plan = self.runner.plan
-        self.scheduler = Scheduler(
-            SchedulerConfig(num_blocks=plan.num_blocks, block_size=plan.block_size,
-                            max_running_seqs=config.max_running_seqs,
-                            max_tokens_per_step=max(config.max_tokens_per_step,
-                                                    config.max_running_seqs),
-                            max_model_len=self.max_model_len),
-            KVCacheManager(plan.num_blocks, plan.block_size))
-        self.sampler = Sampler()
+        self.runner: Runner = load_runner(
+            path, config.backend, kv_budget_bytes=config.kv_budget_bytes or DEFAULT_KV_BUDGET,
+            block_size=config.block_size, max_running_seqs=config.max_running_seqs,
+            max_tokens_per_step=config.max_tokens_per_step,
+            batch_invariant=config.batch_invariant, governor=config.governor)
+        try:
+            self.cfg: ModelConfig = self.runner.cfg
+            md = self.runner.gf.metadata
+            self.tokenizer = self.runner.tokenizer
+            self.chat_template = chat_template_for(md, self.cfg.arch)
+            self._specials = special_token_strings(md)
+            self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
+            plan = self.runner.kv_plan
+            # the runner says what its block ids mean: shared prefix blocks (native) or only
+            # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
+            kv = KVCacheManager(plan.num_blocks, plan.block_size,
+                                enable_prefix_cache=self.runner.prefix_caching)
+            self.scheduler = Scheduler(
+                SchedulerConfig(num_blocks=plan.num_blocks, block_size=plan.block_size,
+                                max_running_seqs=config.max_running_seqs,
+                                max_tokens_per_step=max(config.max_tokens_per_step,
+                                                        config.max_running_seqs),
+                                max_model_len=self.max_model_len),
+                kv)
+        except BaseException:
+            self.runner.close()
+            raise
         self._ids = itertools.count(1)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._states: dict[int, _RequestState] = {}     # engine-thread only
+        self._announced: set[int] = set()              # ids the runner has state for
+        self._gone: list[int] = []                     # announced ids finished since the last plan
+        self._followers: dict[int, list[tuple]] = {}   # leader id -> deferred "add" commands
         self.steps = 0
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
-
-    # -- sizing ----------------------------------------------------------------------------
-    @staticmethod
-    def _kv_budget(config: EngineConfig) -> int:
-        if config.kv_budget_bytes:
-            return config.kv_budget_bytes
-        env = os.environ.get("EDGEINFER_KV_BUDGET_MB")
-        if env:
-            return int(env) << 20
-        return 1 << 30
+        self._snapshot: dict[str, float] = self._make_snapshot()
 
     # -- prompts ---------------------------------------------------------------------------
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
@@ -146,17 +156,24 @@ class Engine:
 
     # -- client side (any thread) ----------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
-               choice: int = 0) -> int:
-        """Queue a request; returns its id. Raises RequestError for what can never run."""
+               choice: int = 0, constraint: TokenConstraint | None = None,
+               follows: int | None = None) -> int:
+        """Queue a request; returns its id. Raises RequestError for what can never run.
+
+        `follows`: the id of a request with the same prompt (choice 0 of an n > 1 request).
+        This one waits until that one's prompt is computed, then finds it in the prefix
+        cache, so n choices share one prefill. `constraint` restricts every sampled token
+        (structured output); the request stops when it is complete."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise RequestError(f"the prompt is {n} tokens, but the context is {self.max_model_len} "
                                f"tokens (leave room for at least one output token)")
-        if self.runner.plan.capacity_tokens < n + 1:
+        capacity = self.runner.kv_plan.capacity_tokens
+        if capacity < n + 1:
             raise RequestError(f"the prompt is {n} tokens, more than the KV cache holds "
-                               f"({self.runner.plan.capacity_tokens} tokens)")
+                               f"({capacity} tokens)")
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
@@ -169,13 +186,19 @@ class Engine:
             params = replace(params, max_tokens=room if params.max_tokens is None else
                              min(params.max_tokens, room))
         seq_id = next(self._ids)
-        self._commands.put(("add", seq_id, list(prompt_ids), params, sink, choice))
+        self._commands.put(("add", seq_id, list(prompt_ids), params, sink, choice, constraint,
+                            follows))
         self._wake.set()
         return seq_id
 
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    def snapshot(self) -> dict[str, float]:
+        """Engine figures as of the last step, published by the engine thread (any thread
+        may read it; it is replaced, never changed)."""
+        return self._snapshot
 
     # -- the loop --------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -185,11 +208,26 @@ class Engine:
         return self
 
     def shutdown(self) -> None:
+        """Stop the engine thread; requests still live end with finish reason "abort"."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        self._drain_commands()
+        for seq in self.scheduler.live_sequences():
+            self.scheduler.finish(seq.seq_id, "abort")
+            self._end(seq, "abort")
+        for deferred in self._followers.values():
+            for cmd in deferred:
+                self._abort_unstarted(cmd)
+        self._followers.clear()
+
+    def close(self) -> None:
+        """Shut down and release the runner: weights, KV pool and the file mapping."""
+        self.shutdown()
+        self._states.clear()
+        self.runner.close()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -212,23 +250,62 @@ class Engine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, seq_id, prompt, params, sink, choice = cmd
-                seq = Sequence(seq_id, prompt, params)
-                seq.sampling_state = _SeqState(self, seq_id, prompt, params, sink, choice)
-                self.scheduler.add(seq)
+                follows = cmd[7]
+                if follows is not None and (follows in self._states
+                                            or follows in self._followers):
+                    self._followers.setdefault(follows, []).append(cmd)
+                else:
+                    self._add(cmd)
             elif cmd[0] == "abort":
-                self.scheduler.abort(cmd[1])
+                rid = cmd[1]
+                if not self.scheduler.abort(rid):
+                    for deferred in self._followers.values():
+                        for c in [c for c in deferred if c[1] == rid]:
+                            deferred.remove(c)
+                            self._abort_unstarted(c)
 
+    def _add(self, cmd: tuple) -> None:
+        _, seq_id, prompt, params, sink, choice, constraint, _ = cmd
+        seq = Sequence(seq_id, prompt, params)
+        self._states[seq_id] = _RequestState(self, seq_id, prompt, params, sink, choice,
+                                             constraint)
+        self.scheduler.add(seq)
+        self._followers.setdefault(seq_id, [])
+
+    def _abort_unstarted(self, cmd: tuple) -> None:
+        _, seq_id, prompt, _, sink, *_ = cmd
+        out = RequestOutput(seq_id, finished=True, finish_reason="abort",
+                            num_prompt_tokens=len(prompt), arrival_time=time.monotonic(),
+                            finish_time=time.monotonic())
+        try:
+            sink(out)
+        except Exception:
+            log.exception("request sink failed")
+
+    def _release_followers(self, leader: int) -> None:
+        for cmd in self._followers.pop(leader, []):
+            self._add(cmd)
+
+    # -- events ----------------------------------------------------------------------------
     def _fail(self, seq: Sequence, message: str) -> None:
         self.scheduler.finish(seq.seq_id, "error")
-        st: _SeqState = seq.sampling_state
-        self._emit(st, seq, finished=True, reason="error", error=message)
+        self._end(seq, "error", message)
 
-    def _emit(self, st: _SeqState, seq: Sequence, finished: bool = False,
+    def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """A request left the scheduler: tell its client, forget it, tell the runner."""
+        st = self._states.pop(seq.seq_id, None)
+        if st is not None:
+            self._emit(st, seq, finished=True, reason=reason, error=error)
+        if seq.seq_id in self._announced:
+            self._announced.discard(seq.seq_id)
+            self._gone.append(seq.seq_id)
+        self._release_followers(seq.seq_id)
+
+    def _emit(self, st: "_RequestState", seq: Sequence, finished: bool = False,
               reason: str | None = None, error: str | None = None) -> None:
         out = st.out
         out.num_output_tokens = seq.num_output_tokens
-        out.num_cached_tokens = max(out.num_cached_tokens, seq.num_cached_tokens)
+        out.num_cached_tokens = max(out.num_cached_tokens, seq.num_cached_tokens + st.reused)
         if finished:
             out.finished, out.finish_reason, out.error = True, reason, error
             out.finish_time = time.monotonic()
@@ -236,69 +313,110 @@ class Engine:
             st.sink(out)
         except Exception:
             log.exception("request sink failed; aborting request %d", seq.seq_id)
-            self.scheduler.abort(seq.seq_id)
+            if not finished:
+                self.scheduler.abort(seq.seq_id)
         st.out = RequestOutput(out.request_id, num_prompt_tokens=out.num_prompt_tokens,
                                num_output_tokens=out.num_output_tokens,
                                num_cached_tokens=out.num_cached_tokens,
                                arrival_time=out.arrival_time, first_token_time=out.first_token_time)
 
+    # -- one step --------------------------------------------------------------------------
+    def _plan(self, out: SchedulerOutput) -> StepPlan:
+        """The scheduler's decisions as plain data for the runner."""
+        spans, new = [], []
+        for c in out.chunks:
+            seq = c.seq
+            rid = seq.seq_id
+            st = self._states[rid]
+            if rid not in self._announced:
+                self._announced.add(rid)
+                new.append(NewRequest(rid, tuple(seq.prompt_token_ids), seq.params, st.choice))
+            mask = None
+            if c.needs_logits and st.constraint is not None:
+                mask = st.constraint.allowed_tokens()
+            spans.append(ScheduledSpan(rid, c.start, tuple(c.token_ids), tuple(seq.block_table),
+                                       c.needs_logits, mask))
+        gone, self._gone = self._gone, []
+        return StepPlan(tuple(spans), tuple(new),
+                        preempted=tuple(s.seq_id for s in out.preempted),
+                        finished=tuple(gone), block_copies=tuple(out.block_copies))
+
     def step(self) -> SchedulerOutput:
         """Schedule, run and sample one batch; deliver events. Engine thread only."""
         out = self.scheduler.schedule()
         for seq in out.aborted:
-            self._emit(seq.sampling_state, seq, finished=True, reason="abort")
+            self._end(seq, "abort")
         for seq in out.finished:
-            self._emit(seq.sampling_state, seq, finished=True, reason=seq.finish_reason or "error",
-                       error=seq.error)
+            self._end(seq, seq.finish_reason or "error", seq.error)
         if out.is_empty:
+            self._publish()
             return out
-        logits = self.runner.execute(out.chunks, out.block_copies)
-        rows = [c for c in out.chunks if c.needs_logits]
+        plan = self._plan(out)
+        result = self.runner.execute(plan)
         self.steps += 1
         self.prompt_tokens_computed += sum(len(c.token_ids) for c in out.chunks if not c.is_decode)
-        sampled: dict[int, int] = {}
-        result = None
-        if rows:
-            result = self.sampler.sample(logits, [c.seq.sampling_state.sampling for c in rows])
-            sampled = {c.seq.seq_id: int(t) for c, t in zip(rows, result.tokens)}
-        length_done = {s.seq_id for s in self.scheduler.update(out, sampled)}
+        for rid, n in result.reused_tokens.items():
+            if rid in self._states:
+                self._states[rid].reused = max(self._states[rid].reused, n)
+        sampled = {rid: toks[0] for rid, toks in result.tokens.items()}
+        for rid, message in result.errors.items():
+            seq = self.scheduler.get(rid)
+            if seq is not None:
+                self._fail(seq, message)
+        self.scheduler.update(out, sampled)
         now = time.monotonic()
-        for i, c in enumerate(rows):
-            seq, st = c.seq, c.seq.sampling_state
-            token = sampled[seq.seq_id]
-            st.sampling.append(token)
+        for c in out.chunks:
+            seq = c.seq
+            rid = seq.seq_id
+            if not c.needs_logits or rid not in sampled or rid not in self._states:
+                continue
+            st = self._states[rid]
+            token = sampled[rid]
             self.tokens_generated += 1
             o = st.out
             if o.first_token_time is None:
                 o.first_token_time = now
-            stop = None
-            if token in st.stop_ids:
-                stop = "stop"
-            else:
-                text, hit = st.stops.push(st.detok.add(token))
-                o.text += text
+                self._release_followers(rid)       # its prompt is in the prefix cache now
+            try:
+                text, shown, reason = st.finish.push(token, seq.num_output_tokens, seq.num_tokens)
+            except ConstraintError as e:
+                self._fail(seq, f"structured output: {e}")
+                continue
+            o.text += text
+            if shown:
                 o.token_ids.append(token)
-                if st.want_logprobs:
-                    o.logprobs.append(float(result.logprobs[i]))
-                    if result.top_logprobs is not None:
-                        o.top_logprobs.append(result.top_logprobs[i])
-                if hit:
-                    stop = "stop"
-            if stop:
-                self.scheduler.finish(seq.seq_id, "stop")
-                self._emit(st, seq, finished=True, reason="stop")
-            elif seq.seq_id in length_done:
-                o.text += st.stops.push(st.detok.flush())[0] + st.stops.flush()
-                self._emit(st, seq, finished=True, reason="length")
+                if st.want_logprobs and rid in result.logprobs:
+                    o.logprobs.extend(result.logprobs[rid])
+                    if rid in result.top_logprobs:
+                        o.top_logprobs.extend(result.top_logprobs[rid])
+            if reason:
+                self.scheduler.finish(rid, reason)
+                self._end(seq, reason)
             else:
                 self._emit(st, seq)
+        self._publish()
         return out
 
+    # -- figures ---------------------------------------------------------------------------
+    def _make_snapshot(self) -> dict[str, float]:
+        d = self.scheduler.stats().to_dict()
+        d.update(steps=self.steps, tokens_generated=self.tokens_generated,
+                 prompt_tokens_computed=self.prompt_tokens_computed)
+        return d
+
+    def _publish(self) -> None:
+        self._snapshot = self._make_snapshot()
+
+    def stats(self) -> dict[str, float]:
+        """Engine-thread view (or a stopped engine's); other threads read snapshot()."""
+        return self._make_snapshot()
+
     # -- a synchronous helper for scripts and tests -----------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 constraint: TokenConstraint | None = None) -> RequestOutput:
         """Run one request to completion on the calling thread (the loop must not be running)."""
         events: list[RequestOutput] = []
-        self.submit(prompt_ids, params, events.append)
+        self.submit(prompt_ids, params, events.append, constraint=constraint)
         self._drain_commands()
         while self.scheduler.has_work():
             self.step()
@@ -313,12 +431,6 @@ class Engine:
                   "num_cached_tokens", "arrival_time", "first_token_time", "finish_time"):
             setattr(final, k, getattr(last, k))
         return final
-
-    def stats(self) -> dict[str, float]:
-        d = self.scheduler.stats().to_dict()
-        d.update(steps=self.steps, tokens_generated=self.tokens_generated,
-                 prompt_tokens_computed=self.prompt_tokens_computed)
-        return d
 
 
 def greedy(max_tokens: int = 64, **kw) -> SamplingParams:

@@ -20,9 +20,9 @@ The engine thread owns the scheduler (nothing here is thread-safe); one step is:
     out = sched.schedule()
     runner: copy blocks out.block_copies (src -> dst, every layer), then forward out.chunks,
             sample one token for each chunk with needs_logits -> sampled {seq_id: token}
-    done = sched.update(out, sampled)        # finished by length
-    engine: stop tokens/strings -> sched.finish(seq_id, "stop"); stream the new tokens;
-            report out.finished (errors, pool-length), out.aborted, and done.
+    sched.update(out, sampled)               # advance counters, append tokens
+    engine: FinishCheck per sampled token (stop, length) -> sched.finish(seq_id, reason);
+            stream the new tokens; report out.finished (errors, pool-length), out.aborted.
 Cancellation from other threads goes through the engine's own queue to sched.abort().
 """
 
@@ -377,13 +377,10 @@ class Scheduler:
         self._aborts.discard(seq.seq_id)
 
     # -- after the forward pass ----------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance every computed chunk; append sampled tokens; finish by length.
-
-        Returns the sequences this call finished (max_tokens or max_model_len reached).
-        Sequences aborted or finished since schedule() are skipped.
-        """
-        finished: list[Sequence] = []
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Advance every computed chunk and append sampled tokens. Whether a request is
+        finished (stop, length) is the engine's decision (edgeinfer.engine.stops.FinishCheck);
+        it calls finish(). Sequences aborted or finished since schedule() are skipped."""
         for chunk in output.chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING or seq.seq_id in self._aborts:
@@ -398,13 +395,6 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"no sampled token for {seq!r}, whose chunk needed logits")
             seq.append_token(int(token))
-            if (
-                seq.num_output_tokens >= seq.max_tokens
-                or seq.num_tokens >= self.config.max_model_len
-            ):
-                self._finish(seq, "length")
-                finished.append(seq)
-        return finished
 
     # -- reporting -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

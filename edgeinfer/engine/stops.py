@@ -77,3 +77,50 @@ def stop_token_set(stop_token_ids: Iterable[int], eos_token_ids: Iterable[int],
     if not ignore_eos:
         ids.update(int(t) for t in eos_token_ids)
     return frozenset(ids)
+
+
+def length_reason(num_output_tokens: int, max_tokens: int, num_tokens: int,
+                  max_model_len: int) -> str | None:
+    """"length" once a request has its max_tokens or its sequence fills the context."""
+    if num_output_tokens >= max_tokens or num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+class FinishCheck:
+    """The one place that decides, token by token, whether a request is finished and what
+    text it shows: stop tokens, stop strings, a completed grammar, then length (a stop on the
+    last allowed token reports "stop": the model ended the text, not the limit).
+
+    `push(token, num_output_tokens, num_tokens) -> (text, token_shown, reason)`: the text to
+    emit now, whether the token belongs to the output (stop tokens do not), and the finish
+    reason or None. Held-back text is released when the request ends by length.
+    """
+
+    def __init__(self, detokenizer, stop: Iterable[str], stop_token_ids: frozenset[int],
+                 max_tokens: int, max_model_len: int, constraint=None):
+        self.detok = detokenizer
+        self.matcher = StopMatcher(stop)
+        self.stop_ids = stop_token_ids
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+        self.constraint = constraint
+
+    def push(self, token: int, num_output_tokens: int, num_tokens: int
+             ) -> tuple[str, bool, str | None]:
+        if token in self.stop_ids:
+            return "", False, "stop"
+        text, hit = self.matcher.push(self.detok.add(token))
+        if hit:
+            return text, True, "stop"
+        if self.constraint is not None:
+            self.constraint.accept(token)
+            if self.constraint.is_complete():
+                return text + self._flush(), True, "stop"
+        reason = length_reason(num_output_tokens, self.max_tokens, num_tokens, self.max_model_len)
+        if reason:
+            text += self._flush()
+        return text, True, reason
+
+    def _flush(self) -> str:
+        return self.matcher.push(self.detok.flush())[0] + self.matcher.flush()

@@ -101,8 +101,7 @@ def resolve(backend: str, device: str | None = None, arch: str | None = None) ->
                 f"architecture {arch!r} has no native model: only the llamacpp backend runs "
                 f"it, on the CPU, not on {device!r} (drop the device)", "device")
         if device is None:
-            from edgeinfer.backends.torch.device import choose_backend
-            return choose_backend("auto", arch)
+            return auto_backend()
         if device == "cpu":
             return "cpu"
         require_device(device, field)
@@ -119,6 +118,30 @@ def resolve(backend: str, device: str | None = None, arch: str | None = None) ->
         require_device(kind, field)
         return f"torch:{kind}"
     return base
+
+
+def auto_backend() -> str:
+    """What "auto" picks for a native architecture: torch on cuda, then torch on mps, then
+    the numba CPU backend. (Architectures without a native model go to llama.cpp: resolve.)"""
+    from edgeinfer.backends.torch.device import cuda_available, mps_available
+    if cuda_available():
+        return "torch:cuda"
+    if mps_available():
+        return "torch:mps"
+    return "cpu"
+
+
+def resolve_for_file(path: str, backend: str, device: str | None = None) -> str:
+    """resolve() with the architecture read from the GGUF at `path` (only when needed)."""
+    if backend.partition(":")[0] != "auto":
+        return resolve(backend, device)
+    from edgeinfer.formats.gguf_file import read_gguf
+    gf = read_gguf(path)
+    try:
+        arch = gf.metadata.get("general.architecture")
+    finally:
+        gf.close()
+    return resolve(backend, device, arch if isinstance(arch, str) else None)
 
 
 def device_of(backend: str) -> str:

@@ -1,31 +1,33 @@
 """The llama.cpp runner: our scheduler drives one llama.cpp context holding many sequences.
 
-Same interface as `edgeinfer.runners.native.ModelRunner` (`cfg`, `plan`, `gf`, `execute`), so the
-engine, scheduler and sampler are unchanged. llama.cpp keeps its own KV cache, so our block
-tables are only used for admission control; what llama.cpp holds is tracked per *slot* (a
-llama seq id) as the list of tokens at positions 0..n-1:
+It implements edgeinfer.runners.base.Runner. llama.cpp keeps its own KV cells, so the
+engine's block pool runs without a prefix cache here (`prefix_caching = False`): block ids
+are only capacity accounting. What llama.cpp holds is tracked per *slot* (a llama seq id) as
+the list of tokens at positions 0..n-1:
 
-- a running scheduler sequence is bound to one slot for as long as it runs;
-- a chunk whose start is below what the slot holds (preemption, our prefix cache skipping
-  tokens the slot lacks) is reconciled: the slot's tail is removed (seq_rm) and whatever the
-  slot lacks before the chunk is recomputed with it;
-- a new sequence gets the free slot sharing the longest prefix with it, or a copy (seq_cp) of
-  a longer prefix held by any other slot: llama.cpp's own prefix reuse. Finished sequences'
-  slots keep their cells for that until the pool needs room (least recently used first).
+- a running request is bound to one slot from its first span until the plan says it
+  finished or was preempted;
+- a span whose start is below what the slot holds (preemption) is reconciled: the slot's
+  tail is removed (seq_rm) and whatever the slot lacks before the span is recomputed;
+- a new request gets the free slot sharing the longest prefix with it, or a copy (seq_cp)
+  of a longer prefix held by any other slot: llama.cpp's own prefix reuse, reported per
+  request in StepResult.reused_tokens, so `cached_tokens` counts what was really skipped.
+  Finished requests' slots keep their cells for that until the pool needs room (least
+  recently used first).
 """
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from edgeinfer.runners.llamacpp.context import LlamaContext, LlamaError
 from edgeinfer.formats.gguf_file import read_gguf
 from edgeinfer.formats.model_config import ModelConfig, UnsupportedArchitecture, load_model_config, summarize
-from edgeinfer.runners.native import KVPlan
+from edgeinfer.runners.base import KVPlan, StepPlan, StepResult
+from edgeinfer.runners.sampling_stage import SamplingStage
 
 RETAINED_SLOTS = 4   # finished sequences kept for prefix reuse beyond the running ones
 
@@ -34,7 +36,7 @@ RETAINED_SLOTS = 4   # finished sequences kept for prefix reuse beyond the runni
 class _Slot:
     sid: int
     tokens: list[int] = field(default_factory=list)   # what llama.cpp holds at 0..n-1
-    seq: Any = None                                   # the bound scheduler sequence
+    req_id: int | None = None                         # the bound request
     last_used: int = 0
 
 
@@ -46,11 +48,6 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _running(seq) -> bool:
-    status = getattr(seq, "status", None)
-    return getattr(status, "value", None) == "running"
 
 
 def _config(gf, ctx: LlamaContext) -> ModelConfig:
@@ -71,6 +68,8 @@ def _config(gf, ctx: LlamaContext) -> ModelConfig:
 
 class LlamaCppRunner:
     kind = "llamacpp"
+    weights_format = "gguf (llama.cpp)"
+    prefix_caching = False
 
     def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
                  min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,
@@ -81,16 +80,25 @@ class LlamaCppRunner:
         tokens = max(kv_budget_bytes // per_token, min_kv_tokens, block_size)
         n_ctx = (tokens // block_size) * block_size
         n_seq = min(max_running_seqs + RETAINED_SLOTS, 256)
-        self.ctx = LlamaContext(path, n_ctx, n_seq, max(512, max_tokens_per_step),
-                                n_threads or int(os.environ.get("EDGEINFER_THREADS", 0)) or None)
+        try:
+            self.ctx = LlamaContext(path, n_ctx, n_seq, max(512, max_tokens_per_step), n_threads)
+        except BaseException:
+            self.gf.close()
+            raise
         self.cfg = _config(self.gf, self.ctx)
         # llama.cpp may round n_ctx up; the scheduler must never promise more than it holds
-        self.plan = KVPlan(self.ctx.n_ctx // block_size, block_size, per_token)
+        self.kv_plan = KVPlan(self.ctx.n_ctx // block_size, block_size, per_token)
         self.slots = [_Slot(i) for i in range(n_seq)]
         self._clock = itertools.count(1)
-        self.weights_format = "gguf (llama.cpp)"
         self.tokens_decoded = 0   # rows llama.cpp computed; less than scheduled when reused
         self.tokenizer = self._tokenizer()
+        self.sampling = SamplingStage(self.tokenizer.eot_ids)
+        # request id -> its tokens so far (prompt + sampled): what a slot must hold
+        self._history: dict[int, list[int]] = {}
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_plan.nbytes
 
     @classmethod
     def load(cls, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
@@ -106,18 +114,19 @@ class LlamaCppRunner:
             return LlamaTokenizer(self.ctx, self.gf.metadata)
 
     # -- slots -----------------------------------------------------------------------------
-    def _release_finished(self, live: set[int]) -> None:
+    def _unbind(self, req_ids) -> None:
+        gone = set(req_ids)
         for s in self.slots:
-            if s.seq is not None and id(s.seq) not in live and not _running(s.seq):
-                s.seq = None
+            if s.req_id in gone:
+                s.req_id = None
 
-    def _bind(self, seq, target: list[int], committed: dict[int, int]) -> _Slot:
-        """The sequence's slot; a new one starts from the longest prefix any slot holds
+    def _bind(self, req_id: int, target: list[int], committed: dict[int, int]) -> _Slot:
+        """The request's slot; a new one starts from the longest prefix any slot holds
         (`committed`: cells each slot really has, before this step's pending rows)."""
         for s in self.slots:
-            if s.seq is seq:
+            if s.req_id == req_id:
                 return s
-        free = [s for s in self.slots if s.seq is None]
+        free = [s for s in self.slots if s.req_id is None]
         if not free:
             raise LlamaError("no llama.cpp sequence slot is free (more running sequences than "
                              "n_seq_max)")
@@ -129,13 +138,13 @@ class LlamaCppRunner:
             self.ctx.seq_rm(slot.sid)
             self.ctx.seq_cp(donor.sid, slot.sid, 0, shared)
             slot.tokens = donor.tokens[:shared]
-        slot.seq = seq
+        slot.req_id = req_id
         return slot
 
     def _evict_for(self, need: int) -> None:
         """Drop free slots' cells (least recently used first) until `need` more cells fit."""
         held = sum(len(s.tokens) for s in self.slots)   # over-counts shared cells: safe
-        for s in sorted((s for s in self.slots if s.seq is None and s.tokens),
+        for s in sorted((s for s in self.slots if s.req_id is None and s.tokens),
                         key=lambda s: s.last_used):
             if held + need <= self.ctx.n_ctx:
                 return
@@ -144,31 +153,53 @@ class LlamaCppRunner:
             s.tokens = []
 
     # -- one step --------------------------------------------------------------------------
-    def execute(self, chunks, block_copies=()) -> np.ndarray:
-        """Run one step; float32 logits [chunks needing logits, vocab] in chunk order.
-        block_copies are ignored: llama.cpp shares cells between sequences itself."""
-        self._release_finished({id(c.seq) for c in chunks})
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. plan.block_copies are ignored: llama.cpp shares cells itself."""
+        self.sampling.begin(plan)
+        for rid in plan.finished:
+            self._history.pop(rid, None)
+        for req in plan.new_requests:
+            self._history[req.req_id] = list(req.prompt_token_ids)
+        self._unbind(plan.finished)
+        self._unbind(plan.preempted)
+        logits, reused = self.forward(plan.spans)
+        result = self.sampling.sample([s for s in plan.spans if s.sample], logits)
+        for rid, toks in result.tokens.items():
+            self._history[rid].extend(toks)
+        result.reused_tokens = reused
+        return result
+
+    def forward(self, spans) -> tuple[np.ndarray, dict[int, int]]:
+        """Logits [spans that sample, vocab], and per request the prompt tokens this step
+        skipped because its slot (or a copied prefix) already held them."""
         rows: list[tuple[int, int, int, bool]] = []      # token, pos, seq id, wants logits
+        reused: dict[int, int] = {}
         now = next(self._clock)
         committed = {s.sid: len(s.tokens) for s in self.slots}
-        for c in chunks:
-            end = c.start + len(c.token_ids)
-            target = list(c.seq.token_ids[:end])
-            if target[c.start:] != list(c.token_ids):
-                raise LlamaError("a chunk's tokens disagree with its sequence")
-            slot = self._bind(c.seq, target, committed)
+        for span in spans:
+            end = span.end
+            target = self._history[span.req_id][:end]
+            if tuple(target[span.start:]) != tuple(span.token_ids):
+                raise LlamaError("a span's tokens disagree with its request's history")
+            slot = self._bind(span.req_id, target, committed)
             slot.last_used = now
-            keep = min(_lcp(slot.tokens, target), end - 1 if c.needs_logits else end)
+            keep = min(_lcp(slot.tokens, target), end - 1 if span.sample else end)
             if keep < len(slot.tokens):
                 if not self.ctx.seq_rm(slot.sid, keep, -1):
                     self.ctx.seq_rm(slot.sid)
                     keep = 0
                 slot.tokens = slot.tokens[:keep]
+            if keep > span.start:
+                reused[span.req_id] = keep - span.start
+            # from what the slot holds (below span.start when it lacks part of the prefix)
             for p in range(keep, end):
-                rows.append((target[p], p, slot.sid, c.needs_logits and p == end - 1))
+                rows.append((target[p], p, slot.sid, span.sample and p == end - 1))
             slot.tokens = target
         self._evict_for(len(rows))
         self.tokens_decoded += len(rows)
+        return self._decode(rows), reused
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
         out = []
         nb = self.ctx.n_batch
         for i in range(0, len(rows), nb):
@@ -188,3 +219,5 @@ class LlamaCppRunner:
 
     def close(self) -> None:
         self.ctx.close()
+        self.gf.close()
+        self._history.clear()

@@ -1,0 +1,66 @@
+"""The runner side of sampling: per-request sampler state, and one batched draw per step.
+
+Every runner (native or llama.cpp) ends its step here: it has float32 logits for the spans
+that sample, and this turns them into a `StepResult`. The state of a request (its seeded
+generator, the token history penalties look at) is created when the request first appears
+in a plan and dropped when the plan says it finished, so it survives preemption.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from edgeinfer.engine.sampling import Sampler, SeqSamplingState
+from edgeinfer.runners.base import NewRequest, ScheduledSpan, StepPlan, StepResult
+
+
+class SamplingStage:
+    def __init__(self, eos_token_ids: Iterable[int] = ()):
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._states: dict[int, SeqSamplingState] = {}
+        self._sampler = Sampler()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def begin(self, plan: StepPlan) -> None:
+        """Drop finished requests, create state for new ones (call before the forward)."""
+        for rid in plan.finished:
+            self._states.pop(rid, None)
+        for req in plan.new_requests:
+            self._add(req)
+
+    def _add(self, req: NewRequest) -> None:
+        self._states[req.req_id] = SeqSamplingState(
+            req.sampling, req.prompt_token_ids, choice_index=req.choice_index,
+            eos_token_ids=self.eos_token_ids)
+
+    def sample(self, spans: Sequence[ScheduledSpan], logits: np.ndarray) -> StepResult:
+        """One token for each span (those with `sample` set, in order) from its row."""
+        result = StepResult()
+        if not spans:
+            return result
+        try:
+            states = [self._states[s.req_id] for s in spans]
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]} was scheduled before it was announced "
+                               "in a plan's new_requests") from None
+        masks = [s.token_mask for s in spans]
+        if any(m is not None for m in masks):
+            out = self._sampler.sample(logits, states, masks)
+        else:
+            out = self._sampler.sample(logits, states)
+        errors = getattr(out, "errors", None)
+        for i, (span, st) in enumerate(zip(spans, states)):
+            if errors is not None and errors[i] is not None:
+                result.errors[span.req_id] = errors[i]
+                continue
+            tok = int(out.tokens[i])
+            st.append(tok)
+            result.tokens[span.req_id] = [tok]
+            if st.params.logprobs is not None:
+                result.logprobs[span.req_id] = [float(out.logprobs[i])]
+                if out.top_logprobs is not None:
+                    result.top_logprobs[span.req_id] = [out.top_logprobs[i]]
+        return result
