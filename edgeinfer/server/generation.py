@@ -83,8 +83,13 @@ class Generation:
         return await asyncio.to_thread(build, self.lm.engine)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               prompt_param: str = "messages") -> None:
+               prompt_param: str = "messages", constraints: list | None = None) -> None:
+        """`constraints`: one TokenConstraint per choice (structured output), or None."""
         engine = self.lm.engine
+        if constraints is not None and not engine_takes_constraints(engine):
+            raise APIError(501, "structured output and forced tool calls need the engine's "
+                           "constraint hook, which this build does not have",
+                           code="not_implemented")
         try:
             params.validate(engine.cfg.vocab_size)   # token ids in logit_bias and friends
         except ValueError as e:
@@ -96,7 +101,10 @@ class Generation:
             for i in range(self.n):
                 def sink(out: RequestOutput, i: int = i) -> None:
                     loop.call_soon_threadsafe(q.put_nowait, (i, out))
-                self._ids.append(engine.submit(prompt_ids, params, sink, choice=i))
+                kw = {"constraint": constraints[i]} if constraints is not None else {}
+                # choices after the first wait for its prefill and share it (prefix cache)
+                self._ids.append(engine.submit(prompt_ids, params, sink, choice=i,
+                                               follows=self._ids[0] if i else None, **kw))
         except RequestError as e:
             raise APIError(400, str(e), param=prompt_param, code="invalid_prompt") from None
         self.usage.prompt_tokens = len(prompt_ids)
@@ -137,6 +145,14 @@ class Generation:
                 yield i, out
         finally:
             self.release()
+
+
+def engine_takes_constraints(engine) -> bool:
+    import inspect
+    try:
+        return "constraint" in inspect.signature(engine.submit).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 async def start(manager: ModelManager, metrics: Metrics, model: str, n: int,

@@ -1,6 +1,7 @@
 """OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -12,7 +13,9 @@ from fastapi.responses import StreamingResponse
 from edgeinfer.formats.chat_template import ChatTemplateError
 from edgeinfer.engine.core import RequestOutput
 
-from . import generation
+from edgeinfer.engine.grammar import GrammarSpec, any_json_object, json_schema
+
+from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
 from .schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
@@ -60,8 +63,52 @@ def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content or ""})
+        msg: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": c.function.arguments}}
+                                 for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name and role == "tool":
+            msg["name"] = m.name
+        out.append(msg)
     return out
+
+
+def _output_spec(body: _OpenAISampling) -> tuple[GrammarSpec | None, str]:
+    """The grammar the output must follow, from response_format (chat) or llama-server's
+    `json_schema` / `grammar` extensions; and the parameter it came from (for 400s)."""
+    rf = getattr(body, "response_format", None)
+    given = [k for k, v in (("response_format", rf if rf and rf.get("type") != "text" else None),
+                            ("json_schema", body.json_schema), ("grammar", body.grammar)) if v]
+    if len(given) > 1:
+        raise bad_param(given[1], f"{given[0]} and {given[1]} cannot be combined")
+    if body.grammar is not None:
+        return GrammarSpec("gbnf", body.grammar), "grammar"
+    if body.json_schema is not None:
+        return json_schema(body.json_schema), "json_schema"
+    if rf is None:
+        return None, ""
+    kind = rf.get("type")
+    if kind == "text":
+        return None, ""
+    if kind == "json_object":
+        return any_json_object(), "response_format"
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js and "name" not in js:
+            raise bad_param("response_format.json_schema", "response_format.json_schema must "
+                            "be an object with a name and a schema")
+        schema = js.get("schema", {"type": "object"})
+        if not isinstance(schema, (dict, bool)):
+            raise bad_param("response_format.json_schema.schema",
+                            "response_format.json_schema.schema must be a JSON schema object")
+        return json_schema(schema, strict=js.get("strict") is not False), \
+            "response_format.json_schema.schema"
+    raise bad_param("response_format.type", f"response_format.type {kind!r} must be 'text', "
+                    "'json_object' or 'json_schema'")
 
 
 def _id(prefix: str) -> str:
@@ -75,8 +122,58 @@ def _usage(gen: Generation) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def _finish_reason(r: str | None) -> str:
-    return "length" if r == "length" else "stop"
+def _finish_reason(r: str | None, calls: bool = False) -> str:
+    if r == "length":
+        return "length"
+    return "tool_calls" if calls else "stop"
+
+
+class _ChatOut:
+    """One choice's output split into content, reasoning and tool calls, streamed or not."""
+
+    def __init__(self, tools: list, tool_mode: str, think: bool):
+        self.tools = tools
+        self.calls_on = bool(tools) and tool_mode != "none"
+        self.splitter = tl.StreamSplitter(tools) if self.calls_on else None
+        self.think = tl.ThinkSplitter() if think else None
+        self.content, self.reasoning = "", ""
+        self.calls: list = []
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        """Deltas for `text` (the last call with final=True flushes what was held)."""
+        deltas: list[dict] = []
+        reasoning, content = (self.think.feed(text) if self.think else ("", text))
+        if final and self.think:
+            r, c = self.think.flush()
+            reasoning, content = reasoning + r, content + c
+        if reasoning:
+            self.reasoning += reasoning
+            deltas.append({"reasoning_content": reasoning})
+        events = [("text", content)] if self.splitter is None else self.splitter.feed(content)
+        if final and self.splitter is not None:
+            events += self.splitter.flush()
+        for kind, v in events:
+            if kind == "text" and v:
+                self.content += v
+                deltas.append({"content": v})
+            elif kind == "call":
+                i = len(self.calls)
+                self.calls.append(v)
+                deltas.append({"tool_calls": [{"index": i, "id": v.id, "type": "function",
+                                               "function": {"name": v.name, "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": json.dumps(v.arguments)}}]})
+        return deltas
+
+    def message(self) -> dict:
+        m: dict[str, Any] = {"role": "assistant",
+                             "content": self.content.strip() if self.calls else self.content}
+        if self.calls:
+            m["content"] = m["content"] or None
+            m["tool_calls"] = [c.openai() for c in self.calls]
+        if self.think is not None:
+            m["reasoning_content"] = self.reasoning or None
+        return m
 
 
 class _Pieces:
@@ -139,31 +236,46 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
     params = _sampling(body, max_tokens, (body.top_logprobs or 0) if want_lp else None)
     messages = _messages(body)
+    tools = tl.parse_tools(body.tools)
+    choice = tl.parse_tool_choice(body.tool_choice, tools)
+    spec, spec_param = _output_spec(body)
+    if choice.mode in ("required", "named"):
+        if spec is not None:
+            raise bad_param(spec_param, f"{spec_param} cannot be combined with tool_choice "
+                            f"{'required' if choice.mode == 'required' else 'naming a function'}")
+        spec, spec_param = tl.call_grammar(tools, choice, body.parallel_tool_calls), "tools"
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
                                  device=body.device)
     try:
+        engine = gen.lm.engine
+        msgs, extra = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
+                                      engine.chat_template)
         try:
-            prompt = await gen.encode(lambda e: e.encode_chat(messages))
+            prompt = await gen.encode(lambda e: e.encode_chat(msgs, **extra))
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
+        constraints = (await tl.build_constraints(engine, spec, body.n, spec_param)
+                       if spec is not None else None)
+        think = tl.can_think(engine)
+        outs = [_ChatOut(tools, choice.mode, think) for _ in range(body.n)]
         rid, created, model = _id("chatcmpl"), int(time.time()), body.model
-        pieces = _Pieces(gen.lm.engine.tokenizer)
+        pieces = _Pieces(engine.tokenizer)
         if body.stream:
             usage_on = bool(body.stream_options and body.stream_options.include_usage)
-            gen.submit(prompt, params)
+            gen.submit(prompt, params, constraints=constraints)
             events = gen.events()
             return _stream(gen, _chat_chunks(gen, events, rid, created, model, body.n,
-                                             want_lp, usage_on, pieces))
-        texts = [""] * body.n
+                                             want_lp, usage_on, pieces, outs))
         lps: list[list] = [[] for _ in range(body.n)]
-        gen.submit(prompt, params)
+        gen.submit(prompt, params, constraints=constraints)
         async for i, out in gen.events(lambda: request.is_disconnected()):
-            texts[i] += out.text
+            outs[i].feed(out.text, final=out.finished)
             if want_lp:
                 lps[i] += pieces.chat_logprobs(out)
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+        choices = [{"index": i, "message": outs[i].message(),
                     "logprobs": {"content": lps[i]} if want_lp else None,
-                    "finish_reason": _finish_reason(gen.usage.finish_reasons.get(i))}
+                    "finish_reason": _finish_reason(gen.usage.finish_reasons.get(i),
+                                                    bool(outs[i].calls))}
                    for i in range(body.n)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "system_fingerprint": "edgeinfer", "choices": choices, "usage": _usage(gen)}
@@ -175,7 +287,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             gen.release()
 
 
-async def _chat_chunks(gen, events, rid, created, model, n, want_lp, usage_on, pieces):
+async def _chat_chunks(gen, events, rid, created, model, n, want_lp, usage_on, pieces, outs):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": "edgeinfer"}
     extra = {"usage": None} if usage_on else {}
@@ -184,14 +296,19 @@ async def _chat_chunks(gen, events, rid, created, model, n, want_lp, usage_on, p
                                          "logprobs": None, "finish_reason": None}], **extra})
     try:
         async for i, out in events:
-            if out.text or out.token_ids:
-                yield _sse({**base, "choices": [{
-                    "index": i, "delta": {"content": out.text},
-                    "logprobs": {"content": pieces.chat_logprobs(out)} if want_lp else None,
-                    "finish_reason": None}], **extra})
+            if out.text or out.token_ids or out.finished:
+                lp = {"content": pieces.chat_logprobs(out)} if want_lp else None
+                for delta in outs[i].feed(out.text, final=out.finished):
+                    yield _sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                                     "finish_reason": None}], **extra})
+                    lp = None
+                if lp and lp["content"]:       # tokens whose text is held back: logprobs now
+                    yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": lp,
+                                                     "finish_reason": None}], **extra})
             if out.finished:
                 yield _sse({**base, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                 "finish_reason": _finish_reason(out.finish_reason)}],
+                                                 "finish_reason": _finish_reason(
+                                                     out.finish_reason, bool(outs[i].calls))}],
                             **extra})
     except APIError as e:           # the status line is gone; report in the stream
         yield _sse(e.openai_body())
@@ -231,44 +348,57 @@ async def completions(body: CompletionRequest, request: Request):
     if body.suffix:
         raise bad_param("suffix", "suffix (fill-in-the-middle) is not supported")
     params = _sampling(body, body.max_tokens or 16, body.logprobs)
+    spec, spec_param = _output_spec(body)
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
                                  device=body.device)
     try:
         prompts = await gen.encode(lambda e: _prompts(body, e))
-        if len(prompts) > 1:
-            # One Generation holds n sequences; several prompts hold n each, one at a time.
-            if body.stream:
-                raise bad_param("prompt", "streaming supports one prompt per request")
+        if spec is not None and len(prompts) > 1:
+            raise bad_param(spec_param, f"{spec_param} supports one prompt per request")
+        constraints = (await tl.build_constraints(gen.lm.engine, spec, body.n, spec_param)
+                       if spec is not None else None)
+        if len(prompts) > 1 and body.stream:
+            # One Generation holds n sequences; several prompts hold n each.
+            raise bad_param("prompt", "streaming supports one prompt per request")
         prompt = prompts[0] if len(prompts) == 1 else None
         rid, created, model = _id("cmpl"), int(time.time()), body.model
         tok = gen.lm.engine.tokenizer
         echo = [tok.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
-            gen.submit(prompt, params, "prompt")
+            gen.submit(prompt, params, "prompt", constraints=constraints)
             events = gen.events()
             return _stream(gen, _completion_chunks(gen, events, rid, created, model, echo[0],
                                                    body, tok))
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "cached": 0}
-        for pi, ids in enumerate(prompts):
-            g = gen if pi == 0 else await generation.start(manager, metrics, body.model, body.n,
-                                                           body.backend, device=body.device)
-            try:
+        # Every prompt's n sequences are submitted at once, so they batch together in the
+        # engine instead of running one prompt after another.
+        gens = [gen]
+        try:
+            for _ in prompts[1:]:
+                gens.append(await generation.start(manager, metrics, body.model, body.n,
+                                                   body.backend, device=body.device))
+            for g, ids in zip(gens, prompts):
+                g.submit(ids, params, "prompt", constraints=constraints)
+
+            async def collect(pi: int, g) -> list[dict]:
                 texts = [echo[pi]] * body.n
                 lps: list[dict] = [_empty_lp() for _ in range(body.n)]
-                g.submit(ids, params, "prompt")
                 async for i, out in g.events(lambda: request.is_disconnected()):
                     if body.logprobs is not None:
                         _add_lp(lps[i], out, tok, len(texts[i]))
                     texts[i] += out.text
-                for i in range(body.n):
-                    choices.append({"index": pi * body.n + i, "text": texts[i],
-                                    "logprobs": lps[i] if body.logprobs is not None else None,
-                                    "finish_reason": _finish_reason(g.usage.finish_reasons.get(i))})
-                usage["prompt_tokens"] += g.usage.prompt_tokens
-                usage["completion_tokens"] += g.usage.completion_tokens
-                usage["cached"] += g.usage.cached_tokens
-            finally:
+                return [{"index": pi * body.n + i, "text": texts[i],
+                         "logprobs": lps[i] if body.logprobs is not None else None,
+                         "finish_reason": _finish_reason(g.usage.finish_reasons.get(i))}
+                        for i in range(body.n)]
+
+            per_prompt = await asyncio.gather(*(collect(pi, g) for pi, g in enumerate(gens)))
+        finally:
+            for g in gens:
                 g.release()
+        choices = [c for cs in per_prompt for c in cs]
+        usage = {"prompt_tokens": sum(g.usage.prompt_tokens for g in gens),
+                 "completion_tokens": sum(g.usage.completion_tokens for g in gens),
+                 "cached": sum(g.usage.cached_tokens for g in gens)}
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "system_fingerprint": "edgeinfer", "choices": choices,
                 "usage": {"prompt_tokens": usage["prompt_tokens"],
