@@ -179,6 +179,34 @@ def _check_schema(schema: Any) -> None:
         raise GrammarError("schema keyword 'required' must be a list of property names")
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any, depth: int = 0) -> Any:
+    """A copy of `schema` where objects that list `properties` and say nothing of
+    `additionalProperties` allow no others: what llama.cpp's schema converter (and so
+    llama-server and Ollama) does, and what users of `format` / `response_format` expect
+    from a small model, which would otherwise invent keys."""
+    if depth > 64 or not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(x, depth + 1) for x in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: closed_objects(x, depth + 1) for n, x in out[k].items()}
+    for k in _SUBSCHEMAS:
+        if isinstance(out.get(k), dict):
+            out[k] = closed_objects(out[k], depth + 1)
+    if "properties" in out and "additionalProperties" not in out and \
+            "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def to_llguidance(spec: GrammarSpec) -> str:
     """The llguidance grammar text for a spec (not yet checked against a tokenizer)."""
     _require()
@@ -195,6 +223,7 @@ def to_llguidance(spec: GrammarSpec) -> str:
             except json.JSONDecodeError as e:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         _check_schema(src)
+        src = closed_objects(src)
         if len(json.dumps(src)) > MAX_SPEC_BYTES:
             raise GrammarError(f"the JSON schema is more than {MAX_SPEC_BYTES} bytes")
         opts = dict(_JSON_OPTS)

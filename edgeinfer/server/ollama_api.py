@@ -18,7 +18,9 @@ from edgeinfer.formats.gguf_file import GGUFError, read_gguf
 from edgeinfer.formats.model_config import summarize
 from edgeinfer.store.model_store import ModelNotFound, StoreError
 
-from . import generation
+from edgeinfer.engine.grammar import any_json_object, json_schema
+
+from . import generation, tools as tl
 from .errors import APIError, bad_param, not_found
 from .generation import Generation, params_or_400
 from .metrics import iso
@@ -113,50 +115,110 @@ async def _load_or_unload(request: Request, body: _OllamaBase, keep_alive: float
             "done_reason": "load"}
 
 
-async def _run(request: Request, body: _OllamaBase, build_prompt, shape) -> Any:
-    """Shared body of generate and chat. `build_prompt(engine) -> ids`; `shape(text, lp)`
-    -> the per-chunk fields (`response` or `message`)."""
+def _format_spec(body: _OllamaBase):
+    """Ollama's `format`: "json" (any JSON value; we ask for an object, as Ollama's prompt
+    does) or a JSON schema object; "" or null: free text."""
+    f = body.format
+    if f is None or f == "":
+        return None
+    if f == "json":
+        return any_json_object()
+    if isinstance(f, dict):
+        return json_schema(f)
+    raise bad_param("format", f"format {f!r} must be \"json\" or a JSON schema object")
+
+
+def _think_mode(body: _OllamaBase, engine) -> bool:
+    """Whether to split <think> output into `thinking`. think=true (or a level) for a model
+    that cannot think is a 400, as in Ollama."""
+    t = body.think
+    if isinstance(t, str) and t not in ("low", "medium", "high"):
+        raise bad_param("think", f"think {t!r} must be true, false, \"low\", \"medium\" or "
+                                 "\"high\"")
+    able = tl.can_think(engine)
+    if t not in (None, False) and not able:
+        raise bad_param("think", f"\"{body.model}\" does not support thinking")
+    return able and t is not False
+
+
+class _Out:
+    """One response's text split into content, thinking and tool calls."""
+
+    def __init__(self, tools: list, think: bool):
+        self.splitter = tl.StreamSplitter(tools) if tools else None
+        self.think = tl.ThinkSplitter() if think else None
+        self.calls: list = []
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str, list]:
+        thinking, content = self.think.feed(text) if self.think else ("", text)
+        if final and self.think:
+            r, c = self.think.flush()
+            thinking, content = thinking + r, content + c
+        if self.splitter is None:
+            return thinking, content, []
+        events = self.splitter.feed(content) + (self.splitter.flush() if final else [])
+        calls = [v for k, v in events if k == "call"]
+        self.calls += calls
+        return thinking, "".join(v for k, v in events if k == "text"), calls
+
+
+async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
+               tools: list | None = None) -> Any:
+    """Shared body of generate and chat. `build_prompt(engine, think) -> ids`;
+    `shape(text, lp, thinking, calls)` -> the per-chunk fields (`response` or `message`)."""
     t0 = time.monotonic()
     manager, metrics = request.app.state.manager, request.app.state.metrics
     keep_alive = parse_keep_alive(body.keep_alive, None) if body.keep_alive is not None else None
     backend, device = _placement(body)
+    spec = _format_spec(body)
+    tools = tools or []
     gen = await generation.start(manager, metrics, body.model, 1, backend, keep_alive, device)
     try:
         engine = gen.lm.engine
+        think = _think_mode(body, engine)
         try:
-            prompt = await gen.encode(build_prompt)
+            prompt = await gen.encode(lambda e: build_prompt(e, body.think))
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
         params = _sampling(body.options, len(prompt), body.logprobs, body.top_logprobs)
+        constraints = (await tl.build_constraints(engine, spec, 1, "format")
+                       if spec is not None else None)
         tok = engine.tokenizer
+        o = _Out(tools, think)
 
         def final() -> dict:
-            return {"model": body.model, "created_at": _now(), **shape("", None), "done": True,
-                    "done_reason": gen.usage.finish_reasons.get(0, "stop"), **_timings(gen, t0)}
+            return {"model": body.model, "created_at": _now(), **shape("", None, "", []),
+                    "done": True, "done_reason": gen.usage.finish_reasons.get(0, "stop"),
+                    **_timings(gen, t0)}
 
         if body.stream:
-            gen.submit(prompt, params)
+            gen.submit(prompt, params, constraints=constraints)
             events = gen.events()
 
             async def lines() -> AsyncIterator[bytes]:
                 try:
                     async for _, out in events:
-                        if out.text or out.token_ids:
+                        if out.text or out.token_ids or out.finished:
                             lp = _logprobs(out, tok) if body.logprobs else None
-                            yield _ndjson({"model": body.model, "created_at": _now(),
-                                           **shape(out.text, lp), "done": False})
+                            thinking, text, calls = o.feed(out.text, final=out.finished)
+                            if text or thinking or calls or lp:
+                                yield _ndjson({"model": body.model, "created_at": _now(),
+                                               **shape(text, lp, thinking, calls),
+                                               "done": False})
                     yield _ndjson(final())
                 except APIError as e:
                     yield _ndjson(e.ollama_body())
             return _stream(gen, events, lines())
-        text, lps = "", []
-        gen.submit(prompt, params)
+        text, thinking, calls, lps = "", "", [], []
+        gen.submit(prompt, params, constraints=constraints)
         async for _, out in gen.events(lambda: request.is_disconnected()):
-            text += out.text
+            th, tx, cl = o.feed(out.text, final=out.finished)
+            text, thinking, calls = text + tx, thinking + th, calls + cl
             if body.logprobs:
                 lps += _logprobs(out, tok)
         res = final()
-        res.update(shape(text, lps if body.logprobs else None))
+        res.update(shape(text.strip() if calls else text, lps if body.logprobs else None,
+                         thinking, calls))
         return res
     except BaseException:
         gen.release()
@@ -178,16 +240,22 @@ async def generate(body: GenerateRequest, request: Request):
     if not body.prompt and not body.system:
         return await _load_or_unload(request, body, ka, {"response": ""})
 
-    def build(engine) -> list[int]:
+    def build(engine, think) -> list[int]:
         if body.raw:
             return engine.encode_raw(body.prompt or "")
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
             [{"role": "user", "content": body.prompt or ""}]
-        return engine.encode_chat(messages)
+        return engine.encode_chat(messages, **_think_vars(think))
 
-    def shape(text: str, lp) -> dict:
-        return {"response": text, **({"logprobs": lp} if lp is not None else {})}
+    def shape(text: str, lp, thinking: str, calls: list) -> dict:
+        return {"response": text, **({"thinking": thinking} if thinking else {}),
+                **({"logprobs": lp} if lp is not None else {})}
     return await _run(request, body, build, shape)
+
+
+def _think_vars(think) -> dict:
+    """Template variables for `think`: false turns thinking off where the template can."""
+    return {} if think is None else {"enable_thinking": think is not False}
 
 
 @router.post("/chat")
@@ -199,12 +267,32 @@ async def chat(body: ChatRequest, request: Request):
     if not body.messages:
         return await _load_or_unload(request, body, ka,
                                      {"message": {"role": "assistant", "content": ""}})
-    messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+    tools = tl.parse_tools(body.tools)
+    messages = []
+    for m in body.messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            d["tool_calls"] = [{"type": "function",
+                                "function": {"name": c.function.name,
+                                             "arguments": c.function.arguments or {}}}
+                               for c in m.tool_calls]
+        if m.tool_name:
+            d["tool_name"] = d["name"] = m.tool_name
+        messages.append(d)
+    choice = tl.Choice("auto" if tools else "none")
 
-    def shape(text: str, lp) -> dict:
-        return {"message": {"role": "assistant", "content": text},
-                **({"logprobs": lp} if lp is not None else {})}
-    return await _run(request, body, lambda e: e.encode_chat(messages), shape)
+    def build(engine, think) -> list[int]:
+        msgs, extra = tl.prepare_chat(messages, tools, choice, True, engine.chat_template)
+        return engine.encode_chat(msgs, **extra, **_think_vars(think))
+
+    def shape(text: str, lp, thinking: str, calls: list) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            msg["thinking"] = thinking
+        if calls:
+            msg["tool_calls"] = [c.ollama() for c in calls]
+        return {"message": msg, **({"logprobs": lp} if lp is not None else {})}
+    return await _run(request, body, build, shape, tools)
 
 
 # ----- models ------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # ----- OpenAI ------------------------------------------------------------------------------
 
-OPENAI_IGNORED = ("user", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-                  "service_tier", "store", "metadata", "reasoning_effort", "modalities",
+OPENAI_IGNORED = ("user", "service_tier", "store", "metadata", "reasoning_effort", "modalities",
                   "prediction", "audio", "web_search_options", "best_of (must equal n)",
                   "suffix")
 
@@ -28,10 +27,23 @@ class ContentPart(_Loose):
     text: str | None = None
 
 
+class FunctionCall(_Loose):
+    name: str
+    arguments: Union[str, dict[str, Any], None] = None
+
+
+class ToolCallIn(_Loose):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Loose):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(_Loose):
@@ -61,6 +73,9 @@ class _OpenAISampling(_Loose):
     # loads the model and on which device torch runs it
     backend: str | None = None
     device: str | None = None
+    # llama-server's grammar extensions: a GBNF grammar, or a JSON schema, for the output
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -68,6 +83,11 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # structured output and tools (edgeinfer.server.tools, edgeinfer.engine.grammar)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_OpenAISampling):
@@ -80,7 +100,7 @@ class CompletionRequest(_OpenAISampling):
 
 # ----- Ollama ------------------------------------------------------------------------------
 
-OLLAMA_IGNORED = ("format", "template", "context", "suffix", "images", "think", "tools",
+OLLAMA_IGNORED = ("template", "context", "suffix", "images",
                   "options.num_keep", "options.typical_p", "options.tfs_z",
                   "options.mirostat*", "options.penalize_newline", "options.num_batch",
                   "options.num_gpu", "options.main_gpu", "options.num_thread",
@@ -117,6 +137,9 @@ class _OllamaBase(_Loose):
     keep_alive: KeepAlive = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # structured output ("json" or a JSON schema) and reasoning (true/false/"low"/...)
+    format: Union[str, dict[str, Any], None] = None
+    think: Union[bool, str, None] = None
 
 
 class GenerateRequest(_OllamaBase):
@@ -126,14 +149,22 @@ class GenerateRequest(_OllamaBase):
     images: list[Any] | None = None
 
 
+class OllamaToolCall(_Loose):
+    function: FunctionCall
+
+
 class OllamaMessage(_Loose):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     images: list[Any] | None = None
+    thinking: str | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
 
 
 class ChatRequest(_OllamaBase):
     messages: list[OllamaMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class ModelNameRequest(_Loose):
