@@ -4,15 +4,25 @@ first). A load that would not fit in free memory is refused with the numbers.
 
 All methods run on the event loop; loads and unloads run in worker threads. A model with
 requests in flight is never unloaded: its expiry applies once the last request ends.
+
+Unloading is deterministic: the engine is closed (its thread joined, the runner's weights, KV
+pool and GGUF mapping released), the manager drops every reference it holds, and the freed
+heap is handed back to the OS, so the daemon's RSS returns to what it was before the load.
+Every loaded engine shares the manager's one CPU thread governor: two models generating at
+once split the cores instead of each taking all of them.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import dataclasses
+import gc
 import logging
 import os
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import psutil
@@ -156,6 +166,63 @@ def _arch_of(path) -> str | None:
         f.close()
 
 
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS. glibc keeps freed chunks (numpy arrays under its
+    mmap threshold, which grows to 32 MB after large frees) in its arenas, where they still
+    count in RSS; malloc_trim returns them. Elsewhere a no-op."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
+def close_engine(engine: Engine) -> None:
+    """Stop the engine thread and release its runner (weights, KV pool, GGUF mapping). Any
+    thread but the engine's own."""
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
+        return
+    engine.shutdown()                       # an engine without close(): what it has
+    runner = getattr(engine, "runner", None)
+    rclose = getattr(runner, "close", None)
+    if callable(rclose):
+        rclose()
+    elif getattr(runner, "gf", None) is not None:
+        runner.gf.close()
+
+
+def release_memory() -> None:
+    """Collect what an unloaded engine left (its objects reference each other) and give the
+    freed heap back to the OS. Call once nothing references the engine any more."""
+    gc.collect()
+    _trim_heap()
+
+
+def _engine_config(**kw) -> EngineConfig:
+    """EngineConfig with the fields this engine version has (the governor is new)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in kw.items() if k in names})
+
+
+def _new_engine(path: str, ecfg: EngineConfig, governor) -> Engine:
+    engine = Engine(path, ecfg)
+    # Engines whose config has no governor field: hand the shared one to the CPU ops
+    # before the first step (they would make their own on it).
+    ops = getattr(engine.runner, "ops", None)
+    if governor is not None and ops is not None and hasattr(ops, "governor") \
+            and getattr(ops, "governor", None) is not governor:
+        ops.governor = governor
+    return engine.start()
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
@@ -168,6 +235,10 @@ class ModelManager:
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._global = asyncio.Lock()       # serializes budget decisions between loads
         self._reaper: asyncio.Task | None = None
+        # One compute budget for the process: every engine's CPU kernels (and the llama.cpp
+        # runner's thread count) ask this governor how many threads to use for a step.
+        from edgeinfer.backends.cpu.threads import ThreadGovernor
+        self.governor = ThreadGovernor()
 
     # ----- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -191,15 +262,26 @@ class ModelManager:
 
     async def reap(self) -> None:
         now = time.time()
-        for key, lm in list(self.models.items()):
-            if lm.active == 0 and lm.expires_at <= now:
-                log.info("unloading %s (keep_alive expired)", lm.name)
-                await self._unload(key)
+        expired = [k for k, lm in self.models.items() if lm.active == 0 and lm.expires_at <= now]
+        for key in expired:         # keys only: a LoadedModel held here would outlive its unload
+            log.info("unloading %s (keep_alive expired)", key[0])
+            await self._unload(key)
 
     async def _unload(self, key: tuple[str, str]) -> None:
         lm = self.models.pop(key, None)
-        if lm is not None:
-            await asyncio.to_thread(lm.engine.shutdown)
+        if lm is None:
+            return
+        name, engine = lm.name, lm.engine
+        del lm                  # this frame must not keep the engine alive past close
+        await asyncio.to_thread(close_engine, engine)
+        alive = weakref.ref(engine)
+        del engine
+        await asyncio.to_thread(release_memory)
+        if alive() is not None:     # a reference we do not know of keeps it: say who holds it
+            log.warning("unloaded %s, but its engine is still referenced by: %s", name,
+                        ", ".join(sorted({type(r).__name__ for r in gc.get_referrers(alive())})))
+        else:
+            log.info("unloaded %s", name)
 
     # ----- lookup ------------------------------------------------------------------------
     def resolve(self, model: str):
@@ -301,24 +383,36 @@ class ModelManager:
                                f"(weights {_gib(ref.size)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
                                f"but only {_gib(free)} of memory is free",
                                code="insufficient_memory")
-            ecfg = EngineConfig(backend=key[1], max_model_len=cfg.max_model_len,
-                                kv_budget_bytes=cfg.kv_budget_bytes,
-                                max_running_seqs=cfg.max_running_seqs)
+            ecfg = _engine_config(backend=key[1], max_model_len=cfg.max_model_len,
+                                  kv_budget_bytes=cfg.kv_budget_bytes,
+                                  max_running_seqs=cfg.max_running_seqs,
+                                  governor=self.governor)
             t0 = time.monotonic()
             try:
-                engine = await asyncio.to_thread(lambda: Engine(str(ref.path), ecfg).start())
-            except (APIError, MemoryError):
-                raise
-            except Exception as e:      # a broken file or unsupported arch: one sentence
+                engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg, self.governor)
+            except BaseException as e:
+                # whatever the half-built engine allocated is garbage now: collect and trim
+                await asyncio.to_thread(release_memory)
+                if isinstance(e, (APIError, MemoryError)) or not isinstance(e, Exception):
+                    raise
+                # a broken file or unsupported arch: one sentence
                 raise APIError(500, f"cannot load {ref.full_name}: {e}",
                                code="load_failed") from None
-            plan = engine.runner.plan
-            lm = LoadedModel(
-                name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
-                weights_bytes=ref.size,
-                kv_bytes=plan.num_blocks * plan.block_size * plan.bytes_per_token,
-                loaded_at=time.time(), load_duration=time.monotonic() - t0,
-                keep_alive=cfg.keep_alive)
+            try:
+                runner = engine.runner
+                plan = getattr(runner, "kv_plan", None) or runner.plan
+                lm = LoadedModel(
+                    name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
+                    weights_bytes=ref.size,
+                    kv_bytes=plan.num_blocks * plan.block_size * plan.bytes_per_token,
+                    loaded_at=time.time(), load_duration=time.monotonic() - t0,
+                    keep_alive=cfg.keep_alive)
+            except BaseException:
+                await asyncio.to_thread(close_engine, engine)
+                del engine
+                await asyncio.to_thread(release_memory)
+                raise
+            del engine, runner
             self.models[key] = lm
             log.info("loaded %s on %s in %.1fs", lm.name, lm.backend, lm.load_duration)
             return lm
@@ -330,5 +424,7 @@ class ModelManager:
         for lm in found:
             lm.keep_alive = 0
             lm.refresh_expiry()
+        count = len(found)
+        found = lm = None        # the reaper must hold the only references
         await self.reap()
-        return len(found)
+        return count
