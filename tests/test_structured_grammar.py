@@ -151,3 +151,47 @@ def test_apply_bitmask(tok):
     logits = np.zeros(tok.vocab_size, np.float32)
     g.apply_bitmask(logits, c.bitmask())
     assert np.array_equal(np.isfinite(logits), c.allowed_tokens())
+
+
+# ----- through the engine (the constraint hook) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(gemma3_path):
+    from edgeinfer.engine.core import Engine, EngineConfig
+    e = Engine(str(gemma3_path), EngineConfig(max_model_len=1024, kv_budget_bytes=32 << 20))
+    yield e
+    e.shutdown()
+
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"]}
+
+
+def test_greedy_generation_follows_the_schema(engine):
+    from edgeinfer.engine.core import greedy
+    prompt = engine.encode_chat([{"role": "user", "content": "Describe a person."}])
+    free = engine.generate(prompt, greedy(20))
+    with pytest.raises(json.JSONDecodeError):      # the base model alone writes prose
+        json.loads(free.text)
+    c = g.GrammarConstraint.for_spec(engine.tokenizer, engine.cfg.vocab_size,
+                                     g.json_schema(PERSON))
+    out = engine.generate(prompt, greedy(100), constraint=c)
+    assert out.finish_reason == "stop", out.text
+    obj = json.loads(out.text)
+    assert set(obj) == {"name", "age", "city"}          # closed: no invented keys
+    assert len(obj["name"]) <= 16 and 0 <= obj["age"] <= 120
+    assert obj["city"] in ("Paris", "Rome", "Oslo")
+    assert c.tokens == len(out.token_ids)
+
+
+def test_constrained_output_cut_by_length(engine):
+    from edgeinfer.engine.core import greedy
+    prompt = engine.encode_chat([{"role": "user", "content": "Describe a person."}])
+    c = g.GrammarConstraint.for_spec(engine.tokenizer, engine.cfg.vocab_size,
+                                     g.json_schema(PERSON))
+    out = engine.generate(prompt, greedy(4), constraint=c)
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert out.text.startswith('{"name": ') and not c.is_complete()
