@@ -73,3 +73,53 @@ def test_sees_a_real_busy_process(monkeypatch):
     finally:
         burner.kill()
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_engines_split_the_budget(monkeypatch):
+    """One governor per process: two engine threads stepping at once get half the cores
+    each; when one goes quiet the other gets them all back."""
+    monkeypatch.setenv("EDGEINFER_THREADS", "4")
+    monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
+    told = {}
+    monkeypatch.setattr(T.numba, "set_num_threads",
+                        lambda n: told.__setitem__(T.threading.get_ident(), n))
+    clock = {"now": 0.0}
+    monkeypatch.setattr(T.time, "monotonic", lambda: clock["now"])
+    g = T.ThreadGovernor(idle_after=1.0)
+
+    def call_from_thread() -> int:
+        out = []
+        t = T.threading.Thread(target=lambda: out.append(g.update()))
+        t.start()
+        t.join()
+        return out[0], t.ident
+
+    assert g.update() == 4                       # alone: the whole budget
+    clock["now"] = 0.05
+    other, other_ident = call_from_thread()      # a second engine steps
+    assert other == 2 and told[other_ident] == 2
+    clock["now"] = 0.1
+    assert g.update() == 2                       # ...and this one now gets half
+    assert g.active_threads() == 2
+    clock["now"] = 1.5                           # the other has been silent > idle_after
+    assert g.update() == 4
+    assert told[T.threading.get_ident()] == 4
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_uneven_budget_gives_the_remainder_away(monkeypatch):
+    """Budget 3, two engines: one gets 2 and the other 1, never 1 + 1 (a core idle) or
+    2 + 2 (oversubscribed)."""
+    monkeypatch.setenv("EDGEINFER_THREADS", "3")
+    monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
+    clock = {"now": 0.0}
+    monkeypatch.setattr(T.time, "monotonic", lambda: clock["now"])
+    g = T.ThreadGovernor()
+    g._callers[-1] = (0.0, 0.0)         # another engine (ids sort first) stepped just now
+    clock["now"] = 0.1
+    mine = g.share()
+    with g._lock:                        # what the other engine's share is at this moment
+        active = sorted(g._callers)
+    base, extra = divmod(g.threads, len(active))
+    theirs = base + (1 if active.index(-1) < extra else 0)
+    assert (mine, theirs) == (1, 2)

@@ -6,10 +6,16 @@ milliseconds (decode measured 3.8 tok/s with one other busy process on a 2-core 
 on one thread). So before each step the governor reads how much CPU time the rest of the
 machine used since the last look (/proc/stat minus this process's own time) and runs on the
 cores left free, at least one. EDGEINFER_THREADS=N fixes the count instead.
+
+One governor serves the whole process (the model manager owns it): every engine thread asks it
+before each step, and the free cores are split between the engines that are stepping, so two
+models generating at once run one OpenMP team per core instead of two teams fighting over
+every core (the llama.cpp runner asks `share()` for its thread count the same way).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numba
@@ -37,29 +43,60 @@ def _own_seconds() -> float:
 
 
 class ThreadGovernor:
-    """One per engine thread (numba's thread count is per calling thread)."""
+    """The process's CPU budget, shared by every engine thread.
 
-    def __init__(self, max_threads: int | None = None, interval: float = 0.25):
+    `update()` (CPU kernels) and `share()` (other runners) return the calling thread's part of
+    the free cores: the budget divided between the threads that called recently. A thread
+    counts as stepping until it has been silent for `idle_after` seconds or three times the
+    gap between its last two calls, whichever is longer, so a long prefill step is not taken
+    for idleness. numba's thread count is per calling thread: update() sets it for the caller.
+    """
+
+    def __init__(self, max_threads: int | None = None, interval: float = 0.25,
+                 idle_after: float = 1.0):
         fixed = os.environ.get("EDGEINFER_THREADS", "").strip()
         self.fixed = int(fixed) if fixed.isdigit() and int(fixed) > 0 else None
         self.max_threads = max(1, min(max_threads or numba.config.NUMBA_NUM_THREADS,
                                       numba.config.NUMBA_NUM_THREADS))
         self.interval = interval
-        self.threads = min(self.fixed or self.max_threads, self.max_threads)
+        self.idle_after = idle_after
+        self.threads = min(self.fixed or self.max_threads, self.max_threads)   # the budget
         self._last = None            # (wall, machine busy, own cpu)
         self.others = 0.0            # cores other programs kept busy, last window
-        self._applied = None         # what numba was last told
+        self._lock = threading.Lock()
+        self._callers: dict[int, tuple[float, float]] = {}   # thread id -> (last call, gap)
+        self._local = threading.local()                      # what numba was told, per thread
+
+    def share(self) -> int:
+        """The calling thread's thread count for its next step (at least one)."""
+        now = time.monotonic()
+        me = threading.get_ident()
+        with self._lock:
+            if self.fixed is None and (self._last is None or now - self._last[0] >= self.interval):
+                self._measure(now)
+            prev = self._callers.get(me)
+            self._callers[me] = (now, now - prev[0] if prev else 0.0)
+            active = sorted(t for t, (seen, gap) in self._callers.items()
+                            if t == me or now - seen <= max(self.idle_after, 3 * gap))
+            for t in [t for t, (seen, _) in self._callers.items() if now - seen > 60]:
+                del self._callers[t]          # engines long gone
+            base, extra = divmod(self.threads, len(active))
+            return max(1, base + (1 if active.index(me) < extra else 0))
+
+    def active_threads(self) -> int:
+        """How many threads called within their idle window (for stats and tests)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for seen, gap in self._callers.values()
+                       if now - seen <= max(self.idle_after, 3 * gap))
 
     def update(self) -> int:
         """Set numba's thread count for this thread; cheap when called every step."""
-        if self.fixed is None:
-            now = time.monotonic()
-            if self._last is None or now - self._last[0] >= self.interval:
-                self._measure(now)
-        if self.threads != self._applied:
-            numba.set_num_threads(self.threads)
-            self._applied = self.threads
-        return self.threads
+        n = self.share()
+        if getattr(self._local, "applied", None) != n:
+            numba.set_num_threads(n)
+            self._local.applied = n
+        return n
 
     def _measure(self, now: float) -> None:
         busy = _machine_busy_seconds()
