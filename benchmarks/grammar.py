@@ -6,7 +6,13 @@ For each library, in one process run on the same vocabulary, schema and token se
   - mask fill: per-token time to compute the allowed-token bitmask while walking a valid
     output token by token (mean, p50, p95), plus the time to advance the matcher
 
-    .venv/bin/python benchmarks/grammar.py [--model PATH] [--repeat 3]
+    .venv/bin/python benchmarks/grammar.py [--model PATH] [--repeat 3] [--decode]
+
+--decode adds the engine figures (llguidance only, the library edgeinfer uses), greedy on
+the model itself, constrained and unconstrained requests of the same output length:
+  - one stream: decode tok/s with a 10-property schema against unconstrained
+  - 8 concurrent requests with 8 different schemas: every output validates; aggregate tok/s
+    against the same 8 requests unconstrained
 
 xgrammar imports `transformers` at import time only to type-check Hugging Face tokenizers;
 we build its TokenizerInfo from raw bytes, so a stub module stands in when transformers is
@@ -166,6 +172,119 @@ def bench_xgrammar(tok, vocab: int, ids: list[int], repeat: int) -> dict | None:
             "fills": fills, "advances": advances}
 
 
+def decode_schemas() -> list[dict]:
+    """Eight different schemas with bounded values (a base model left free in an unbounded
+    integer or string writes until max_tokens)."""
+    out = []
+    words = ["red", "green", "blue", "black", "white"]
+    for k in range(8):
+        props = {}
+        for j in range(10):
+            kind = (j + k) % 4
+            props[f"k{k}_{j}"] = ({"type": "string", "maxLength": 12} if kind == 0 else
+                                  {"type": "integer", "minimum": 0, "maximum": 999}
+                                  if kind == 1 else {"type": "boolean"}
+                                  if kind == 2 else {"enum": words})
+        out.append({"type": "object", "properties": props, "required": list(props),
+                    "additionalProperties": False})
+    return out
+
+
+def _valid(obj, schema) -> bool:
+    if not isinstance(obj, dict) or set(obj) != set(schema["properties"]):
+        return False
+    for k, sub in schema["properties"].items():
+        v = obj[k]
+        if "enum" in sub:
+            ok = v in sub["enum"]
+        elif sub["type"] == "string":
+            ok = isinstance(v, str) and len(v) <= sub["maxLength"]
+        elif sub["type"] == "integer":
+            ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 999
+        else:
+            ok = isinstance(v, bool)
+        if not ok:
+            return False
+    return True
+
+
+def bench_decode(path: str) -> None:
+    import threading
+    from edgeinfer.engine import grammar as g
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.engine.sampling import SamplingParams
+
+    eng = Engine(path, EngineConfig(max_model_len=1024, max_running_seqs=8)).start()
+    try:
+        tok, vocab = eng.tokenizer, eng.cfg.vocab_size
+        prompt = eng.encode_chat([{"role": "user", "content": "Describe a made-up object as "
+                                   "JSON, with every field filled in."}])
+
+        def run(jobs):
+            """jobs: [(max_tokens, constraint|None)] -> (outputs, wall s, decode s each)"""
+            done = threading.Event()
+            outs = [dict(text="", n=0, first=None, end=None, reason=None) for _ in jobs]
+            left = [len(jobs)]
+            lock = threading.Lock()
+
+            def sink_for(i):
+                def sink(o):
+                    r = outs[i]
+                    r["text"] += o.text
+                    r["n"] = o.num_output_tokens
+                    if o.first_token_time and r["first"] is None:
+                        r["first"] = o.first_token_time
+                    if o.finished:
+                        r["end"], r["reason"] = o.finish_time, o.finish_reason
+                        with lock:
+                            left[0] -= 1
+                            if not left[0]:
+                                done.set()
+                return sink
+            t = time.perf_counter()
+            for i, (mt, c) in enumerate(jobs):
+                p = SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=c is None)
+                kw = {"constraint": c} if c is not None else {}
+                eng.submit(prompt, p, sink_for(i), **kw)
+            done.wait(600)
+            return outs, time.perf_counter() - t
+
+        def cons(schema):
+            return g.GrammarConstraint.for_spec(tok, vocab, g.json_schema(schema))
+
+        schemas = decode_schemas()
+        run([(4, None)])                                           # warm the kernels
+        run([(200, cons(schemas[0]))])                             # warm the view + compile
+        print("\ndecode on the engine (greedy; constrained vs unconstrained, same length)")
+        # one stream
+        rows = []
+        for _ in range(2):
+            (c,), _ = run([(200, cons(schemas[0]))])
+            n = c["n"]
+            (u,), _ = run([(n, None)])
+            tc = (n - 1) / (c["end"] - c["first"])
+            tu = (u["n"] - 1) / (u["end"] - u["first"])
+            rows.append((n, tc, tu, _valid(json.loads(c["text"]), schemas[0])))
+        for n, tc, tu, ok in rows:
+            print(f"  1 stream:  {n:3d} tokens  constrained {tc:6.1f} tok/s  "
+                  f"unconstrained {tu:6.1f} tok/s  ratio {tc / tu:4.2f}  valid={ok}")
+        # 8 concurrent, 8 schemas
+        for _ in range(2):
+            cs = [cons(s) for s in schemas]
+            outs, wall_c = run([(300, c) for c in cs])
+            valid = sum(_valid(json.loads(o["text"]), s) if o["reason"] == "stop" else False
+                        for o, s in zip(outs, schemas))
+            ns = [o["n"] for o in outs]
+            outs_u, wall_u = run([(n, None) for n in ns])
+            agg_c, agg_u = sum(ns) / wall_c, sum(o["n"] for o in outs_u) / wall_u
+            mask_ms = sum(c.mask_seconds for c in cs) * 1e3 / max(1, sum(c.tokens for c in cs))
+            print(f"  8 streams: {sum(ns):4d} tokens  constrained {agg_c:6.1f} tok/s  "
+                  f"unconstrained {agg_u:6.1f} tok/s  ratio {agg_c / agg_u:4.2f}  "
+                  f"valid {valid}/8  mask fill {mask_ms:.3f} ms/token")
+    finally:
+        eng.shutdown()
+
+
 def _version(dist: str) -> str:
     from importlib.metadata import version
     return version(dist)
@@ -181,6 +300,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the bundled gemma3 270M)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--decode", action="store_true", help="add the engine decode figures")
     a = ap.parse_args()
     from edgeinfer.formats.gguf_file import read_gguf
     from edgeinfer.formats.tokenizer import Tokenizer
@@ -208,6 +328,8 @@ def main() -> None:
               f"{_ms(r['compile20']):>12} {_ms(r['compile20_cached']):>12} "
               f"{_us(statistics.fmean(f_)):>12} {_us(f_[len(f_) // 2]):>12} "
               f"{_us(f_[int(len(f_) * 0.95)]):>12} {_us(statistics.fmean(r['advances'])):>12}")
+    if a.decode:
+        bench_decode(path)
 
 
 if __name__ == "__main__":
