@@ -25,6 +25,15 @@ def _free_port() -> int:
 os.environ["EDGEINFER_HOST"] = f"127.0.0.1:{_free_port()}"
 
 
+@pytest.fixture(autouse=True)
+def _settings_from_env():
+    """A CLI main() in one test installs its settings for the process: the next test reads
+    its own environment again."""
+    yield
+    from edgeinfer import settings
+    settings.install(None)
+
+
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     """Gemma 3 270M Q4_K_M from the bundled package (the real model, 253 MB)."""

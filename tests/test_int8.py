@@ -119,12 +119,10 @@ def test_zero_rows_and_zero_blocks():
 def test_cpu_ops_repack_setting(monkeypatch, gemma3_path):
     from edgeinfer.formats.gguf_file import read_gguf
     gf = read_gguf(gemma3_path)
-    monkeypatch.setenv("EDGEINFER_REPACK", "0")
-    ops = CpuOps()
+    ops = CpuOps(repack=False)
     assert isinstance(ops.matrix(gf, "blk.0.attn_q.weight"), QuantMatrix)
     assert "gguf" in ops.weights_format
-    monkeypatch.setenv("EDGEINFER_REPACK", "1")
-    ops = CpuOps()
+    ops = CpuOps(repack=True)
     w = ops.matrix(gf, "blk.0.attn_q.weight")
     assert isinstance(w, PackedMatrix) and "int8" in ops.weights_format
     x = np.random.default_rng(0).standard_normal((2, w.K)).astype(np.float32)

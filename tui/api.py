@@ -13,7 +13,6 @@ Errors come in two kinds:
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
@@ -37,7 +36,8 @@ class ApiError(Exception):
 
 def resolve_base_url(host: str | None = None) -> str:
     """`host:port`, `http(s)://host:port` or None (EDGEINFER_HOST, then the default)."""
-    host = host or os.environ.get("EDGEINFER_HOST") or DEFAULT_HOST
+    from edgeinfer.settings import current
+    host = host or current().host or DEFAULT_HOST
     host = host.strip().rstrip("/")
     if not host.startswith(("http://", "https://")):
         host = "http://" + host
@@ -274,7 +274,8 @@ class DaemonClient:
                  transport: httpx.AsyncBaseTransport | None = None,
                  timeout: float = 10.0) -> None:
         self.base_url = resolve_base_url(base_url)
-        key = os.environ.get("EDGEINFER_API_KEY")
+        from edgeinfer.settings import current
+        key = current().api_key
         self._http = httpx.AsyncClient(
             base_url=self.base_url, transport=transport,
             headers={"Authorization": f"Bearer {key}"} if key else {},

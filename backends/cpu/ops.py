@@ -83,7 +83,8 @@ class CpuOps:
         them with 8-bit activation codes on AVX-512 VNNI. Every row's result is then the
         same whatever the batch size, and batched decode and prefill are several times
         faster. None (default) decides per model: on with ggml numerics on a VNNI CPU when
-        the repacked weights take at most half of the RAM (EDGEINFER_REPACK=0/1 forces it).
+        the repacked weights take at most half of the RAM (Settings.repack, from
+        EDGEINFER_REPACK=0/1, forces it).
         """
         if numerics not in ("ggml", "f32"):
             raise ValueError(f"numerics must be 'ggml' or 'f32', not {numerics!r}")
@@ -93,9 +94,6 @@ class CpuOps:
         # weights are batch-invariant by construction; this applies to the others.
         self.batch_invariant = batch_invariant
         self.kv_f16_rounding = numerics == "ggml"
-        env = os.environ.get("EDGEINFER_REPACK", "").strip()
-        if repack is None and env in ("0", "1"):
-            repack = env == "1"
         if repack and numerics != "ggml":
             raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
         self._repack_setting = repack

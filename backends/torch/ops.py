@@ -8,7 +8,6 @@ drive it; K/V are stored in 16 bits (f16 on the CPU, as llama.cpp does).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,9 +39,9 @@ class TorchOps:
                  dtype: str | None = None):
         self.info = dev.detect(device.split(":")[0] if device else None)
         self.device = torch.device(device if device and ":" in device else self.info.torch_device)
-        # EDGEINFER_TORCH_DTYPE=bfloat16 halves weight memory and traffic (faster CPU decode,
-        # at some accuracy); the default is the device's own choice
-        self.dtype = dev.compute_dtype(self.info.kind, dtype or os.environ.get("EDGEINFER_TORCH_DTYPE"))
+        # dtype="bfloat16" (Settings.torch_dtype) halves weight memory and traffic (faster CPU
+        # decode, at some accuracy); the default is the device's own choice
+        self.dtype = dev.compute_dtype(self.info.kind, dtype)
         # CPU: compute in f32 but keep the cache in f16 (half the memory, llama.cpp's rounding).
         self.kv_dtype = torch.float16 if self.info.kind == "cpu" else self.dtype
         self.kv_bytes_per_value = torch.empty((), dtype=self.kv_dtype).element_size()

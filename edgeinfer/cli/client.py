@@ -11,7 +11,6 @@ comes from EDGEINFER_API_KEY.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -78,7 +77,8 @@ class Client:
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
                  timeout: float | None = None):
         self.base_url = base_url or daemon.url_for(*daemon.env_address())
-        key = api_key if api_key is not None else os.environ.get("EDGEINFER_API_KEY")
+        from edgeinfer.settings import current
+        key = api_key if api_key is not None else current().api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # generations can run for minutes: no read timeout, a short connect timeout
         self.http = httpx.Client(base_url=self.base_url, headers=headers,

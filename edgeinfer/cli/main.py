@@ -8,10 +8,10 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from edgeinfer import __version__
+from edgeinfer.settings import Settings, SettingsError, current, install
 
 
 from edgeinfer.cli.errors import UserError  # noqa: F401  (re-exported for the commands)
@@ -58,6 +58,11 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        install(Settings.from_env())       # the one read of the environment
+    except SettingsError as e:
+        print(f"edgeinfer: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgeinfer: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # last resort: one line, the details only on request
-        if os.environ.get("EDGEINFER_DEBUG"):
+        if current().debug:
             raise
         print(f"edgeinfer: internal error: {type(e).__name__}: {e} "
               f"(set EDGEINFER_DEBUG=1 for the traceback)", file=sys.stderr)

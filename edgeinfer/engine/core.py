@@ -51,6 +51,9 @@ class EngineConfig:
     # tokens never depend on its batch. The repacked int8 path (VNNI CPUs) is invariant
     # either way; this only matters for the float/quantized-block kernels.
     batch_invariant: bool = False
+    repack: bool | None = None            # CPU weights as int8 tiles; None = per model
+    torch_dtype: str | None = None        # torch weights' dtype; None = the device's choice
+    threads: int | None = None            # llama.cpp threads when no governor is given
     governor: Any = field(default=None, compare=False)   # the process's CPU thread budget
 
 
@@ -105,7 +108,8 @@ class Engine:
             path, config.backend, kv_budget_bytes=config.kv_budget_bytes or DEFAULT_KV_BUDGET,
             block_size=config.block_size, max_running_seqs=config.max_running_seqs,
             max_tokens_per_step=config.max_tokens_per_step,
-            batch_invariant=config.batch_invariant, governor=config.governor)
+            batch_invariant=config.batch_invariant, governor=config.governor,
+            n_threads=config.threads, repack=config.repack, torch_dtype=config.torch_dtype)
         try:
             self.cfg: ModelConfig = self.runner.cfg
             md = self.runner.gf.metadata

@@ -52,6 +52,10 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     choice_index: int = 0               # n > 1: choice i draws from spawn key i of the seed
+    # embeddings: a prefill-only request whose spans never sample; the runner pools the final
+    # hidden states of all its prompt positions ("mean", "cls", "last", "rank" or "none") and
+    # returns the result in StepResult.hidden in the step that computes its last position
+    pooling: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,8 @@ class StepResult:
     # prompt tokens the runner did not recompute because its own cache held them (the
     # llama.cpp runner's slot reuse); the native runners' reuse is the prefix cache's
     reused_tokens: dict[int, int] = field(default_factory=dict)
-    # pooled hidden states for prefill-only requests (embeddings), float32 [hidden]
+    # pooled hidden states for prefill-only requests (embeddings), float32 [hidden] (pooling
+    # "none": [prompt tokens, hidden]; "rank": [classes]), not normalized
     hidden: dict[int, np.ndarray] | None = None
     # requests whose row could not be sampled (a token mask that allows nothing): the engine
     # ends them with this message; the rest of the batch is unaffected

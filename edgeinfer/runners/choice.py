@@ -154,12 +154,12 @@ CPU_WEIGHTS = "gguf (quantized)"          # ModelRunner.weights_format's default
 
 
 def describe_weights(backend: str, weights_format: str | None = None,
-                     path: str | None = None) -> str:
+                     path: str | None = None, settings=None) -> str:
     """How a resolved backend holds the weights, for `show`: the runner's format name and,
     where it helps, words. `weights_format` is a loaded runner's own; without it, what a load
     of the file at `path` would use (torch: the dtype it would choose on that device)."""
     base = backend.partition(":")[0]
-    fmt = weights_format or weights_format_of(backend, path)
+    fmt = weights_format or weights_format_of(backend, path, settings)
     if base == "cpu" and fmt == CPU_WEIGHTS:
         return f"{fmt}: GGUF quantized blocks, dequantized per matmul"
     if base == "llamacpp":
@@ -169,19 +169,21 @@ def describe_weights(backend: str, weights_format: str | None = None,
     return fmt          # the CPU runner's own words (e.g. its repacked int8 layout)
 
 
-def weights_format_of(backend: str, path: str | None = None) -> str:
+def weights_format_of(backend: str, path: str | None = None, settings=None) -> str:
     """The `weights_format` a runner on this resolved backend would report for the file at
     `path`: the numba backend decides its layout per model (repacked int8 tiles on CPUs with
     VNNI when they fit, else the GGUF blocks), torch names its dtype."""
+    from edgeinfer.settings import current
+    s = settings or current()
     base = backend.partition(":")[0]
     if base == "cpu":
-        return _cpu_weights_format(path)
+        return _cpu_weights_format(path, s.repack)
     if base == "llamacpp":
         return "gguf (llama.cpp)"
-    return torch_dtype_name(device_of(backend))
+    return torch_dtype_name(device_of(backend), s.torch_dtype)
 
 
-def _cpu_weights_format(path: str | None) -> str:
+def _cpu_weights_format(path: str | None, repack: bool | None) -> str:
     """Ask the numba backend what it would do with this file, without loading weights."""
     if path is None:
         return CPU_WEIGHTS
@@ -190,21 +192,19 @@ def _cpu_weights_format(path: str | None) -> str:
         from edgeinfer.formats.gguf_file import read_gguf
         gf = read_gguf(str(path))
         try:
-            return CpuOps().weights_format_for(gf)
+            return CpuOps(repack=repack).weights_format_for(gf)
         finally:
             gf.close()
     except Exception:       # a prediction only: never fail `show` over it
         return CPU_WEIGHTS
 
 
-def torch_dtype_name(kind: str) -> str:
-    """The dtype the torch backend would hold weights in on this device (EDGEINFER_TORCH_DTYPE
-    respected), as torch names it."""
-    import os
-
+def torch_dtype_name(kind: str, requested: str | None = None) -> str:
+    """The dtype the torch backend would hold weights in on this device (`requested`:
+    Settings.torch_dtype), as torch names it."""
     from edgeinfer.backends.torch.device import compute_dtype
     try:
-        dt = compute_dtype(kind, os.environ.get("EDGEINFER_TORCH_DTYPE"))
+        dt = compute_dtype(kind, requested)
     except ValueError as e:
         return f"? ({e})"
     return str(dt).removeprefix("torch.")

@@ -18,14 +18,15 @@ from edgeinfer.runners.base import KVPlan, ScheduledSpan, StepPlan, StepResult, 
 from edgeinfer.runners.sampling_stage import SamplingStage
 
 
-def make_ops(backend: str, batch_invariant: bool = False, governor=None) -> Ops:
+def make_ops(backend: str, batch_invariant: bool = False, governor=None,
+             repack: bool | None = None, torch_dtype: str | None = None) -> Ops:
     """The ops object for a resolved native backend name (`cpu`, `torch[:device]`)."""
     if backend == "cpu":
         from edgeinfer.backends.cpu.ops import CpuOps
-        return CpuOps(batch_invariant=batch_invariant, governor=governor)
+        return CpuOps(batch_invariant=batch_invariant, governor=governor, repack=repack)
     if backend == "torch" or backend.startswith("torch:"):
         from edgeinfer.backends.torch.ops import TorchOps
-        return TorchOps(device=backend.partition(":")[2] or None)
+        return TorchOps(device=backend.partition(":")[2] or None, dtype=torch_dtype)
     raise ValueError(f"unknown native backend {backend!r}")
 
 
@@ -72,11 +73,12 @@ class ModelRunner:
     @classmethod
     def load(cls, path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
              block_size: int = 16, min_kv_tokens: int = 0, batch_invariant: bool = False,
-             governor=None) -> "ModelRunner":
+             governor=None, repack: bool | None = None,
+             torch_dtype: str | None = None) -> "ModelRunner":
         gf = read_gguf(path)
         try:
             cfg = load_model_config(gf)
-            ops = make_ops(backend, batch_invariant, governor)
+            ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype)
             kv_budget_bytes = ops.fit_kv_budget(gf, kv_budget_bytes)
             plan = plan_kv(cfg, kv_budget_bytes, ops.kv_bytes_per_value, block_size,
                            min_kv_tokens)

@@ -76,9 +76,10 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def default_home() -> Path:
-    env = os.environ.get("EDGEINFER_HOME")
-    if env:
-        return Path(env).expanduser()
+    from edgeinfer.settings import current
+    home = current().home
+    if home:
+        return home
     import platformdirs
     return Path(platformdirs.user_data_dir("edgeinfer", appauthor=False))
 

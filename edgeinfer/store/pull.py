@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -103,7 +102,8 @@ class PullSource:
 
 
 def hf_endpoint() -> str:
-    return (os.environ.get("EDGEINFER_HF_ENDPOINT") or HF_ENDPOINT_DEFAULT).rstrip("/")
+    from edgeinfer.settings import current
+    return (current().hf_endpoint or HF_ENDPOINT_DEFAULT).rstrip("/")
 
 
 def hf_url(repo: str, file: str, revision: str = "main") -> str:
@@ -111,7 +111,8 @@ def hf_url(repo: str, file: str, revision: str = "main") -> str:
 
 
 def _hf_headers() -> tuple[tuple[str, str], ...]:
-    token = os.environ.get("HF_TOKEN")
+    from edgeinfer.settings import current
+    token = current().hf_token
     return (("Authorization", f"Bearer {token}"),) if token else ()
 
 

@@ -18,7 +18,8 @@ def _quiet() -> None:
     """llama.cpp logs every tensor and cache at load: silence it unless debugging (the
     callback must stay referenced while llama.cpp may call it)."""
     global _LOG_CB
-    if os.environ.get("EDGEINFER_DEBUG") or _LOG_CB is not None:
+    from edgeinfer.settings import current
+    if current().debug or _LOG_CB is not None:
         return
     import llama_cpp as L
     _LOG_CB = L.llama_log_callback(lambda level, text, user: None)

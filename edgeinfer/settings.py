@@ -1,0 +1,180 @@
+"""Every knob of the process in one typed object, read once at the edge.
+
+The CLI and the daemon build a `Settings` from the environment (EDGEINFER_*) with
+command-line flags on top, and pass it (or the parts a layer needs) down. Nothing below the
+edge reads the environment: a test that wants another setting builds another Settings.
+
+| variable                      | field               | default                             |
+|-------------------------------|---------------------|-------------------------------------|
+| EDGEINFER_HOME                | home                | the platform's user data dir        |
+| EDGEINFER_HOST                | host                | 127.0.0.1:11435                     |
+| EDGEINFER_API_KEY             | api_key             | none (required off loopback)        |
+| EDGEINFER_BACKEND / _DEVICE   | backend / device    | cpu / none                          |
+| EDGEINFER_KEEP_ALIVE          | keep_alive          | 5m                                  |
+| EDGEINFER_MEMORY_BUDGET_MB    | memory_budget_bytes | 75% of RAM                          |
+| EDGEINFER_MAX_LOADED_MODELS   | max_loaded_models   | 3                                   |
+| EDGEINFER_KV_BUDGET_MB        | kv_budget_bytes     | 1024 MB                             |
+| EDGEINFER_MAX_RUNNING_SEQS    | max_running_seqs    | 16                                  |
+| EDGEINFER_MAX_QUEUE           | max_queue           | 64                                  |
+| EDGEINFER_MAX_MODEL_LEN       | max_model_len       | min(model's, 8192)                  |
+| EDGEINFER_THREADS             | threads             | governed (cores other programs leave)|
+| EDGEINFER_REPACK              | repack              | per model (int8 tiles on VNNI CPUs) |
+| EDGEINFER_BATCH_INVARIANT     | batch_invariant     | off                                 |
+| EDGEINFER_TORCH_DTYPE         | torch_dtype         | the device's choice                 |
+| EDGEINFER_HF_ENDPOINT / HF_TOKEN | hf_endpoint / hf_token | huggingface.co / none        |
+| EDGEINFER_DEBUG               | debug               | off                                 |
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+DEFAULT_KEEP_ALIVE = 300.0
+DEFAULT_KV_BUDGET = 1 << 30
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: float | int | str) -> float:
+    """Seconds from a number or a Go duration ("5m", "1h30m", "0"), as Ollama's keep_alive;
+    negative means forever (math.inf). ValueError for anything else."""
+    if isinstance(value, bool):
+        raise ValueError("a duration must be like \"5m\" or a number of seconds")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        s = value.strip()
+        neg = s.startswith("-")
+        s = s.lstrip("+-")
+        try:
+            seconds = float(s)
+        except ValueError:
+            parts = _DURATION.findall(s)
+            if not parts or "".join(a + b for a, b in parts) != s:
+                raise ValueError(f"{value!r} is not a duration like \"5m\", \"30s\" or "
+                                 "\"1h\"") from None
+            seconds = sum(float(a) * _UNIT[b] for a, b in parts)
+        seconds = -seconds if neg else seconds
+    return float("inf") if seconds < 0 else seconds
+
+
+class SettingsError(ValueError):
+    """A setting with a value that cannot be used; the message names the variable."""
+
+
+def _num(env: Mapping[str, str], name: str, default, scale: int = 1, kind=int):
+    v = env.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        x = float(v) * scale
+    except ValueError:
+        raise SettingsError(f"{name}={v!r} is not a number") from None
+    if x < 0:
+        raise SettingsError(f"{name}={v!r} must not be negative")
+    return kind(x)
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool | None:
+    v = env.get(name, "").strip().lower()
+    if not v:
+        return None
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={v!r} is not 0 or 1")
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path | None = None
+    host: str | None = None
+    api_key: str | None = None
+    backend: str = "cpu"
+    device: str | None = None
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    memory_budget_bytes: int = 0            # 0 = 75% of physical memory
+    max_loaded_models: int = 3
+    kv_budget_bytes: int = DEFAULT_KV_BUDGET
+    max_running_seqs: int = 16
+    max_queue: int = 64
+    max_model_len: int | None = None
+    threads: int | None = None              # None = the thread governor decides per step
+    repack: bool | None = None              # None = per model
+    batch_invariant: bool = False
+    torch_dtype: str | None = None
+    hf_endpoint: str | None = None
+    hf_token: str | None = None
+    debug: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Settings":
+        """The environment's values, then `overrides` (flags; None means "not given")."""
+        env = os.environ if env is None else env
+        try:
+            ka = env.get("EDGEINFER_KEEP_ALIVE", "").strip()
+            keep_alive = parse_duration(ka) if ka else DEFAULT_KEEP_ALIVE
+        except ValueError as e:
+            raise SettingsError(f"EDGEINFER_KEEP_ALIVE: {e}") from None
+        home = env.get("EDGEINFER_HOME", "").strip()
+        s = cls(
+            home=Path(home).expanduser() if home else None,
+            host=env.get("EDGEINFER_HOST") or None,
+            api_key=env.get("EDGEINFER_API_KEY") or None,
+            backend=env.get("EDGEINFER_BACKEND") or "cpu",
+            device=env.get("EDGEINFER_DEVICE") or None,
+            keep_alive=keep_alive,
+            memory_budget_bytes=_num(env, "EDGEINFER_MEMORY_BUDGET_MB", 0, 1 << 20),
+            max_loaded_models=_num(env, "EDGEINFER_MAX_LOADED_MODELS", 3),
+            kv_budget_bytes=_num(env, "EDGEINFER_KV_BUDGET_MB", DEFAULT_KV_BUDGET, 1 << 20),
+            max_running_seqs=_num(env, "EDGEINFER_MAX_RUNNING_SEQS", 16),
+            max_queue=_num(env, "EDGEINFER_MAX_QUEUE", 64),
+            max_model_len=_num(env, "EDGEINFER_MAX_MODEL_LEN", None),
+            threads=_num(env, "EDGEINFER_THREADS", None) or None,
+            repack=_flag(env, "EDGEINFER_REPACK"),
+            batch_invariant=bool(_flag(env, "EDGEINFER_BATCH_INVARIANT")),
+            torch_dtype=env.get("EDGEINFER_TORCH_DTYPE") or None,
+            hf_endpoint=env.get("EDGEINFER_HF_ENDPOINT") or None,
+            hf_token=env.get("HF_TOKEN") or None,
+            debug=bool(env.get("EDGEINFER_DEBUG")),
+        )
+        return s.with_overrides(**overrides)
+
+    def engine_config(self, backend: str | None = None, governor=None, **kw):
+        """The EngineConfig these settings give one engine (backend: the resolved name)."""
+        from edgeinfer.engine.core import EngineConfig
+        return EngineConfig(backend=backend or self.backend, max_model_len=self.max_model_len,
+                            kv_budget_bytes=self.kv_budget_bytes,
+                            max_running_seqs=self.max_running_seqs,
+                            batch_invariant=self.batch_invariant, repack=self.repack,
+                            torch_dtype=self.torch_dtype, threads=self.threads,
+                            governor=governor, **kw)
+
+    def with_overrides(self, **overrides) -> "Settings":
+        names = {f.name for f in fields(self)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The process's settings: the ones the edge installed (the CLI and the daemon do, once,
+    at start). Without an edge (a script, a test) the environment as it is now."""
+    return _current if _current is not None else Settings.from_env()
+
+
+def install(settings: Settings | None) -> Settings | None:
+    """Make `settings` the process's (None: back to reading the environment)."""
+    global _current
+    _current = settings
+    return settings
