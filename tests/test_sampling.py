@@ -604,3 +604,19 @@ def test_bad_masks_are_refused(bad):
         Sampler().sample(logits, [SeqSamplingState(SamplingParams())], [bad])
     with pytest.raises(ValueError, match="masks"):
         Sampler().sample(logits, [SeqSamplingState(SamplingParams())], [None, None])
+
+
+@pytest.mark.parametrize("temp", [0.6, 1.4])
+def test_masked_sampling_follows_the_masked_distribution(temp):
+    logits = np.array([[2.0, 0.5, 3.0, 1.0, -0.5, 2.5]], np.float32)
+    allowed = [0, 1, 3, 4]
+    mask = _mask(6, allowed)
+    n = 20000
+    st = SeqSamplingState(SamplingParams(temperature=temp, seed=21))
+    s = Sampler()
+    toks = np.array([s.sample(logits, [st], [mask]).tokens[0] for _ in range(n)])
+    freq = np.bincount(toks, minlength=6) / n
+    want = np.zeros(6)
+    want[allowed] = softmax(logits[0, allowed].astype(np.float64) / temp)
+    tol = 4.5 * np.sqrt(want * (1 - want) / n) + 1e-3
+    assert np.all(np.abs(freq - want) <= tol), (freq, want)

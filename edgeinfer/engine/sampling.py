@@ -289,6 +289,18 @@ class _Scratch:
         self.drop = np.empty(vocab, np.bool_)     # True = truncated away
         self.mask = np.empty(vocab, np.bool_)     # compare results
         self.ids = np.empty(vocab, np.int64)      # token ids collected by kernels
+        self.sub = np.empty(vocab, np.float32)    # a masked row's allowed logits, compacted
+        self.allowed = np.empty(vocab, np.int64)  # ... and their token ids
+
+    def prefix(self, n: int) -> _Scratch:
+        """The same buffers cut to n entries, for a compacted row of n allowed tokens; its
+        `row` is `sub`, where that compacted row lives (written in place)."""
+        v = object.__new__(_Scratch)
+        v.vocab = n
+        v.row, v.sub = self.sub[:n], self.sub[:n]
+        v.w, v.tmp, v.drop, v.mask, v.ids = (self.w[:n], self.tmp[:n], self.drop[:n],
+                                             self.mask[:n], self.ids[:n])
+        return v
 
 
 # Bucketing for top-p over the whole vocabulary. The bucket of a logit x below the max m
@@ -331,6 +343,18 @@ def _mark_buckets_from(row, m, scale, last, b, drop):
     lim = np.float32(last)
     for i in range(row.shape[0]):
         drop[i] = _bucket(row[i], m, scale, lim) >= b
+
+
+@njit(nogil=True, cache=True)
+def _compact(row, mask, ids, sub):
+    """ids[:n], sub[:n] = the allowed token ids and their logits, ascending; returns n.
+    Branch-free (a random mask mispredicts: np.flatnonzero takes 0.43 ms on 262k)."""
+    n = 0
+    for i in range(row.shape[0]):
+        ids[n] = i
+        sub[n] = row[i]
+        n += mask[i]
+    return n
 
 
 def _log_normalizer(row: np.ndarray, m: float, sc: _Scratch) -> float:
@@ -492,13 +516,6 @@ def _check_mask(mask, vocab: int) -> np.ndarray:
     return mask
 
 
-def _masked_copy(row: np.ndarray, mask: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Step 0: `row` where the mask allows, -inf elsewhere, written into `out`."""
-    out.fill(-np.inf)
-    np.copyto(out, row, where=mask)
-    return out
-
-
 def _finite_view(row: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, float]:
     """A row whose max is not finite, made samplable (into `out`, which may be `row`): NaN
     becomes -inf; if any logit is +inf, those tokens become 0 and all others -inf (they
@@ -545,41 +562,71 @@ class Sampler:
         want_top = any(s.params.logprobs for s in states)
         top: list[list[tuple[int, float]]] | None = [[] for _ in range(batch)] if want_top else None
         for b, state in enumerate(states):
-            p = state.params
             raw = logits[b]
             mask = None if masks is None or masks[b] is None else _check_mask(masks[b], vocab)
             if mask is None:
                 row = process_logits(raw, state, out=sc.row)
-            elif not mask.any():
-                tokens[b], errors[b] = -1, "the token mask allows no token"
-                continue
+                tok, lp, tl, err = self._row(row, raw, None, state, sc)
             else:
-                row = process_logits(_masked_copy(raw, mask, sc.row), state, out=sc.row)
-            m = float(row.max())          # NaN if any logit is NaN
-            fallback = False
-            if not math.isfinite(m):
+                # Step 0: the rest of the chain runs on the allowed tokens only, compacted
+                # (ascending ids, so ties still go to the lower id). Cheaper than a -inf
+                # filled row for sparse masks, and a partition over a row that is mostly
+                # -inf degenerates (measured 4.3 ms vs 0.19 ms for top-5 of 262k at 10%).
+                row = process_logits(raw, state, out=sc.row)
+                n = _compact(row, mask, sc.allowed, sc.sub)
+                if not n:
+                    tokens[b], errors[b] = -1, "the token mask allows no token"
+                    continue
+                allowed, rsc = sc.allowed[:n], sc.prefix(n)
+                tok, lp, tl, err = self._row(rsc.row, raw, allowed, state, rsc)
+                if err is None:
+                    tok = int(allowed[tok])
+                    tl = [(int(allowed[i]), v) for i, v in tl]
+            if err is not None:
+                tokens[b], errors[b] = -1, err
+                continue
+            tokens[b] = tok
+            if lp is not None:
+                logprobs[b] = lp
+                if state.params.logprobs:
+                    top[b] = tl
+        return SampleResult(tokens=tokens, logprobs=logprobs, top_logprobs=top, errors=errors)
+
+    @staticmethod
+    def _row(row: np.ndarray, raw: np.ndarray, allowed: np.ndarray | None,
+             state: SeqSamplingState, sc: _Scratch
+             ) -> tuple[int, float | None, list[tuple[int, float]], str | None]:
+        """Steps 3-7 and logprobs for one processed row, in `sc`'s index space (positions
+        among the allowed tokens when `allowed` is given; `sc.row` is then `row` itself).
+        Returns (token, logprob or None, top logprobs, error or None)."""
+        p = state.params
+        m = float(row.max())          # NaN if any logit is NaN
+        fallback = False
+        if not math.isfinite(m):
+            row, m = _finite_view(row, sc.row)
+            if m == -math.inf:
+                # Every allowed token is banned: the best allowed token by raw logit,
+                # deterministically (sampling the raw row gave other tokens with their raw
+                # probabilities: issue 18).
+                fallback = True
+                if allowed is None:
+                    row = raw
+                else:
+                    row = np.take(raw, allowed, out=sc.row, mode="clip")
                 row, m = _finite_view(row, sc.row)
                 if m == -math.inf:
-                    # Every allowed token is banned: the best allowed token by raw logit,
-                    # deterministically (sampling the raw row would give other tokens
-                    # with their raw probabilities; issue 18).
-                    fallback = True
-                    row = raw if mask is None else _masked_copy(raw, mask, sc.row)
-                    row, m = _finite_view(row, sc.row)
-                    if m == -math.inf:
-                        tokens[b] = -1
-                        errors[b] = ("the model gave no finite logit for any allowed token"
-                                     if mask is not None else "the model gave no finite logit")
-                        continue
-            if fallback or p.greedy:
-                tok = int(np.argmax(row))
-            else:
-                tok = _sample_row(row, m, p, float(state.rng.random()), sc)
-            tokens[b] = tok
-            if p.logprobs is not None:
-                lse = _log_normalizer(row, m, sc)
-                logprobs[b] = float(row[tok]) - lse
-                if p.logprobs:
-                    top[b] = [(int(i), float(row[i]) - lse) for i in _top_n(row, p.logprobs, sc)
-                              if row[i] > -np.inf]
-        return SampleResult(tokens=tokens, logprobs=logprobs, top_logprobs=top, errors=errors)
+                    return -1, None, [], ("the model gave no finite logit for any allowed token"
+                                          if allowed is not None
+                                          else "the model gave no finite logit")
+        if fallback or p.greedy:
+            tok = int(np.argmax(row))
+        else:
+            tok = _sample_row(row, m, p, float(state.rng.random()), sc)
+        if p.logprobs is None:
+            return tok, None, [], None
+        lse = _log_normalizer(row, m, sc)
+        top = []
+        if p.logprobs:
+            top = [(int(i), float(row[i]) - lse) for i in _top_n(row, p.logprobs, sc)
+                   if row[i] > -np.inf]
+        return tok, float(row[tok]) - lse, top, None
