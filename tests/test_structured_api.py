@@ -221,6 +221,22 @@ def test_bad_schemas_are_400_in_openai_shape(oa, kw, param, words):
     assert words in err["message"], err
 
 
+def test_hostile_schema_is_400_and_the_engine_goes_on(oa):
+    deep: dict = {"type": "string"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    for schema, words in ((deep, "nested more than"),
+                          ({"enum": [f"v{i}" for i in range(100_000)]}, "too big")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=4,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": schema}})
+        assert words in e.value.body["message"]
+    r = oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+
+
 # ----- Ollama ------------------------------------------------------------------------------
 
 def test_ollama_format_schema(ol):

@@ -129,6 +129,13 @@ def test_compiles_are_cached(tok):
     assert b.allowed_tokens()[a_tok]
 
 
+def _nested(depth: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
 @pytest.mark.parametrize("spec,words", [
     (g.json_schema({"type": "objet"}), "'type'"),
     (g.json_schema({"type": "object", "properties": {"a": {"type": "string",
@@ -139,6 +146,8 @@ def test_compiles_are_cached(tok):
     (g.GrammarSpec("choice", []), "non-empty list"),
     (g.GrammarSpec("regex", "(unclosed"), "regex"),
     (g.GrammarSpec("nope", "x"), "unknown grammar kind"),
+    (g.json_schema(_nested(500)), "nested more than"),
+    (g.json_schema({"enum": [f"v{i}" for i in range(100_000)]}), "too big"),
 ])
 def test_bad_grammars_name_the_problem(tok, spec, words):
     with pytest.raises(g.GrammarError) as e:

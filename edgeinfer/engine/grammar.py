@@ -152,6 +152,31 @@ def any_json_object() -> GrammarSpec:
 _JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+MAX_SCHEMA_DEPTH = 128                 # nesting of objects/arrays in a schema's JSON text
+
+
+def _depth(x: Any) -> int:
+    """Nesting depth of a JSON value, without recursion (a hostile schema may be deep)."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            deepest = max(deepest, d)
+            if d > MAX_SCHEMA_DEPTH:
+                return d
+            stack.extend((c, d + 1) for c in v if isinstance(c, (dict, list)))
+    return deepest
+
+
+def check_schema(schema: Any) -> None:
+    """A schema's shape before any compile: not too deep, and a schema at all."""
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+    _check_schema(schema)
+
+
 def _check_schema(schema: Any) -> None:
     """Reject what is not a JSON Schema at all, naming the problem (llguidance checks the
     keywords it implements, and refuses unknown ones unless lenient)."""
@@ -222,7 +247,7 @@ def to_llguidance(spec: GrammarSpec) -> str:
                 src = json.loads(src)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-        _check_schema(src)
+        check_schema(src)
         src = closed_objects(src)
         if len(json.dumps(src)) > MAX_SPEC_BYTES:
             raise GrammarError(f"the JSON schema is more than {MAX_SPEC_BYTES} bytes")
@@ -300,6 +325,8 @@ def compile_spec(view, spec: GrammarSpec) -> "LLMatcher":
     """A fresh matcher for `spec` on `view` (cached; the caller gets its own copy).
     Raises GrammarError with llguidance's reason when the grammar cannot be compiled."""
     _require()
+    if spec.kind == "json_schema" and not isinstance(spec.source, str):
+        check_schema(spec.source)          # before anything recurses through it
     key = (id(view), spec.key())
     m = cache.get(key)
     if m is None:

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from edgeinfer.engine.grammar import GrammarError, GrammarSpec, _check_schema
+from edgeinfer.engine.grammar import GrammarError, GrammarSpec, check_schema
 
 from .errors import bad_param
 
@@ -101,7 +101,7 @@ def parse_tools(raw: list | None, param: str = "tools") -> list[Tool]:
         try:
             if not isinstance(params, dict):
                 raise GrammarError("parameters must be a JSON schema object")
-            _check_schema(params)
+            check_schema(params)
         except GrammarError as e:
             raise bad_param(f"{where}.function.parameters",
                             f"{where}.function.parameters is not a valid JSON schema: {e}") \
