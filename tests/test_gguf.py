@@ -179,8 +179,16 @@ def test_cli_show_real_model(gemma3_path):
     r = subprocess.run([sys.executable, "-m", "edgeinfer.cli.main", "show", str(gemma3_path)],
                        capture_output=True, text=True, check=True)
     for needle in ("gemma3", "Q4_K_M", "32768", "18", "4 / 1", "256", "262,144", "llama tokenizer",
-                   "18,432 bytes/token", "253,113,024"):
+                   "253,113,024"):
         assert needle in r.stdout, needle
+    # the KV row is the pool of the backend auto picks, at its own element size
+    from edgeinfer.runners.choice import estimate_memory, resolve
+    backend = resolve("auto", None, "gemma3")
+    per_value = estimate_memory(backend, str(gemma3_path)).kv_bytes_per_value
+    per_token = 2 * 18 * 1 * 256 * per_value
+    kv = next(line for line in r.stdout.splitlines() if "KV cache" in line)
+    assert f"{per_token:,} bytes/token (" in kv and f"on {backend})" in kv
+    assert kv.endswith(f"x {per_value} bytes")
 
 
 def test_released_pages_read_back_the_same_bytes(gemma3_path):

@@ -102,6 +102,14 @@ class CpuOps:
         # cores instead of each taking all of them; a lone ops object makes its own.
         self.governor = governor
 
+    def weights_nbytes(self, gguf_file) -> int:
+        """Repacked matrices at their tile size, the rest as the GGUF holds them."""
+        if not self.would_repack(gguf_file):
+            return sum(t.nbytes for t in gguf_file.tensors.values())
+        return sum(packed_nbytes(t.ggml_type, int(t.shape[0]), int(t.shape[1]))
+                   if len(t.shape) == 2 and int(t.ggml_type) in REPACKABLE else t.nbytes
+                   for t in gguf_file.tensors.values())
+
     def fit_kv_budget(self, gguf_file, requested: int) -> int:
         """The CPU pool lives in RAM beside the weights; the model manager checks free memory
         before a load, so the request stands."""

@@ -65,6 +65,10 @@ class TorchOps:
         dev.check_fits(self.info, dense_bytes(gf, self.dtype),
                        f"the model as {self.weights_format} weights")
 
+    def weights_nbytes(self, gguf_file) -> int:
+        """Every tensor dequantized to the compute dtype."""
+        return dense_bytes(gguf_file, self.dtype)
+
     def fit_kv_budget(self, gguf_file, requested: int) -> int:
         """Before loading: refuse if the weights cannot fit, and cap the KV pool's budget at
         what the device has left after them (the same 10% reserve)."""

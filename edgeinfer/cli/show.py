@@ -81,9 +81,36 @@ def placement_rows(s: ModelSummary, loaded: list[dict]) -> list[tuple[str, str]]
             ("weights", describe_weights(b, path=s.path))]
 
 
+def kv_row(s: ModelSummary, backend: str | None) -> tuple[str, str]:
+    """KV bytes per token as the backend that runs the model stores them (the numba CPU
+    pool is f32, llama.cpp's and torch's f16/bf16); f16 when no backend is known."""
+    per_value = 2
+    if backend is not None:
+        try:
+            from edgeinfer.runners.choice import estimate_memory
+            per_value = estimate_memory(backend, s.path).kv_bytes_per_value
+        except Exception:       # a prediction only: never fail `show` over it
+            backend = None
+    name = {4: "f32", 2: "f16"}.get(per_value, f"{per_value * 8}-bit")
+    where = f"{name} on {backend}" if backend else name
+    if not (s.n_layers and s.n_kv_head and s.head_dim):
+        return "KV cache", "-"
+    per_token = 2 * s.n_layers * s.n_kv_head * s.head_dim * per_value
+    return "KV cache", (f"{per_token:,} bytes/token ({where}) = 2 x {s.n_layers} layers x "
+                        f"{s.n_kv_head} KV heads x {s.head_dim} head dim x {per_value} bytes")
+
+
+def _auto_backend(s: ModelSummary) -> str | None:
+    from edgeinfer.runners.choice import BackendChoiceError, resolve
+    try:
+        return resolve("auto", None, s.arch)
+    except BackendChoiceError:
+        return None
+
+
 def format_summary(s: ModelSummary, model: str,
-                   placement: list[tuple[str, str]] | None = None) -> str:
-    kv = s.kv_bytes_per_token_f16
+                   placement: list[tuple[str, str]] | None = None,
+                   backend: str | None = None) -> str:
     rows = [
         ("architecture", s.arch + ("" if s.native else "  (not native: use --backend llamacpp)")),
         ("name", s.name or "-"),
@@ -97,8 +124,7 @@ def format_summary(s: ModelSummary, model: str,
         ("head dim", str(s.head_dim or "-")),
         ("vocabulary", f"{s.vocab_size:,} ({s.tokenizer} tokenizer)"),
         ("chat template", "yes" if s.has_chat_template else "no (built-in template for the architecture)"),
-        ("KV cache (f16)", f"{kv:,} bytes/token = 2 x {s.n_layers} layers x {s.n_kv_head} KV heads "
-                           f"x {s.head_dim} head dim x 2 bytes" if kv else "-"),
+        kv_row(s, backend),
         ("file size", f"{_human_bytes(s.file_size)} ({s.file_size:,} bytes)"),
         ("file", s.path),
         *(placement or []),
@@ -110,7 +136,9 @@ def format_summary(s: ModelSummary, model: str,
 def cmd_show(args: argparse.Namespace) -> int:
     path = resolve_model_file(args.model)
     summary = load_summary(path)
-    print(format_summary(summary, args.model, placement_rows(summary, loaded_copies(args.model))))
+    loaded = loaded_copies(args.model)
+    backend = loaded[0].get("backend") if loaded else _auto_backend(summary)
+    print(format_summary(summary, args.model, placement_rows(summary, loaded), backend))
     return 0
 
 

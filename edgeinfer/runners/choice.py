@@ -12,6 +12,8 @@ Nothing here imports torch unless a torch device has to be looked at.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 BACKENDS = ("auto", "cpu", "torch", "llamacpp")
 DEVICES = ("cuda", "mps", "cpu")
 
@@ -142,6 +144,37 @@ def resolve_for_file(path: str, backend: str, device: str | None = None) -> str:
     finally:
         gf.close()
     return resolve(backend, device, arch if isinstance(arch, str) else None)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a load of a file on a resolved backend will hold, before loading it."""
+    weights_bytes: int
+    kv_bytes_per_value: int       # K or V element in the pool (f32 on the numba CPU backend)
+
+
+def estimate_memory(backend: str, path: str, settings=None) -> MemoryEstimate:
+    """The backend's own figures for the file: repacked tiles on the CPU, dense tensors in
+    torch's dtype, the GGUF's bytes for llama.cpp (its KV cache is f16)."""
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.settings import current
+    s = settings or current()
+    gf = read_gguf(str(path))
+    try:
+        base = backend.partition(":")[0]
+        if base == "llamacpp":
+            return MemoryEstimate(sum(t.nbytes for t in gf.tensors.values()), 2)
+        from edgeinfer.runners.native import make_ops
+        ops = make_ops(backend, repack=s.repack, torch_dtype=s.torch_dtype) \
+            if base == "cpu" else _torch_ops_for_estimate(backend, s.torch_dtype)
+        return MemoryEstimate(ops.weights_nbytes(gf), ops.kv_bytes_per_value)
+    finally:
+        gf.close()
+
+
+def _torch_ops_for_estimate(backend: str, dtype: str | None):
+    from edgeinfer.backends.torch.ops import TorchOps
+    return TorchOps(device=backend.partition(":")[2] or None, check_memory=False, dtype=dtype)
 
 
 def device_of(backend: str) -> str:
