@@ -2,8 +2,9 @@
 /api/stats/stream sends (its shape is documented in docs/api.md; the TUI reads it).
 
 Everything here is touched from the event loop only (sinks hand events over to the loop
-first), so plain counters suffice. Engine figures are read from `engine.stats()`, a flat
-dict of numbers the engine thread updates.
+first), so plain counters suffice. Engine figures come from `engine.snapshot()`: a flat dict
+of numbers the engine thread publishes after each step (replaced, never changed), so reading
+it never touches the scheduler's live structures.
 """
 from __future__ import annotations
 
@@ -207,6 +208,7 @@ class Metrics:
                        "memory_used_bytes": vm.total - vm.available,
                        "memory_used_percent": vm.percent},
             "gpu": _gpu(),
+            "compute": _compute(manager),
             "models": models,
         }
 
@@ -223,8 +225,21 @@ def _gpu() -> dict | None:
         return None
 
 
+def _compute(manager: ModelManager) -> dict | None:
+    """The process's CPU budget: threads the free cores allow, and how many engines share
+    them right now."""
+    g = getattr(manager, "governor", None)
+    if g is None:
+        return None
+    return {"cpu_threads": int(g.threads), "engines_stepping": int(g.active_threads()),
+            "other_programs_cores": round(float(g.others), 2)}
+
+
 def _engine_stats(lm: LoadedModel) -> dict:
+    snapshot = getattr(lm.engine, "snapshot", None)
+    if callable(snapshot):
+        return snapshot()   # published by the engine thread: safe to read from here
     try:
         return lm.engine.stats()
-    except Exception:       # read while the engine thread mutates: skip this sample
+    except Exception:       # an engine without snapshot(): live structures, may race
         return {}
