@@ -183,6 +183,18 @@ def test_tool_result_round_trip(oa):
     assert r.usage.prompt_tokens > base.usage.prompt_tokens + 15
 
 
+def test_auto_tool_choice_text_passes_through_the_auto_grammar(oa):
+    # the base model answers in prose here; under the auto grammar prose stays free
+    ref = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=ASK,
+                                     tools=[WEATHER], tool_choice="none")
+    r = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=ASK,
+                                   tools=[WEATHER])
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls is None
+    assert c.message.content and "<tool_call>" not in c.message.content
+    assert r.usage.prompt_tokens > ref.usage.prompt_tokens      # the tools are in the prompt
+
+
 def test_tool_choice_none_gives_text(oa):
     r = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=8, messages=ASK,
                                    tools=[WEATHER], tool_choice="none")

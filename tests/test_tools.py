@@ -193,3 +193,51 @@ def test_can_think():
     assert T.can_think(E())
     E.chat_template = builtin_template("gemma")
     assert not T.can_think(E())
+
+
+# ----- the auto grammar (text, or text then valid calls) -------------------------------------
+
+@pytest.fixture(scope="module")
+def tok(gemma3_path):
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.tokenizer import Tokenizer
+    f = read_gguf(gemma3_path)
+    try:
+        return Tokenizer.from_gguf(f.metadata)
+    finally:
+        f.close()
+
+
+def _feed(tok, c, text) -> bool:
+    for t in tok.encode(text, add_special=False, parse_special=False):
+        if not c.allowed_tokens()[t]:
+            return False
+        c.accept(t)
+    return True
+
+
+def test_auto_grammar_allows_text_or_valid_calls(tok):
+    pytest.importorskip("llguidance")
+    from edgeinfer.engine import grammar as g
+    spec = T.call_grammar(TOOLS, T.Choice("auto"), parallel=True)
+    eos = min(tok.eot_ids)
+
+    def fresh():
+        return g.GrammarConstraint.for_spec(tok, tok.vocab_size, spec)
+    c = fresh()
+    assert _feed(tok, c, "It is sunny in Paris, I think. a < b.")
+    assert c.allowed_tokens()[eos]                    # plain text may end anywhere
+    c = fresh()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert _feed(tok, c, "Let me look. " + call)
+    assert c.allowed_tokens()[eos]
+    c = fresh()                                       # after the trigger: only a valid call
+    assert _feed(tok, c, 'Ok <tool_call>\n{"name": "')
+    assert not c.allowed_tokens()[tok.encode("launch", add_special=False)[0]]
+    assert not c.allowed_tokens()[eos]
+
+
+def test_auto_grammar_fits_only_envelope_families():
+    assert T.auto_grammar_fits(builtin_template("gemma"))
+    assert T.auto_grammar_fits("{% if tools %}<tool_call>{% endif %}")
+    assert not T.auto_grammar_fits("{% if tools %}[TOOL_CALLS]{% endif %}")

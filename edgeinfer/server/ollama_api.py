@@ -181,7 +181,10 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
         params = _sampling(body.options, len(prompt), body.logprobs, body.top_logprobs)
-        constraints = (await tl.build_constraints(engine, spec, 1, "format")
+        param = "format"
+        if spec is None and tools and tl.auto_grammar_fits(engine.chat_template):
+            spec, param = tl.call_grammar(tools, tl.Choice("auto"), True), "tools"
+        constraints = (await tl.build_constraints(engine, spec, 1, param)
                        if spec is not None else None)
         tok = engine.tokenizer
         o = _Out(tools, think)

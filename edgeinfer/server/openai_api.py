@@ -250,6 +250,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = gen.lm.engine
         msgs, extra = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
                                       engine.chat_template)
+        if spec is None and choice.mode == "auto" and tl.auto_grammar_fits(engine.chat_template):
+            spec, spec_param = tl.call_grammar(tools, choice, body.parallel_tool_calls), "tools"
         try:
             prompt = await gen.encode(lambda e: e.encode_chat(msgs, **extra))
         except ChatTemplateError as e:

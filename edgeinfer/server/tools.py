@@ -250,13 +250,29 @@ def call_schema(tools: list[Tool]) -> dict:
 
 
 def call_grammar(tools: list[Tool], choice: Choice, parallel: bool) -> GrammarSpec:
-    """Output = one (or, parallel, several) envelopes calling the allowed tools."""
+    """required / named: output = one (or, parallel, several) envelopes calling the allowed
+    tools. auto: free text that never contains the trigger, or text, the trigger, and then
+    valid calls only (a lazy `stop` lexeme ends the text at the trigger)."""
     allowed = [t for t in tools if choice.mode != "named" or t.name == choice.name]
     schema = json.dumps(call_schema(allowed))
     one = f'"{OPEN}\\n" %json {schema} "\\n{CLOSE}"'
     more = ' ("\\n" call)*' if parallel else ""
-    lark = f"start: call{more}\ncall: {one}\n"
+    if choice.mode == "auto":
+        lark = (f"start: FREE | text body{more}\n"
+                f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(OPEN)}.*)/\n"
+                f'text[stop="{OPEN}"]: /(?s:.*)/\n'
+                f'body: "\\n" %json {schema} "\\n{CLOSE}"\n'
+                f"call: {one}\n")
+    else:
+        lark = f"start: call{more}\ncall: {one}\n"
     return GrammarSpec("lark", lark)
+
+
+def auto_grammar_fits(template: str) -> bool:
+    """With tool_choice auto, constrain calls only where the model writes our envelope: the
+    built-in fallback prompt, or a Hermes/Qwen template (`<tool_call>` JSON). Other families
+    (Llama 3 JSON, Mistral [TOOL_CALLS]) are parsed from free output."""
+    return not template_supports_tools(template) or OPEN in (template or "")
 
 
 # ----- parsing -----------------------------------------------------------------------------
