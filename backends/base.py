@@ -19,6 +19,8 @@ class ForwardBatch:
     Token t belongs to sequence row token_seq[t] of block_tables and sits at positions[t];
     its K/V go to slot_mapping[t] (= block * block_size + offset). Logits are computed only
     for the rows in logits_indices (the last token of each chunk that needs a sample).
+    When hidden_indices is set, the model also leaves the final hidden states (after the last
+    norm) of those rows in `hidden` (float32 numpy [len(hidden_indices), E]): embeddings.
     """
     token_ids: np.ndarray      # int32 [T]
     positions: np.ndarray      # int32 [T]
@@ -28,6 +30,8 @@ class ForwardBatch:
     logits_indices: np.ndarray  # int64 [L]
     # Per-step values a backend derives once and reuses in every layer (rope tables...).
     cache: dict = field(default_factory=dict)
+    hidden_indices: np.ndarray | None = None    # int64 [P]: rows whose hidden states to keep
+    hidden: np.ndarray | None = None            # out: float32 [P, E]
 
     @property
     def num_tokens(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
-from edgeinfer.models.llama import attention, load_head, load_layers
+from edgeinfer.models.llama import attention, final_head, load_head, load_layers
 
 
 class Gemma3Model:
@@ -31,5 +31,4 @@ class Gemma3Model:
             h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
             f = ops.matmul(ops.geglu(ops.matmul(h, w.w_gate), ops.matmul(h, w.w_up)), w.w_down)
             x = ops.add(x, ops.rms_norm(f, w.post_ffw_norm, cfg.rms_eps))
-        x = ops.take_rows(x, batch.logits_indices)
-        return ops.matmul(ops.rms_norm(x, self.output_norm, cfg.rms_eps), self.output)
+        return final_head(cfg, ops, x, batch, self.output_norm, self.output)

@@ -95,6 +95,17 @@ class LlamaModel:
         return self.logits(x, batch)
 
     def logits(self, x, batch: ForwardBatch):
-        ops = self.ops
-        x = ops.take_rows(x, batch.logits_indices)
-        return ops.matmul(ops.rms_norm(x, self.output_norm, self.cfg.rms_eps), self.output)
+        return final_head(self.cfg, self.ops, x, batch, self.output_norm, self.output)
+
+
+def final_head(cfg: ModelConfig, ops, x, batch: ForwardBatch, norm, output):
+    """The last norm and the output projection for the rows in batch.logits_indices; the
+    normed hidden states of batch.hidden_indices go to batch.hidden (embeddings). None when
+    no row wants logits."""
+    if batch.hidden_indices is not None:
+        h = ops.rms_norm(ops.take_rows(x, batch.hidden_indices), norm, cfg.rms_eps)
+        batch.hidden = ops.to_numpy(h)
+    if not len(batch.logits_indices):
+        return None
+    x = ops.take_rows(x, batch.logits_indices)
+    return ops.matmul(ops.rms_norm(x, norm, cfg.rms_eps), output)

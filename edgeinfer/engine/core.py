@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
-from edgeinfer.engine.kv_manager import KVCacheManager
+from edgeinfer.engine.embedding import PoolingAwareKV
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
@@ -74,6 +74,8 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # embedding requests: the pooled vector (raw, not normalized), in the finished event
+    embedding: Any = None
 
 
 Sink = Callable[[RequestOutput], None]
@@ -98,6 +100,7 @@ class _RequestState:
                                  arrival_time=time.monotonic())
         self.want_logprobs = params.logprobs is not None
         self.reused = 0       # prompt tokens the runner's own cache skipped (llama.cpp)
+        self.pooling: str | None = None     # embedding requests: how the runner pools
 
 
 class Engine:
@@ -120,7 +123,7 @@ class Engine:
             plan = self.runner.kv_plan
             # the runner says what its block ids mean: shared prefix blocks (native) or only
             # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
-            kv = KVCacheManager(plan.num_blocks, plan.block_size,
+            kv = PoolingAwareKV(plan.num_blocks, plan.block_size,
                                 enable_prefix_cache=self.runner.prefix_caching)
             self.scheduler = Scheduler(
                 SchedulerConfig(num_blocks=plan.num_blocks, block_size=plan.block_size,
@@ -168,6 +171,9 @@ class Engine:
         This one waits until that one's prompt is computed, then finds it in the prefix
         cache, so n choices share one prefill. `constraint` restricts every sampled token
         (structured output); the request stops when it is complete."""
+        if getattr(self.runner, "embedding_only", False):
+            raise RequestError(f"{self.cfg.name!r} is an embedding model: it cannot generate "
+                               "text (use /api/embed or /v1/embeddings)")
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         n = len(prompt_ids)
@@ -192,6 +198,40 @@ class Engine:
         seq_id = next(self._ids)
         self._commands.put(("add", seq_id, list(prompt_ids), params, sink, choice, constraint,
                             follows))
+        self._wake.set()
+        return seq_id
+
+    @property
+    def pooling(self) -> str | None:
+        """How this model pools embeddings (GGUF pooling_type; mean for decoders without
+        one); None when its runner cannot embed."""
+        return getattr(self.runner, "pooling", None)
+
+    @property
+    def max_embed_tokens(self) -> int:
+        """The longest input an embedding request may have (the scheduler keeps one position
+        of the context free)."""
+        return min(self.max_model_len - 1, self.runner.kv_plan.capacity_tokens - 1)
+
+    def submit_embed(self, prompt_ids: list[int], sink: Sink, pooling: str | None = None) -> int:
+        """Queue a prefill-only request whose finished event carries the pooled final hidden
+        states (RequestOutput.embedding). It batches with everything else, never takes a
+        prefix-cache hit (pooling needs every position computed) and ends after its prompt."""
+        pooling = pooling or self.pooling
+        if self.pooling is None:
+            raise RequestError(f"the {self.runner.kind} backend cannot compute embeddings; "
+                               "load the model on the native backend (cpu or torch)")
+        if not prompt_ids:
+            raise RequestError("the input is empty")
+        n = len(prompt_ids)
+        if n > self.max_embed_tokens:
+            raise RequestError(f"the input is {n} tokens, more than the {self.max_embed_tokens} "
+                               "this model takes")
+        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        seq_id = next(self._ids)
+        self._commands.put(("embed", seq_id, list(prompt_ids), pooling, sink))
         self._wake.set()
         return seq_id
 
@@ -260,6 +300,8 @@ class Engine:
                     self._followers.setdefault(follows, []).append(cmd)
                 else:
                     self._add(cmd)
+            elif cmd[0] == "embed":
+                self._add_embed(cmd)
             elif cmd[0] == "abort":
                 rid = cmd[1]
                 if not self.scheduler.abort(rid):
@@ -275,6 +317,16 @@ class Engine:
                                              constraint)
         self.scheduler.add(seq)
         self._followers.setdefault(seq_id, [])
+
+    def _add_embed(self, cmd: tuple) -> None:
+        _, seq_id, prompt, pooling, sink = cmd
+        params = SamplingParams(temperature=0.0, max_tokens=1)    # never sampled
+        seq = Sequence(seq_id, prompt, params)
+        seq.pooling = pooling            # PoolingAwareKV: no prefix-cache lookup
+        st = _RequestState(self, seq_id, prompt, params, sink, 0, None)
+        st.pooling = pooling
+        self._states[seq_id] = st
+        self.scheduler.add(seq)
 
     def _abort_unstarted(self, cmd: tuple) -> None:
         _, seq_id, prompt, _, sink, *_ = cmd
@@ -334,12 +386,13 @@ class Engine:
             st = self._states[rid]
             if rid not in self._announced:
                 self._announced.add(rid)
-                new.append(NewRequest(rid, tuple(seq.prompt_token_ids), seq.params, st.choice))
+                new.append(NewRequest(rid, tuple(seq.prompt_token_ids), seq.params, st.choice,
+                                      pooling=st.pooling))
             mask = None
             if c.needs_logits and st.constraint is not None:
                 mask = st.constraint.allowed_tokens()
             spans.append(ScheduledSpan(rid, c.start, tuple(c.token_ids), tuple(seq.block_table),
-                                       c.needs_logits, mask))
+                                       c.needs_logits and st.pooling is None, mask))
         gone, self._gone = self._gone, []
         return StepPlan(tuple(spans), tuple(new),
                         preempted=tuple(s.seq_id for s in out.preempted),
@@ -362,6 +415,14 @@ class Engine:
         for rid, n in result.reused_tokens.items():
             if rid in self._states:
                 self._states[rid].reused = max(self._states[rid].reused, n)
+        for rid, vec in (result.hidden or {}).items():
+            # an embedding's last position was computed: it ends now, before its blocks
+            # would be published (see edgeinfer.engine.embedding)
+            seq, st = self.scheduler.get(rid), self._states.get(rid)
+            if seq is not None and st is not None:
+                st.out.embedding = vec
+                self.scheduler.finish(rid, "stop")
+                self._end(seq, "stop")
         sampled = {rid: toks[0] for rid, toks in result.tokens.items()}
         for rid, message in result.errors.items():
             seq = self.scheduler.get(rid)
@@ -435,6 +496,19 @@ class Engine:
                   "num_cached_tokens", "arrival_time", "first_token_time", "finish_time"):
             setattr(final, k, getattr(last, k))
         return final
+
+
+def embed_all(engine: Engine, prompts: list[list[int]], pooling: str | None = None) -> list:
+    """Embed many prompts together on the calling thread (the loop must not be running):
+    they batch in the scheduler like any requests. Returns the finished RequestOutputs in
+    order (each .embedding raw, not normalized)."""
+    outs: dict[int, RequestOutput] = {}
+    ids = [engine.submit_embed(p, lambda o: outs.__setitem__(o.request_id, o), pooling)
+           for p in prompts]
+    engine._drain_commands()
+    while engine.scheduler.has_work():
+        engine.step()
+    return [outs[i] for i in ids]
 
 
 def greedy(max_tokens: int = 64, **kw) -> SamplingParams:

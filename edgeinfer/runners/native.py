@@ -15,6 +15,7 @@ from edgeinfer.backends.base import ForwardBatch, Ops
 from edgeinfer.formats.gguf_file import GGUFFile, read_gguf
 from edgeinfer.formats.model_config import ModelConfig, load_model_config
 from edgeinfer.runners.base import KVPlan, ScheduledSpan, StepPlan, StepResult, plan_kv
+from edgeinfer.runners.pooling import Pooler, pooling_of
 from edgeinfer.runners.sampling_stage import SamplingStage
 
 
@@ -69,6 +70,10 @@ class ModelRunner:
                                    cfg.n_kv_head, cfg.head_dim)
         self._tokenizer = None
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
+        # embeddings: the model's pooling, and per-request pools (non-causal encoders compute
+        # a prompt only once all of it is scheduled)
+        self.pooling = pooling_of(gf.metadata, cfg.arch)
+        self.pooler = Pooler(whole_prompt=bool(getattr(self.model, "non_causal", False)))
 
     @classmethod
     def load(cls, path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
@@ -105,24 +110,65 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
     def forward(self, spans: Sequence[ScheduledSpan],
-                block_copies: Sequence[tuple[int, int]] = ()) -> np.ndarray:
-        """Run the model over the spans; float32 logits [spans that sample, vocab]."""
+                block_copies: Sequence[tuple[int, int]] = (),
+                hidden_of: Sequence[ScheduledSpan] = ()) -> np.ndarray:
+        """Run the model over the spans; float32 logits [spans that sample, vocab]. The
+        final hidden states of every position of the spans in `hidden_of` (embeddings) are
+        left in self.hidden as {id(span): float32 [len(span), E]}."""
         self.ops.begin_step()
+        self.hidden = {}
         if block_copies:
             self.ops.copy_blocks(self.kv, list(block_copies))
         if not spans:
             return np.empty((0, self.cfg.vocab_size), np.float32)
         batch = build_forward_batch(spans, self.kv_plan.block_size)
+        if hidden_of:
+            return self._forward_hidden(spans, batch, hidden_of)
         if not len(batch.logits_indices):
             batch.logits_indices = np.array([batch.num_tokens - 1], np.int64)
             self.model.forward(batch, self.kv)
             return np.empty((0, self.cfg.vocab_size), np.float32)
         return self.ops.to_numpy(self.model.forward(batch, self.kv))
 
+    def _forward_hidden(self, spans, batch, hidden_of) -> np.ndarray:
+        want = {id(s) for s in hidden_of}
+        rows, where, t, off = [], [], 0, 0
+        for s in spans:
+            n = len(s.token_ids)
+            if id(s) in want:
+                where.append((s, off, n))
+                rows.append(np.arange(t, t + n, dtype=np.int64))
+                off += n
+            t += n
+        batch.hidden_indices = np.concatenate(rows)
+        logits = self.model.forward(batch, self.kv)
+        for s, off, n in where:
+            self.hidden[id(s)] = batch.hidden[off:off + n]
+        if logits is None:
+            return np.empty((0, self.cfg.vocab_size), np.float32)
+        return self.ops.to_numpy(logits)
+
     def execute(self, plan: StepPlan) -> StepResult:
         self.sampling.begin(plan)
-        logits = self.forward(plan.spans, plan.block_copies)
-        return self.sampling.sample([s for s in plan.spans if s.sample], logits)
+        self.pooler.begin(plan)
+        spans, pooled = self.pooler.split(plan.spans)
+        logits = self.forward(spans, plan.block_copies, pooled)
+        result = self.sampling.sample([s for s in spans if s.sample], logits)
+        for s in pooled:
+            vec = self.pooler.add(s, self.hidden[id(s)])
+            if vec is not None:
+                if result.hidden is None:
+                    result.hidden = {}
+                result.hidden[s.req_id] = self.rank(vec) if self.pooler.kind(s.req_id) == "rank" else vec
+        self.hidden = {}
+        return result
+
+    def rank(self, vec: np.ndarray) -> np.ndarray:
+        """The classification head over a rank-pooled vector (rerankers): float32 [classes]."""
+        head = getattr(self.model, "rank_head", None)
+        if head is None:
+            raise RuntimeError("this model has no classification head for rank pooling")
+        return np.asarray(head(vec), np.float32).reshape(-1)
 
     def close(self) -> None:
         """Drop the weights, the KV pool and the file mapping (deterministic unload)."""
