@@ -322,3 +322,8 @@ def test_ollama_bad_tool_is_400(ol):
                                                 "properties": {"a": {"type": "strng"}}}}}])
     assert e.value.status_code == 400 and "tools[0].function.parameters" in e.value.error
     assert "'strng'" in e.value.error
+
+
+def test_ollama_show_capabilities(ol):
+    caps = ol.show(MODEL).capabilities
+    assert "completion" in caps and "tools" in caps and "thinking" not in caps
