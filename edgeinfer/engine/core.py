@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
-from edgeinfer.engine.embedding import PoolingAwareKV
+from edgeinfer.engine.prompt_scoring import PromptScoring, ScoringAwareKV
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
@@ -76,6 +76,11 @@ class RequestOutput:
     finish_time: float | None = None
     # embedding requests: the pooled vector (raw, not normalized), in the finished event
     embedding: Any = None
+    # prompt logprobs when asked (submit(prompt_logprobs=k)): entry p is log P(prompt[p] |
+    # prompt[:p]) (None at p = 0) and its k best alternatives; once, complete, in the first
+    # event after the prompt is computed
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 Sink = Callable[[RequestOutput], None]
@@ -101,6 +106,7 @@ class _RequestState:
         self.want_logprobs = params.logprobs is not None
         self.reused = 0       # prompt tokens the runner's own cache skipped (llama.cpp)
         self.pooling: str | None = None     # embedding requests: how the runner pools
+        self.scoring: PromptScoring | None = None   # prompt logprobs / max_tokens 0
 
 
 class Engine:
@@ -164,8 +170,13 @@ class Engine:
     # -- client side (any thread) ----------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                choice: int = 0, constraint: TokenConstraint | None = None,
-               follows: int | None = None) -> int:
+               follows: int | None = None, prompt_logprobs: int | None = None,
+               score_only: bool = False) -> int:
         """Queue a request; returns its id. Raises RequestError for what can never run.
+
+        `prompt_logprobs = k`: the request's events carry its prompt tokens' logprobs and k
+        alternatives (RequestOutput.prompt_logprobs). `score_only`: compute the prompt and
+        end with reason "length", sampling nothing (OpenAI max_tokens 0).
 
         `follows`: the id of a request with the same prompt (choice 0 of an n > 1 request).
         This one waits until that one's prompt is computed, then finds it in the prefix
@@ -195,9 +206,15 @@ class Engine:
         if params.max_tokens is None or params.max_tokens > room:
             params = replace(params, max_tokens=room if params.max_tokens is None else
                              min(params.max_tokens, room))
+        scoring = None
+        if prompt_logprobs is not None or score_only:
+            try:
+                scoring = PromptScoring(n, prompt_logprobs, bool(score_only))
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         seq_id = next(self._ids)
         self._commands.put(("add", seq_id, list(prompt_ids), params, sink, choice, constraint,
-                            follows))
+                            follows, scoring))
         self._wake.set()
         return seq_id
 
@@ -311,10 +328,13 @@ class Engine:
                             self._abort_unstarted(c)
 
     def _add(self, cmd: tuple) -> None:
-        _, seq_id, prompt, params, sink, choice, constraint, _ = cmd
+        _, seq_id, prompt, params, sink, choice, constraint, _, scoring = cmd
         seq = Sequence(seq_id, prompt, params)
         self._states[seq_id] = _RequestState(self, seq_id, prompt, params, sink, choice,
                                              constraint)
+        if scoring is not None:
+            self._states[seq_id].scoring = scoring
+            seq.whole_prompt = scoring.wants      # ScoringAwareKV: no prefix-cache lookup
         self.scheduler.add(seq)
         self._followers.setdefault(seq_id, [])
 
@@ -360,7 +380,7 @@ class Engine:
     def _emit(self, st: "_RequestState", seq: Sequence, finished: bool = False,
               reason: str | None = None, error: str | None = None) -> None:
         out = st.out
-        out.num_output_tokens = seq.num_output_tokens
+        out.num_output_tokens = 0 if st.scoring and st.scoring.score_only else seq.num_output_tokens
         out.num_cached_tokens = max(out.num_cached_tokens, seq.num_cached_tokens + st.reused)
         if finished:
             out.finished, out.finish_reason, out.error = True, reason, error
@@ -392,7 +412,8 @@ class Engine:
             if c.needs_logits and st.constraint is not None:
                 mask = st.constraint.allowed_tokens()
             spans.append(ScheduledSpan(rid, c.start, tuple(c.token_ids), tuple(seq.block_table),
-                                       c.needs_logits and st.pooling is None, mask))
+                                       c.needs_logits and st.pooling is None, mask,
+                                       st.scoring.k if st.scoring and st.scoring.wants else None))
         gone, self._gone = self._gone, []
         return StepPlan(tuple(spans), tuple(new),
                         preempted=tuple(s.seq_id for s in out.preempted),
@@ -423,6 +444,10 @@ class Engine:
                 st.out.embedding = vec
                 self.scheduler.finish(rid, "stop")
                 self._end(seq, "stop")
+        for rid, plp in result.prompt_logprobs.items():
+            st = self._states.get(rid)
+            if st is not None and st.scoring is not None:
+                st.scoring.add(plp)
         sampled = {rid: toks[0] for rid, toks in result.tokens.items()}
         for rid, message in result.errors.items():
             seq = self.scheduler.get(rid)
@@ -437,8 +462,16 @@ class Engine:
                 continue
             st = self._states[rid]
             token = sampled[rid]
-            self.tokens_generated += 1
             o = st.out
+            if st.scoring is not None:
+                taken = st.scoring.take()
+                if taken is not None:
+                    o.prompt_logprobs, o.prompt_top_logprobs = taken
+                if st.scoring.score_only:          # max_tokens 0: the prompt alone
+                    self.scheduler.finish(rid, "length")
+                    self._end(seq, "length")
+                    continue
+            self.tokens_generated += 1
             if o.first_token_time is None:
                 o.first_token_time = now
                 self._release_followers(rid)       # its prompt is in the prefix cache now
@@ -491,6 +524,9 @@ class Engine:
             final.token_ids += e.token_ids
             final.logprobs += e.logprobs
             final.top_logprobs += e.top_logprobs
+            if e.prompt_logprobs is not None:
+                final.prompt_logprobs = e.prompt_logprobs
+                final.prompt_top_logprobs = e.prompt_top_logprobs
         last = events[-1]
         for k in ("finished", "finish_reason", "error", "num_prompt_tokens", "num_output_tokens",
                   "num_cached_tokens", "arrival_time", "first_token_time", "finish_time"):

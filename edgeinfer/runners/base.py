@@ -19,6 +19,7 @@ import numpy as np
 
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.runners.logprobs import PromptLogprobs
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,20 @@ class ScheduledSpan:
     """Compute K/V for positions start..start+len(token_ids)-1 of request `req_id` into its
     block table, attending over positions 0..end-1; when `sample` is set the span ends at the
     request's last known token and one token is sampled from the logits there, restricted
-    to `token_mask` (bool [vocab], True = allowed) when one is given."""
+    to `token_mask` (bool [vocab], True = allowed) when one is given.
+
+    `prompt_logprobs = k`: the runner also returns, for each position p of the span whose
+    row predicts a prompt token (p + 1 < prompt length), log P(prompt[p + 1] | prefix) and
+    the k best alternatives (StepResult.prompt_logprobs; computed in chunks of rows, see
+    edgeinfer.runners.logprobs). The engine sets it only on spans of a request that asked,
+    and admits such a request without prefix-cache reuse, so its spans cover every position."""
     req_id: int
     start: int
     token_ids: tuple[int, ...]
     block_table: tuple[int, ...]
     sample: bool
     token_mask: np.ndarray | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def end(self) -> int:
@@ -109,6 +117,8 @@ class StepResult:
     # requests whose row could not be sampled (a token mask that allows nothing): the engine
     # ends them with this message; the rest of the batch is unaffected
     errors: dict[int, str] = field(default_factory=dict)
+    # per request whose span asked: prompt logprobs of the positions this step computed
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
 
 class KVAllocator(Protocol):

@@ -15,6 +15,7 @@ from edgeinfer.backends.base import ForwardBatch, Ops
 from edgeinfer.formats.gguf_file import GGUFFile, read_gguf
 from edgeinfer.formats.model_config import ModelConfig, load_model_config
 from edgeinfer.runners.base import KVPlan, ScheduledSpan, StepPlan, StepResult, plan_kv
+from edgeinfer.runners.logprobs import score_spans
 from edgeinfer.runners.pooling import Pooler, pooling_of
 from edgeinfer.runners.sampling_stage import SamplingStage
 
@@ -70,6 +71,7 @@ class ModelRunner:
                                    cfg.n_kv_head, cfg.head_dim)
         self._tokenizer = None
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
+        self._prompts: dict[int, tuple[int, ...]] = {}   # prompt logprobs' targets
         # embeddings: the model's pooling, and per-request pools (non-causal encoders compute
         # a prompt only once all of it is scheduled)
         self.pooling = pooling_of(gf.metadata, cfg.arch)
@@ -152,8 +154,23 @@ class ModelRunner:
         self.sampling.begin(plan)
         self.pooler.begin(plan)
         spans, pooled = self.pooler.split(plan.spans)
+        for rid in plan.finished:
+            self._prompts.pop(rid, None)
+        for req in plan.new_requests:
+            self._prompts[req.req_id] = req.prompt_token_ids
+        scored = [s for s in spans if s.prompt_logprobs is not None]
+        if scored:
+            spans = [s for s in spans if s.prompt_logprobs is None]
         logits = self.forward(spans, plan.block_copies, pooled)
-        result = self.sampling.sample([s for s in spans if s.sample], logits)
+        sampled = [s for s in spans if s.sample]
+        plp = {}
+        if scored:     # after the batch: their pieces run one after another (logprobs.py)
+            plp, more, more_logits = score_spans(scored, self._prompts, self._logits_rows,
+                                                 self.cfg.vocab_size)
+            sampled += more
+            logits = np.concatenate([logits, more_logits]) if len(logits) else more_logits
+        result = self.sampling.sample(sampled, logits)
+        result.prompt_logprobs = plp
         for s in pooled:
             vec = self.pooler.add(s, self.hidden[id(s)])
             if vec is not None:
@@ -162,6 +179,12 @@ class ModelRunner:
                 result.hidden[s.req_id] = self.rank(vec) if self.pooler.kind(s.req_id) == "rank" else vec
         self.hidden = {}
         return result
+
+    def _logits_rows(self, span: ScheduledSpan, rows) -> np.ndarray:
+        """One span alone through the model; float32 logits of the given rows of it."""
+        batch = build_forward_batch([span], self.kv_plan.block_size)
+        batch.logits_indices = np.asarray(rows, np.int64)
+        return self.ops.to_numpy(self.model.forward(batch, self.kv))
 
     def rank(self, vec: np.ndarray) -> np.ndarray:
         """The classification head over a rank-pooled vector (rerankers): float32 [classes]."""

@@ -27,6 +27,7 @@ from edgeinfer.runners.llamacpp.context import LlamaContext, LlamaError
 from edgeinfer.formats.gguf_file import read_gguf
 from edgeinfer.formats.model_config import ModelConfig, UnsupportedArchitecture, load_model_config, summarize
 from edgeinfer.runners.base import KVPlan, StepPlan, StepResult
+from edgeinfer.runners.logprobs import CHUNK_ROWS, PromptLogprobs, rows_logprobs, wanted_positions
 from edgeinfer.runners.sampling_stage import SamplingStage
 
 RETAINED_SLOTS = 4   # finished sequences kept for prefix reuse beyond the running ones
@@ -89,6 +90,7 @@ class LlamaCppRunner:
         # llama.cpp may round n_ctx up; the scheduler must never promise more than it holds
         self.kv_plan = KVPlan(self.ctx.n_ctx // block_size, block_size, per_token)
         self.slots = [_Slot(i) for i in range(n_seq)]
+        self._prompts: dict[int, tuple[int, ...]] = {}    # prompt logprobs' targets
         self._clock = itertools.count(1)
         self.tokens_decoded = 0   # rows llama.cpp computed; less than scheduled when reused
         self.tokenizer = self._tokenizer()
@@ -160,19 +162,27 @@ class LlamaCppRunner:
             self._history.pop(rid, None)
         for req in plan.new_requests:
             self._history[req.req_id] = list(req.prompt_token_ids)
+            self._prompts[req.req_id] = req.prompt_token_ids
+        for rid in plan.finished:
+            self._prompts.pop(rid, None)
         self._unbind(plan.finished)
         self._unbind(plan.preempted)
-        logits, reused = self.forward(plan.spans)
+        plp: dict[int, PromptLogprobs] = {}
+        logits, reused = self.forward(plan.spans, plp)
         result = self.sampling.sample([s for s in plan.spans if s.sample], logits)
         for rid, toks in result.tokens.items():
             self._history[rid].extend(toks)
         result.reused_tokens = reused
+        result.prompt_logprobs = plp
         return result
 
-    def forward(self, spans) -> tuple[np.ndarray, dict[int, int]]:
+    def forward(self, spans, prompt_logprobs: dict | None = None
+                ) -> tuple[np.ndarray, dict[int, int]]:
         """Logits [spans that sample, vocab], and per request the prompt tokens this step
-        skipped because its slot (or a copied prefix) already held them."""
-        rows: list[tuple[int, int, int, bool]] = []      # token, pos, seq id, wants logits
+        skipped because its slot (or a copied prefix) already held them. Spans that ask for
+        prompt logprobs recompute every position (no slot reuse) with logits for each row;
+        those rows are reduced into `prompt_logprobs` chunk by chunk (logprobs.py)."""
+        rows: list[tuple] = []      # token, pos, seq id, wants logits, (req id, k) when scored
         reused: dict[int, int] = {}
         now = next(self._clock)
         committed = {s.sid: len(s.tokens) for s in self.slots}
@@ -184,6 +194,10 @@ class LlamaCppRunner:
             slot = self._bind(span.req_id, target, committed)
             slot.last_used = now
             keep = min(_lcp(slot.tokens, target), end - 1 if span.sample else end)
+            scored = span.prompt_logprobs is not None
+            if scored:
+                keep = min(keep, span.start)
+                want = wanted_positions(span.start, end, len(self._prompts[span.req_id]))
             if keep < len(slot.tokens):
                 if not self.ctx.seq_rm(slot.sid, keep, -1):
                     self.ctx.seq_rm(slot.sid)
@@ -193,18 +207,32 @@ class LlamaCppRunner:
                 reused[span.req_id] = keep - span.start
             # from what the slot holds (below span.start when it lacks part of the prefix)
             for p in range(keep, end):
-                rows.append((target[p], p, slot.sid, span.sample and p == end - 1))
+                last = span.sample and p == end - 1
+                if scored and p in want:
+                    rows.append((target[p], p, slot.sid, True, (span.req_id, span.prompt_logprobs),
+                                 last))
+                else:
+                    rows.append((target[p], p, slot.sid, last, None, last))
             slot.tokens = target
         self._evict_for(len(rows))
         self.tokens_decoded += len(rows)
-        return self._decode(rows), reused
+        return self._decode(rows, prompt_logprobs), reused
 
-    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
+    def _parts(self, rows: list[tuple]):
+        """Decode calls: at most n_batch rows, and at most CHUNK_ROWS rows with logits."""
+        nb, i = self.ctx.n_batch, 0
+        while i < len(rows):
+            j, wanted = i, 0
+            while j < len(rows) and j - i < nb and (wanted < CHUNK_ROWS or not rows[j][3]):
+                wanted += rows[j][3]
+                j += 1
+            yield rows[i:j]
+            i = j
+
+    def _decode(self, rows: list[tuple], prompt_logprobs: dict | None = None) -> np.ndarray:
         out = []
-        nb = self.ctx.n_batch
-        for i in range(0, len(rows), nb):
-            part = rows[i:i + nb]
-            tok, pos, sid, want = (list(x) for x in zip(*part))
+        for part in self._parts(rows):
+            tok, pos, sid, want = (list(x) for x in zip(*(r[:4] for r in part)))
             rc = self.ctx.decode(tok, pos, sid, want)
             if rc != 0:
                 for s in self.slots:  # state is unknown now: recompute from scratch next time
@@ -212,7 +240,21 @@ class LlamaCppRunner:
                     s.tokens = []
                 raise LlamaError(f"llama_decode failed with status {rc} (KV cache of "
                                  f"{self.ctx.n_ctx} tokens full?)")
-            out += [self.ctx.logits(j) for j, w in enumerate(want) if w]
+            scored: dict[int, list] = {}
+            for j, r in enumerate(part):
+                if r[4] is not None:
+                    scored.setdefault(r[4][0], [r[4][1]]).append((j, r[1]))
+                if r[5]:
+                    out.append(self.ctx.logits(j))
+            for rid, (k, *js) in scored.items():
+                prompt = self._prompts[rid]
+                lg = np.stack([self.ctx.logits(j) for j, _ in js])
+                lp, top = rows_logprobs(lg, np.asarray([prompt[p + 1] for _, p in js]), k)
+                chunk = PromptLogprobs(js[0][1] + 1, lp, top)
+                if rid in prompt_logprobs:
+                    prompt_logprobs[rid].extend(chunk)
+                else:
+                    prompt_logprobs[rid] = chunk
         if not out:
             return np.empty((0, self.ctx.n_vocab), np.float32)
         return np.stack(out).astype(np.float32, copy=False)
