@@ -112,6 +112,7 @@ class Settings:
     hf_endpoint: str | None = None
     hf_token: str | None = None
     debug: bool = False
+    backend_set: bool = False               # backend came from the environment or a flag
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Settings":
@@ -128,6 +129,7 @@ class Settings:
             host=env.get("EDGEINFER_HOST") or None,
             api_key=env.get("EDGEINFER_API_KEY") or None,
             backend=env.get("EDGEINFER_BACKEND") or "cpu",
+            backend_set=bool(env.get("EDGEINFER_BACKEND")),
             device=env.get("EDGEINFER_DEVICE") or None,
             keep_alive=keep_alive,
             memory_budget_bytes=_num(env, "EDGEINFER_MEMORY_BUDGET_MB", 0, 1 << 20),

@@ -26,7 +26,6 @@ def fake_clock(monkeypatch, samples):
 
 
 def test_threads_follow_the_free_cores(monkeypatch):
-    monkeypatch.delenv("EDGEINFER_THREADS", raising=False)
     monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
     monkeypatch.setattr(T.numba, "set_num_threads", lambda n: None)
     advance = fake_clock(monkeypatch, [
@@ -50,15 +49,13 @@ def test_threads_follow_the_free_cores(monkeypatch):
 
 
 def test_fixed_thread_count(monkeypatch):
-    monkeypatch.setenv("EDGEINFER_THREADS", "1")
-    g = T.ThreadGovernor()
+    g = T.ThreadGovernor(fixed=1)
     assert g.update() == 1
     assert numba.get_num_threads() == 1
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 
 def test_sees_a_real_busy_process(monkeypatch):
-    monkeypatch.delenv("EDGEINFER_THREADS", raising=False)
     if T._machine_busy_seconds() is None:
         pytest.skip("no /proc/stat on this platform")
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"])
@@ -78,14 +75,13 @@ def test_sees_a_real_busy_process(monkeypatch):
 def test_engines_split_the_budget(monkeypatch):
     """One governor per process: two engine threads stepping at once get half the cores
     each; when one goes quiet the other gets them all back."""
-    monkeypatch.setenv("EDGEINFER_THREADS", "4")
     monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
     told = {}
     monkeypatch.setattr(T.numba, "set_num_threads",
                         lambda n: told.__setitem__(T.threading.get_ident(), n))
     clock = {"now": 0.0}
     monkeypatch.setattr(T.time, "monotonic", lambda: clock["now"])
-    g = T.ThreadGovernor(idle_after=1.0)
+    g = T.ThreadGovernor(idle_after=1.0, fixed=4)
 
     def call_from_thread() -> int:
         out = []
@@ -110,11 +106,10 @@ def test_engines_split_the_budget(monkeypatch):
 def test_uneven_budget_gives_the_remainder_away(monkeypatch):
     """Budget 3, two engines: one gets 2 and the other 1, never 1 + 1 (a core idle) or
     2 + 2 (oversubscribed)."""
-    monkeypatch.setenv("EDGEINFER_THREADS", "3")
     monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
     clock = {"now": 0.0}
     monkeypatch.setattr(T.time, "monotonic", lambda: clock["now"])
-    g = T.ThreadGovernor()
+    g = T.ThreadGovernor(fixed=3)
     g._callers[-1] = (0.0, 0.0)         # another engine (ids sort first) stepped just now
     clock["now"] = 0.1
     mine = g.share()

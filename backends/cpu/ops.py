@@ -118,7 +118,8 @@ class CpuOps:
     def begin_step(self) -> None:
         """Called by the runner before each forward, on the thread that runs it."""
         if self.governor is None:
-            self.governor = ThreadGovernor()
+            from edgeinfer.settings import current   # a lone ops object (scripts, tests)
+            self.governor = ThreadGovernor(fixed=current().threads)
         self.governor.update()
 
     @property

@@ -5,7 +5,8 @@ region waits for the thread that core's scheduler has not run yet, and a 30 us m
 milliseconds (decode measured 3.8 tok/s with one other busy process on a 2-core machine, 77
 on one thread). So before each step the governor reads how much CPU time the rest of the
 machine used since the last look (/proc/stat minus this process's own time) and runs on the
-cores left free, at least one. EDGEINFER_THREADS=N fixes the count instead.
+cores left free, at least one. A fixed count (Settings.threads, EDGEINFER_THREADS=N) replaces
+the measurement.
 
 One governor serves the whole process (the model manager owns it): every engine thread asks it
 before each step, and the free cores are split between the engines that are stepping, so two
@@ -53,9 +54,9 @@ class ThreadGovernor:
     """
 
     def __init__(self, max_threads: int | None = None, interval: float = 0.25,
-                 idle_after: float = 1.0):
-        fixed = os.environ.get("EDGEINFER_THREADS", "").strip()
-        self.fixed = int(fixed) if fixed.isdigit() and int(fixed) > 0 else None
+                 idle_after: float = 1.0, fixed: int | None = None):
+        # fixed: Settings.threads (EDGEINFER_THREADS), a set budget instead of a measured one
+        self.fixed = fixed if fixed and fixed > 0 else None
         self.max_threads = max(1, min(max_threads or numba.config.NUMBA_NUM_THREADS,
                                       numba.config.NUMBA_NUM_THREADS))
         self.interval = interval

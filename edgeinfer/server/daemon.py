@@ -64,7 +64,8 @@ def _port(p: str, whole: str) -> int:
 
 
 def env_address() -> tuple[str, int]:
-    return parse_address(os.environ.get("EDGEINFER_HOST"))
+    from edgeinfer.settings import current
+    return parse_address(current().host)
 
 
 def is_loopback(host: str) -> bool:
@@ -85,9 +86,10 @@ def url_for(host: str, port: int) -> str:
 
 
 def state_dir() -> Path:
-    home = os.environ.get("EDGEINFER_HOME")
+    from edgeinfer.settings import current
+    home = current().home
     if home:
-        return Path(home).expanduser() / "state"
+        return home / "state"
     import platformdirs
     return Path(platformdirs.user_state_dir("edgeinfer", appauthor=False))
 
@@ -188,7 +190,8 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
     env_host, env_port = env_address()
     host = host or env_host
     port = port or env_port
-    api_key = api_key or os.environ.get("EDGEINFER_API_KEY") or None
+    from edgeinfer.settings import current
+    api_key = api_key or current().api_key
     check_bind(host, api_key)
     try:
         config = ServerConfig.from_env(backend=backend, device=device)
@@ -252,7 +255,8 @@ def start_background(host: str | None = None, port: int | None = None,
     running = read_pid_file()
     if running is not None:
         return running
-    check_bind(host, api_key or os.environ.get("EDGEINFER_API_KEY"))
+    from edgeinfer.settings import current
+    check_bind(host, api_key or current().api_key)
     if health(url_for(host, port)) is not None:
         raise DaemonError(f"another server already answers on {url_for(host, port)}")
     d = state_dir()
