@@ -7,6 +7,7 @@ portable one.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -19,7 +20,7 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu.matmul import matmul
 from edgeinfer.backends.cpu.ops import CpuOps, repacked_bytes
 from edgeinfer.backends.cpu.quants import QuantMatrix, random_quant_rows
-from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul
+from edgeinfer.backends.cpu.repack import REPACKABLE, SERIAL_MACS, PackedMatrix, packed_matmul
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 needs_vnni = pytest.mark.skipif(not _int8.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
@@ -84,16 +85,58 @@ def test_a_row_is_bit_identical_alone_and_in_any_batch(qtype):
     np.testing.assert_array_equal(packed_matmul(x[perm], p), alone[perm])
 
 
+def _threads_for_parallel() -> int:
+    """Give this thread numba's full team; the parallel path needs two threads or more."""
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    n = numba.get_num_threads()
+    assert n >= 2, ("NUMBA_NUM_THREADS is 1: the parallel int8 path cannot run, so these "
+                    "batch-invariance tests would check the serial path only")
+    return n
+
+
+def _products(x, p, rows) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The batched product, each row alone, and the thread count each call ran on."""
+    ran: list[int] = []
+    real = _int8.int8_matmul
+
+    def spy(*args):
+        ran.append(int(args[-2]))        # nw: 1 = serial, > 1 = the parallel kernel
+        return real(*args)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_int8, "int8_matmul", spy)
+        y = packed_matmul(x, p)
+        alone = np.stack([packed_matmul(x[i:i + 1], p)[0] for i in rows])
+    return y, alone, ran
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.Q4_0], ids=lambda t: t.name)
+def test_row_alone_serial_equals_row_in_parallel_batch(qtype):
+    """A lone row (under SERIAL_MACS: the calling thread) and the same row inside a batch big
+    enough for the parallel kernel give the same bits."""
+    nthreads = _threads_for_parallel()
+    w = make(qtype, 128, 1024, seed=3)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(8).standard_normal((8, w.K)).astype(np.float32)
+    assert 1 * w.K * w.N < SERIAL_MACS <= len(x) * w.K * w.N      # the sizes span the threshold
+    y, alone, ran = _products(x, p, range(len(x)))
+    assert ran[0] == nthreads and set(ran[1:]) == {1}, ran
+    np.testing.assert_array_equal(y, alone)
+
+
 @settings(max_examples=25, deadline=None)
-@given(qtype=st.sampled_from(TYPES), n=st.integers(1, 40), m=st.integers(1, 12),
-       seed=st.integers(0, 2**16))
-def test_batch_invariance_fuzzed(qtype, n, m, seed):
-    w = make(qtype, n, 256, seed=seed)
+@given(qtype=st.sampled_from(TYPES), n=st.integers(1, 160), kb=st.sampled_from([1, 4]),
+       m=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_batch_invariance_fuzzed(qtype, n, kb, m, seed):
+    """Sizes on both sides of SERIAL_MACS (up to 12 x 1024 x 160 multiply-adds), so both the
+    serial and the parallel kernel run; each call is checked to take the path its size asks."""
+    nthreads = _threads_for_parallel()
+    w = make(qtype, n, 256 * kb, seed=seed)
     p = PackedMatrix.from_quant(w)
     x = np.random.default_rng(seed).standard_normal((m, w.K)).astype(np.float32) * 3
-    y = packed_matmul(x, p)
-    for i in range(m):
-        np.testing.assert_array_equal(packed_matmul(x[i:i + 1], p)[0], y[i])
+    y, alone, ran = _products(x, p, range(m))
+    want = [nthreads if rows * w.K * w.N >= SERIAL_MACS else 1 for rows in [m] + [1] * m]
+    assert ran == want
+    np.testing.assert_array_equal(alone, y)
 
 
 @needs_vnni
