@@ -129,7 +129,7 @@ class Engine:
             plan = self.runner.kv_plan
             # the runner says what its block ids mean: shared prefix blocks (native) or only
             # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
-            kv = PoolingAwareKV(plan.num_blocks, plan.block_size,
+            kv = ScoringAwareKV(plan.num_blocks, plan.block_size,
                                 enable_prefix_cache=self.runner.prefix_caching)
             self.scheduler = Scheduler(
                 SchedulerConfig(num_blocks=plan.num_blocks, block_size=plan.block_size,
