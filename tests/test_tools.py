@@ -182,7 +182,7 @@ def test_think_split():
     assert T.split_thinking("still thinking</think>done", started=True) == \
         ("still thinking", "done")
     s = T.ThinkSplitter()
-    parts = [s.feed(p) for p in ["<thi", "nk>x y", "</th", "ink>z"]] + [s.flush()]
+    parts = [s.feed(p) for p in ["<thi", "nk>x y", "</th", "ink>", "\n", "\nz"]] + [s.flush()]
     assert "".join(r for r, _ in parts) == "x y" and "".join(c for _, c in parts) == "z"
 
 

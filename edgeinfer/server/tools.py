@@ -463,13 +463,17 @@ class ThinkSplitter:
                 if THINK_CLOSE in self.buf:
                     r, _, self.buf = self.buf.partition(THINK_CLOSE)
                     reasoning += r
-                    self.buf = self.buf.lstrip("\n")
-                    self.state = "content"
+                    self.state = "after"
                     continue
                 keep = _holdback(self.buf, (THINK_CLOSE,))
                 reasoning += self.buf[:len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
                 return reasoning, content
+            if self.state == "after":            # the blank lines after </think>
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf:
+                    return reasoning, content
+                self.state = "content"
             content += self.buf
             self.buf = ""
         return reasoning, content
