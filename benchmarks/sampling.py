@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeinfer.engine.sampling import SamplingParams, Sampler, SeqSamplingState
+from edgeinfer.engine.sampling import Sampler
 
 VOCAB = 262_144
 MASK_DENSITY = 0.1
