@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
 
-from . import ollama_api, openai_api
+from . import embeddings_api, ollama_api, openai_api
 from .errors import APIError
 from .generation import ClientGone
 from .metrics import Metrics
@@ -130,6 +130,7 @@ def create_app(config: ServerConfig | None = None, api_key: str | None = None,
                   description="Local GGUF inference: OpenAI (/v1) and Ollama (/api) APIs.")
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
+    app.include_router(embeddings_api.router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
