@@ -327,3 +327,66 @@ def test_ollama_bad_tool_is_400(ol):
 def test_ollama_show_capabilities(ol):
     caps = ol.show(MODEL).capabilities
     assert "completion" in caps and "tools" in caps and "thinking" not in caps
+
+
+# ----- auto: a few-shot conversation makes the base model call on its own ------------------
+
+FEW_SHOT_OL = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"function": {"name": "get_weather",
+                                  "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+    {"role": "tool", "tool_name": "get_weather", "content": "21 degrees"},
+    {"role": "assistant", "content": "It is 21 degrees in Paris."},
+    {"role": "user", "content": "What is the weather in Rome?"}]
+
+
+def _few_shot_openai() -> list[dict]:
+    m = json.loads(json.dumps(FEW_SHOT_OL))
+    m[1]["tool_calls"] = [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]
+    m[2] = {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}
+    return m
+
+
+def test_ollama_auto_tool_call(ol):
+    r = ol.chat(model=MODEL, messages=FEW_SHOT_OL, tools=[WEATHER],
+                options={"temperature": 0, "num_predict": 60})
+    calls = r.message.tool_calls
+    assert calls and calls[0].function.name == "get_weather"
+    assert isinstance(calls[0].function.arguments, dict)          # an object, not a string
+    assert set(calls[0].function.arguments) == {"city", "unit"}
+    assert "<tool_call>" not in r.message.content
+
+
+def test_ollama_streamed_tool_call(ol):
+    ref = ol.chat(model=MODEL, messages=FEW_SHOT_OL, tools=[WEATHER],
+                  options={"temperature": 0, "num_predict": 60}).message.tool_calls
+    content, calls = "", []
+    for chunk in ol.chat(model=MODEL, messages=FEW_SHOT_OL, tools=[WEATHER], stream=True,
+                         options={"temperature": 0, "num_predict": 60}):
+        content += chunk.message.content or ""
+        calls += chunk.message.tool_calls or []
+    assert "<tool_call>" not in content and content.strip() == ""
+    assert [c.model_dump() for c in calls] == [c.model_dump() for c in ref]
+
+
+def test_openai_auto_tool_call_streamed(oa):
+    msgs = _few_shot_openai()
+    r = oa.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER],
+                                   temperature=0, max_tokens=60, parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    args = json.loads(c.message.tool_calls[0].function.arguments)
+    names, content = [], ""
+    for ev in oa.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER],
+                                         temperature=0, max_tokens=60,
+                                         parallel_tool_calls=False, stream=True):
+        for ch in ev.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                if d.function and d.function.name:
+                    names.append(d.function.name)
+                if d.function and d.function.arguments:
+                    assert json.loads(d.function.arguments) == args
+    assert names == ["get_weather"] and "<tool_call>" not in content

@@ -377,12 +377,18 @@ class StreamSplitter:
         self.tools = tools
         self.buf = ""
         self.in_call = False
+        self.after_call = False           # drop the newlines between envelopes
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self.buf += text
         ev: list[tuple[str, Any]] = []
         while True:
+            if self.after_call:
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf:
+                    return ev
+                self.after_call = False
             if not self.in_call:
                 hits = [(self.buf.find(t), t) for t in TRIGGERS if t in self.buf]
                 if hits:
@@ -405,7 +411,8 @@ class StreamSplitter:
                     ev.append(("call", c))
                 if not calls:                     # not a valid call: it was text after all
                     ev.append(("text", block + CLOSE))
-                self.buf = rest.lstrip("\n") if calls else rest
+                self.buf = rest
+                self.after_call = bool(calls)
                 self.in_call = False
                 continue
             return ev
@@ -414,6 +421,8 @@ class StreamSplitter:
         if not self.buf:
             return []
         text, calls = parse_calls(self.buf, self.tools)
+        if not calls and self.calls and self.buf.startswith(OPEN):
+            text = ""        # a further call cut by max_tokens: not content, and not a call
         self.buf = ""
         ev: list[tuple[str, Any]] = []
         if text:
