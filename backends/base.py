@@ -60,6 +60,11 @@ class Ops(Protocol):
         """The weights_format a model from this file would get, without loading it."""
         ...
 
+    def weights_nbytes(self, gguf_file: Any) -> int:
+        """Bytes this backend holds for the file's weights once loaded (repacked, dequantized
+        or mapped as they are): what memory budgets count, known before loading."""
+        ...
+
     def fit_kv_budget(self, gguf_file: Any, requested: int) -> int:
         """Before loading: refuse (an error naming the numbers) when the weights cannot fit,
         and return the KV budget in bytes that fits beside them (at most `requested`)."""

@@ -64,6 +64,7 @@ class ModelRunner:
         from edgeinfer.models import build_model
         self.gf, self.cfg, self.ops, self.kv_plan = gf, cfg, ops, kv_plan
         self.kind = ops.name
+        self._weights_bytes = ops.weights_nbytes(gf)
         self.model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now
@@ -109,6 +110,10 @@ class ModelRunner:
     @property
     def kv_bytes(self) -> int:
         return int(self.kv.nbytes)
+
+    @property
+    def weights_bytes(self) -> int:
+        return self._weights_bytes
 
     # -- one step --------------------------------------------------------------------------
     def forward(self, spans: Sequence[ScheduledSpan],

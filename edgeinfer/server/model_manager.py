@@ -19,8 +19,6 @@ import ctypes
 import dataclasses
 import gc
 import logging
-import os
-import re
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -28,90 +26,50 @@ from dataclasses import dataclass, field
 import psutil
 
 from edgeinfer.engine.core import Engine, EngineConfig
+from edgeinfer.settings import Settings, parse_duration
+from edgeinfer.runners.choice import estimate_memory
 from edgeinfer.store.model_store import ModelNotFound, Store, StoreError
 
 from .errors import APIError, not_found
 
 log = logging.getLogger("edgeinfer.server")
 
-DEFAULT_KEEP_ALIVE = 300.0
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
 def parse_keep_alive(value: float | int | str | None, default: float) -> float:
     """Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "0");
-    negative keeps the model loaded forever (math.inf here)."""
+    negative keeps the model loaded forever (math.inf here). A 400 for anything else."""
     if value is None or value == "":
         return default
-    if isinstance(value, bool):
-        raise APIError(400, "keep_alive must be a duration like \"5m\" or a number of seconds",
-                       param="keep_alive")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        s = value.strip()
-        neg = s.startswith("-")
-        s = s.lstrip("+-")
-        try:
-            seconds = float(s)
-        except ValueError:
-            parts = _DURATION.findall(s)
-            if not parts or "".join(a + b for a, b in parts) != s:
-                raise APIError(400, f"keep_alive {value!r} is not a duration like \"5m\", "
-                               "\"30s\" or \"1h\"", param="keep_alive") from None
-            seconds = sum(float(a) * _UNIT[b] for a, b in parts)
-        seconds = -seconds if neg else seconds
-    return float("inf") if seconds < 0 else seconds
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise APIError(400, f"keep_alive {e}" if not isinstance(value, bool) else
+                       "keep_alive must be a duration like \"5m\" or a number of seconds",
+                       param="keep_alive") from None
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    backend: str = "cpu"
-    device: str | None = None              # default device for torch / auto (cuda, mps, cpu)
-    keep_alive: float = DEFAULT_KEEP_ALIVE
-    memory_budget_bytes: int = 0           # 0 = 75% of physical memory
-    max_loaded_models: int = 3
-    kv_budget_bytes: int = 1 << 30
-    max_running_seqs: int = 16
-    max_queue: int = 64                    # sequences waiting beyond the running ones
-    max_model_len: int | None = None
+class ServerConfig(Settings):
+    """The daemon's settings: the process Settings with the default backend/device pair
+    filled and validated (a named cuda/mps device must be present)."""
 
     @classmethod
-    def from_env(cls, **overrides) -> "ServerConfig":
-        """The environment's settings, then `overrides` (command-line flags) on top. The
-        backend/device pair is validated here, and a named cuda/mps device must be present:
-        BackendChoiceError (a ValueError) with one sentence otherwise."""
+    def from_env(cls, env=None, **overrides) -> "ServerConfig":
+        """The environment's settings, then `overrides` (command-line flags) on top.
+        BackendChoiceError (a ValueError) with one sentence for a bad backend/device pair;
+        SettingsError (a ValueError) naming the variable for a bad value."""
         from edgeinfer.runners.choice import check, require_device, with_defaults
-        env = os.environ
-
-        def num(name: str, default, scale: int = 1):
-            v = env.get(name)
-            if v in (None, ""):
-                return default
-            try:
-                return type(default)(float(v) * scale) if default is not None else int(v)
-            except ValueError:
-                raise ValueError(f"{name}={v!r} is not a number") from None
-
-        backend, device = with_defaults(env.get("EDGEINFER_BACKEND") or None,
-                                        env.get("EDGEINFER_DEVICE") or None, "cpu", None)
+        base = Settings.from_env(env)
+        env_backend = base.backend if base.backend_set else None
+        backend, device = with_defaults(env_backend, base.device, "cpu", None)
         backend, device = with_defaults(overrides.pop("backend", None),
                                         overrides.pop("device", None), backend, device)
         check(backend, device)
         if device in ("cuda", "mps"):
             require_device(device)
-        cfg = cls(
-            backend=backend, device=device,
-            keep_alive=parse_keep_alive(env.get("EDGEINFER_KEEP_ALIVE"), DEFAULT_KEEP_ALIVE),
-            memory_budget_bytes=num("EDGEINFER_MEMORY_BUDGET_MB", 0, 1 << 20),
-            max_loaded_models=num("EDGEINFER_MAX_LOADED_MODELS", 3),
-            kv_budget_bytes=num("EDGEINFER_KV_BUDGET_MB", 1 << 30, 1 << 20),
-            max_running_seqs=num("EDGEINFER_MAX_RUNNING_SEQS", 16),
-            max_queue=num("EDGEINFER_MAX_QUEUE", 64),
-            max_model_len=num("EDGEINFER_MAX_MODEL_LEN", None),
-        )
-        return cls(**{**cfg.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Settings)}
+        fields.update(backend=backend, device=device)
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
 
     def budget(self) -> int:
         return self.memory_budget_bytes or int(psutil.virtual_memory().total * 0.75)
@@ -206,21 +164,8 @@ def release_memory() -> None:
     _trim_heap()
 
 
-def _engine_config(**kw) -> EngineConfig:
-    """EngineConfig with the fields this engine version has (the governor is new)."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in kw.items() if k in names})
-
-
-def _new_engine(path: str, ecfg: EngineConfig, governor) -> Engine:
-    engine = Engine(path, ecfg)
-    # Engines whose config has no governor field: hand the shared one to the CPU ops
-    # before the first step (they would make their own on it).
-    ops = getattr(engine.runner, "ops", None)
-    if governor is not None and ops is not None and hasattr(ops, "governor") \
-            and getattr(ops, "governor", None) is not governor:
-        ops.governor = governor
-    return engine.start()
+def _new_engine(path: str, ecfg: EngineConfig) -> Engine:
+    return Engine(path, ecfg).start()
 
 
 def _gib(n: float) -> str:
@@ -238,7 +183,7 @@ class ModelManager:
         # One compute budget for the process: every engine's CPU kernels (and the llama.cpp
         # runner's thread count) ask this governor how many threads to use for a step.
         from edgeinfer.backends.cpu.threads import ThreadGovernor
-        self.governor = ThreadGovernor()
+        self.governor = ThreadGovernor(fixed=config.threads)
 
     # ----- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -355,12 +300,16 @@ class ModelManager:
 
     async def _load(self, key: tuple[str, str], ref) -> LoadedModel:
         cfg = self.config
-        need = ref.size + cfg.kv_budget_bytes
+        # what the backend will really hold: repacked tiles on the CPU, dense tensors in
+        # torch's dtype; the KV pool never grows past its budget
+        est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path))
+        weights = est.weights_bytes
+        need = weights + cfg.kv_budget_bytes
         async with self._global:
             budget = cfg.budget()
             if need > budget:
                 raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} "
-                               f"(weights {_gib(ref.size)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
+                               f"(weights {_gib(weights)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
                                f"but the memory budget is {_gib(budget)}",
                                code="insufficient_memory")
             # LRU: unload idle models until the new one fits the budget and the count.
@@ -380,16 +329,13 @@ class ModelManager:
             free = psutil.virtual_memory().available
             if need > free:
                 raise APIError(503, f"cannot load {ref.full_name}: it needs {_gib(need)} "
-                               f"(weights {_gib(ref.size)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
+                               f"(weights {_gib(weights)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
                                f"but only {_gib(free)} of memory is free",
                                code="insufficient_memory")
-            ecfg = _engine_config(backend=key[1], max_model_len=cfg.max_model_len,
-                                  kv_budget_bytes=cfg.kv_budget_bytes,
-                                  max_running_seqs=cfg.max_running_seqs,
-                                  governor=self.governor)
+            ecfg = cfg.engine_config(key[1], governor=self.governor)
             t0 = time.monotonic()
             try:
-                engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg, self.governor)
+                engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg)
             except BaseException as e:
                 # whatever the half-built engine allocated is garbage now: collect and trim
                 await asyncio.to_thread(release_memory)
@@ -400,11 +346,9 @@ class ModelManager:
                                code="load_failed") from None
             try:
                 runner = engine.runner
-                plan = getattr(runner, "kv_plan", None) or runner.plan
                 lm = LoadedModel(
                     name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
-                    weights_bytes=ref.size,
-                    kv_bytes=plan.num_blocks * plan.block_size * plan.bytes_per_token,
+                    weights_bytes=runner.weights_bytes, kv_bytes=runner.kv_bytes,
                     loaded_at=time.time(), load_duration=time.monotonic() - t0,
                     keep_alive=cfg.keep_alive)
             except BaseException:

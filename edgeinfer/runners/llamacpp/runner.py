@@ -102,6 +102,10 @@ class LlamaCppRunner:
     def kv_bytes(self) -> int:
         return self.kv_plan.nbytes
 
+    @property
+    def weights_bytes(self) -> int:
+        return sum(t.nbytes for t in self.gf.tensors.values())
+
     @classmethod
     def load(cls, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
              min_kv_tokens: int = 0, **kw) -> "LlamaCppRunner":
