@@ -10,7 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from daemon_fixture import shared_daemon  # noqa: F401  (module fixture)
+from daemon_fixture import backend_daemon, shared_daemon  # noqa: F401  (module fixtures)
 
 pytest.importorskip("llguidance")
 
@@ -20,6 +20,13 @@ MODEL = "gemma3:270m"
 @pytest.fixture(scope="module")
 def oa(shared_daemon):  # noqa: F811
     with openai.OpenAI(base_url=shared_daemon.url + "/v1", api_key="unused",
+                       max_retries=0, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oa_backend(backend_daemon):  # noqa: F811
+    with openai.OpenAI(base_url=backend_daemon.url + "/v1", api_key="unused",
                        max_retries=0, timeout=300) as c:
         yield c
 
@@ -67,8 +74,8 @@ def _validate_person(obj) -> None:
 
 # ----- OpenAI ------------------------------------------------------------------------------
 
-def test_json_schema_response_parses_and_validates(oa):
-    r = oa.chat.completions.create(
+def test_json_schema_response_parses_and_validates(oa_backend):
+    r = oa_backend.chat.completions.create(
         model=MODEL, temperature=0, max_tokens=120,
         messages=[{"role": "user", "content": "Describe a person as JSON."}],
         response_format={"type": "json_schema",
@@ -113,8 +120,8 @@ def test_length_cut_inside_json_invents_nothing(oa):
     assert c.message.content.startswith('{"name": ')
 
 
-def test_required_tool_call(oa):
-    r = oa.chat.completions.create(model=MODEL, temperature=0, max_tokens=80, messages=ASK,
+def test_required_tool_call(oa_backend):
+    r = oa_backend.chat.completions.create(model=MODEL, temperature=0, max_tokens=80, messages=ASK,
                                    tools=[WEATHER, ADD], tool_choice="required",
                                    parallel_tool_calls=False)
     c = r.choices[0]

@@ -55,8 +55,8 @@ def available() -> bool:
 
 def _require() -> None:
     if _llg is None:
-        raise GrammarError("structured output needs the llguidance package "
-                           "(pip install 'edgeinfer[structured]')")
+        raise GrammarError("structured output needs the llguidance package, which is not "
+                           "installed (pip install llguidance)")
 
 
 # ----- tokenizer views ---------------------------------------------------------------------
