@@ -208,7 +208,7 @@ def _valid(obj, schema) -> bool:
     return True
 
 
-def bench_decode(path: str) -> None:
+def bench_decode(path: str, rounds: int = 3) -> None:
     import threading
     from edgeinfer.engine import grammar as g
     from edgeinfer.engine.core import Engine, EngineConfig
@@ -258,7 +258,7 @@ def bench_decode(path: str) -> None:
         print("\ndecode on the engine (greedy; constrained vs unconstrained, same length)")
         # one stream
         rows = []
-        for _ in range(2):
+        for _ in range(rounds):
             (c,), _ = run([(200, cons(schemas[0]))])
             n = c["n"]
             (u,), _ = run([(n, None)])
@@ -268,8 +268,11 @@ def bench_decode(path: str) -> None:
         for n, tc, tu, ok in rows:
             print(f"  1 stream:  {n:3d} tokens  constrained {tc:6.1f} tok/s  "
                   f"unconstrained {tu:6.1f} tok/s  ratio {tc / tu:4.2f}  valid={ok}")
+        print(f"  1 stream:  median ratio {statistics.median(r[1] / r[2] for r in rows):4.2f} "
+              f"over {rounds} interleaved rounds")
         # 8 concurrent, 8 schemas
-        for _ in range(2):
+        ratios = []
+        for _ in range(rounds):
             cs = [cons(s) for s in schemas]
             outs, wall_c = run([(300, c) for c in cs])
             valid = sum(_valid(json.loads(o["text"]), s) if o["reason"] == "stop" else False
@@ -278,9 +281,12 @@ def bench_decode(path: str) -> None:
             outs_u, wall_u = run([(n, None) for n in ns])
             agg_c, agg_u = sum(ns) / wall_c, sum(o["n"] for o in outs_u) / wall_u
             mask_ms = sum(c.mask_seconds for c in cs) * 1e3 / max(1, sum(c.tokens for c in cs))
+            ratios.append(agg_c / agg_u)
             print(f"  8 streams: {sum(ns):4d} tokens  constrained {agg_c:6.1f} tok/s  "
                   f"unconstrained {agg_u:6.1f} tok/s  ratio {agg_c / agg_u:4.2f}  "
                   f"valid {valid}/8  mask fill {mask_ms:.3f} ms/token")
+        print(f"  8 streams: median ratio {statistics.median(ratios):4.2f} over {rounds} "
+              f"interleaved rounds")
     finally:
         eng.shutdown()
 
@@ -329,7 +335,7 @@ def main() -> None:
               f"{_us(statistics.fmean(f_)):>12} {_us(f_[len(f_) // 2]):>12} "
               f"{_us(f_[int(len(f_) * 0.95)]):>12} {_us(statistics.fmean(r['advances'])):>12}")
     if a.decode:
-        bench_decode(path)
+        bench_decode(path, max(1, a.repeat))
 
 
 if __name__ == "__main__":
