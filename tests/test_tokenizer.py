@@ -300,7 +300,7 @@ def test_missing_or_unsupported_vocab_is_one_clear_error():
     with pytest.raises(TokenizerError, match="no tokenizer vocabulary"):
         Tokenizer.from_gguf({"general.architecture": "llama"})
     with pytest.raises(TokenizerError, match="not supported"):
-        Tokenizer.from_gguf({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
+        Tokenizer.from_gguf({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(TokenizerError, match="merges"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import numpy as np
 import regex
 
-from . import bpe, pretokenize, spm
+from . import bpe, pretokenize, spm, wpm
 from .spm import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ class Tokenizer:
         self.eos_id = special.eos
         self.add_bos = add_bos
         self.add_eos = add_eos
+        self.sep_id: int | None = None      # bert: [SEP], appended after the text
+        self.add_sep = False
         self.add_space_prefix = add_space_prefix
         # last one wins for duplicate texts, as in llama.cpp's token_to_id
         self.token_to_id: dict[str, int] = dict(zip(tokens, range(len(tokens))))
@@ -126,6 +128,8 @@ class Tokenizer:
                         for b in range(256)]
             self._enc: Any = spm.SpmEncoder(self.token_to_id, scores.astype(np.float64).tolist(),
                                             byte_ids, self.vocab_size)
+        elif model == "bert":
+            self._enc = wpm.WpmEncoder(self.token_to_id, special.unk, True, True)
         else:
             self._enc = bpe.BpeEncoder(self.token_to_id, merges, pre,
                                        byte_encode=(model == "gpt2"))
@@ -139,9 +143,10 @@ class Tokenizer:
         if model is None or tokens is None:
             raise TokenizerError("the model file has no tokenizer vocabulary "
                                  "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        if model not in ("llama", "gpt2", "gemma4"):
+        if model not in ("llama", "gpt2", "gemma4", "bert"):
             raise TokenizerError(f"tokenizer type {model!r} is not supported (supported: "
-                                 f"llama/SentencePiece, gpt2/byte-level BPE, gemma4)")
+                                 f"llama/SentencePiece, gpt2/byte-level BPE, gemma4, "
+                                 f"bert/WordPiece)")
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError("tokenizer.ggml.tokens is not a non-empty list of strings")
         n = len(tokens)
@@ -153,7 +158,7 @@ class Tokenizer:
             raise TokenizerError(f"tokenizer has {n} tokens but only {len(scores)} scores and "
                                  f"{len(types)} token types")
         merges = metadata.get("tokenizer.ggml.merges") or []
-        if model != "llama" and not merges:
+        if model not in ("llama", "bert") and not merges:
             raise TokenizerError("a BPE tokenizer needs tokenizer.ggml.merges, which is missing")
         pre = "gemma4" if model == "gemma4" else str(metadata.get("tokenizer.ggml.pre") or "default")
         if model == "gpt2" and not pretokenize.is_known(pre):
@@ -175,6 +180,13 @@ class Tokenizer:
                                  unk=tid("unknown_token_id", 0), pad=tid("padding_token_id", None),
                                  eot=tid("eot_token_id", None), eom=tid("eom_token_id", None))
             add_bos, add_eos, space = True, False, True
+        elif model == "bert":
+            # llama.cpp's WPM defaults: [CLS] 101 as BOS, [SEP] 102 after, [UNK] 100
+            special = SpecialIds(bos=tid("bos_token_id", tid("cls_token_id", 101)),
+                                 eos=tid("eos_token_id", None),
+                                 unk=tid("unknown_token_id", 100),
+                                 pad=tid("padding_token_id", 0), eot=None, eom=None)
+            add_bos, add_eos, space = True, False, False
         else:
             dflt = 11 if model == "gpt2" else None
             special = SpecialIds(bos=tid("bos_token_id", dflt), eos=tid("eos_token_id", dflt),
@@ -204,10 +216,17 @@ class Tokenizer:
         if model == "llama":
             space = bool(metadata.get("tokenizer.ggml.add_space_prefix", space))
         name = str(metadata.get("general.name", "")).lower()
-        return cls(model=model, pre=pre, tokens=tokens, scores=scores[:n], types=types[:n],
-                   merges=list(merges), special=special, add_bos=add_bos, add_eos=add_eos,
-                   add_space_prefix=space,
-                   rstrip_specials=("phi-3" in name or "phi3" in name))
+        tok = cls(model=model, pre=pre, tokens=tokens, scores=scores[:n], types=types[:n],
+                  merges=list(merges), special=special, add_bos=add_bos, add_eos=add_eos,
+                  add_space_prefix=space,
+                  rstrip_specials=("phi-3" in name or "phi3" in name))
+        if model == "bert":
+            tok.sep_id = tid("seperator_token_id", 102)       # sic: llama.cpp's key
+            tok.add_sep = bool(metadata.get("tokenizer.ggml.add_sep_token", True))
+            lower = bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True))
+            strip = bool(metadata.get("tokenizer.ggml.normalizer.strip_accents", lower))
+            tok._enc = wpm.WpmEncoder(tok.token_to_id, special.unk, lower, strip)
+        return tok
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -282,7 +301,7 @@ class Tokenizer:
         """Bytes each id stands for, as llama.cpp's token_to_piece(id, special)."""
         toks, types = self.tokens, self.types
         n = len(toks)
-        if self.model in ("llama", "gemma4"):
+        if self.model in ("llama", "gemma4", "bert"):
             joined = "\x00".join(toks)
             pieces = joined.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape").split(b"\x00")
             if len(pieces) != n:
@@ -344,6 +363,18 @@ class Tokenizer:
         text = _clean_surrogates(text)
         out: list[int] = []
         fragments = self._partition(text, parse_special) if text else []
+        if self.model == "bert":
+            # llama.cpp's WPM: [CLS] text [SEP] whenever specials are added
+            if add_special and self.bos_id is not None:
+                out.append(self.bos_id)
+            for frag in fragments:
+                if isinstance(frag, int):
+                    out.append(frag)
+                else:
+                    self._enc.encode(frag, out)
+            if add_special and self.sep_id is not None:
+                out.append(self.sep_id)
+            return out
         if self.model == "llama":
             if add_special and self.add_bos and self.bos_id is not None:
                 out.append(self.bos_id)
