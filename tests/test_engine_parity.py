@@ -121,33 +121,45 @@ def gemma3_engine(gemma3_path):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_gemma3_greedy_text(gemma3_path, gemma3_engine, prompt):
-    """Greedy continuations equal llama.cpp's, token for token, while llama.cpp's margin
-    between its top two candidates is decisive; the first 12 tokens must match outright."""
+    """Greedy continuations equal llama.cpp's token for token (an end of text counts as a
+    token) up to the first place where llama.cpp's own top-1/top-2 margin is a tie (under
+    NOISE_FLOOR); there, and only there, ours may differ, and then our token must be one of
+    llama.cpp's tied candidates (its logit within NOISE_FLOOR of llama.cpp's best). Where the
+    first 12 steps have no such tie they must match outright."""
     e = gemma3_engine
     ids = e.encode_raw(prompt)
     llm = llama_cpp.Llama(model_path=str(gemma3_path), n_ctx=512, logits_all=True, n_threads=2,
                           verbose=False)
     assert ids == llm.tokenize(prompt.encode(), add_bos=True)
     out = e.generate(ids, greedy(32))
-    ref_tokens = []
+    END = -1                                # stands for any end-of-text token
+    ours = list(out.token_ids) + ([END] if out.finish_reason == "stop" else [])
+    ref, margins, rows = [], [], []
     llm.eval(ids)
-    margins = []
     for _ in range(32):
         row = np.array(llm.scores[llm.n_tokens - 1])
-        top2 = np.sort(row)[-2:]
-        margins.append(top2[1] - top2[0])
-        t = int(row.argmax())
+        second, first = np.argsort(row)[-2:]
+        margins.append(row[first] - row[second])
+        rows.append(row)
+        t = int(first)
         if t in e.tokenizer.eot_ids:
+            ref.append(END)
             break
-        ref_tokens.append(t)
+        ref.append(t)
         llm.eval([t])
     llm.close()
     n = 0
-    while n < min(len(ref_tokens), len(out.token_ids)) and ref_tokens[n] == out.token_ids[n]:
+    while n < min(len(ref), len(ours)) and ref[n] == ours[n]:
         n += 1
-    if n < min(len(ref_tokens), len(out.token_ids)):
+    show = (prompt, n, e.tokenizer.decode(out.token_ids), e.tokenizer.decode(
+        [t for t in ref if t != END]))
+    if all(m >= NOISE_FLOOR for m in margins[:12]):
+        assert n >= min(12, len(ref)), show
+    if n < min(len(ref), len(ours)):
         # A divergence is allowed only where llama.cpp's own top-2 margin is inside the band by
         # which llama.cpp disagrees with itself (batched vs token-by-token evaluation of this
         # model differ by up to ~1.5 logits): a tie that rounding decides, not an engine error.
-        assert margins[n] < NOISE_FLOOR, (prompt, n, margins[n], e.tokenizer.decode(out.token_ids),
-                                          e.tokenizer.decode(ref_tokens))
+        assert margins[n] < NOISE_FLOOR, (*show, margins[n])
+        row = rows[n]
+        mine = max(row[list(e.tokenizer.eot_ids)]) if ours[n] == END else row[ours[n]]
+        assert mine > row.max() - NOISE_FLOOR, (*show, ours[n], row.max() - mine)
