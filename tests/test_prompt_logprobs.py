@@ -156,3 +156,133 @@ def test_rows_logprobs_exact():
         best = np.argsort(-ref[i])[:3]
         assert [a for a, _ in top[i]] == list(best)
         np.testing.assert_allclose([v for _, v in top[i]], ref[i, best], rtol=1e-6)
+
+
+# -- the API, on a real daemon ---------------------------------------------------------------
+
+from daemon_fixture import shared_daemon  # noqa: E402,F401  (module fixture)
+
+MODEL = "gemma3:270m"
+
+
+@pytest.fixture(scope="module")
+def oa(shared_daemon):  # noqa: F811
+    import openai
+    with openai.OpenAI(base_url=shared_daemon.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=300) as c:
+        yield c
+
+
+def _ref_lp(gemma3_path, ids):
+    import llama_cpp
+    llm = llama_cpp.Llama(str(gemma3_path), logits_all=True, n_ctx=512, n_batch=512,
+                          verbose=False, n_threads=2)
+    llm.eval(ids)
+    sc = np.array(llm.scores[:len(ids)], np.float64)
+    m = sc.max(1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(sc - m).sum(1))
+    return sc[np.arange(len(ids) - 1), ids[1:]] - lse[:-1], sc[:-1].argmax(1) == ids[1:]
+
+
+def test_echo_logprobs_legacy_shape(oa, llama_ref, gemma3_path):
+    ids = list(llama_ref[0][:60])
+    r = oa.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=2, max_tokens=3,
+                              temperature=0)
+    c = r.choices[0]
+    lp = c.logprobs
+    n = len(ids) + 3
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert all(isinstance(t, dict) and 1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    # the text is the prompt then the completion; offsets point into it
+    assert c.text.startswith("".join(lp.tokens[:len(ids)]))
+    assert c.text[lp.text_offset[len(ids)]:] == "".join(lp.tokens[len(ids):])
+    ours = np.array(lp.token_logprobs[1:len(ids)])
+    np.testing.assert_allclose(ours, llama_ref[1][:59], atol=1.0)
+    assert np.abs(ours - llama_ref[1][:59]).mean() < 0.1
+    assert r.usage.completion_tokens == 3 and r.usage.prompt_tokens == len(ids)
+
+
+def test_max_tokens_zero_scores_the_prompt(oa, llama_ref):
+    text = "The capital of France is Paris."
+    r = oa.completions.create(model=MODEL, prompt=text, echo=True, logprobs=0, max_tokens=0,
+                              temperature=0)
+    c = r.choices[0]
+    assert c.text == text and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == r.usage.prompt_tokens
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == text
+    # no echo, max_tokens 0: an empty completion
+    r = oa.completions.create(model=MODEL, prompt=text, max_tokens=0)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 0
+
+
+def test_echo_logprobs_several_prompts_and_n(oa):
+    a, b = "Hello there, general", "Two plus two is four"
+    r = oa.completions.create(model=MODEL, prompt=[a, b], echo=True, logprobs=1, max_tokens=1,
+                              temperature=0)
+    one = oa.completions.create(model=MODEL, prompt=b, echo=True, logprobs=1, max_tokens=1,
+                                temperature=0)
+    assert [c.text.startswith(t) for c, t in zip(r.choices, (a, b))] == [True, True]
+    np.testing.assert_allclose(r.choices[1].logprobs.token_logprobs[1:],
+                               one.choices[0].logprobs.token_logprobs[1:], atol=1e-3)
+    r = oa.completions.create(model=MODEL, prompt=a, echo=True, logprobs=1, max_tokens=2, n=2,
+                              temperature=0)
+    heads = [c.logprobs.token_logprobs[:-2] for c in r.choices]
+    assert heads[0] == heads[1] and heads[0][0] is None
+
+
+def test_echo_logprobs_streamed(oa, shared_daemon):  # noqa: F811
+    text = "Streaming prompt logprobs, one chunk."
+    chunks = list(oa.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1,
+                                        max_tokens=2, temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == text
+    assert first.logprobs.token_logprobs[0] is None and len(first.logprobs.tokens) > 3
+    full = oa.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=2,
+                                 temperature=0)
+    n = len(first.logprobs.tokens)
+    np.testing.assert_allclose(first.logprobs.token_logprobs[1:],
+                               full.choices[0].logprobs.token_logprobs[1:n], atol=1e-3)
+
+
+def test_lm_eval_local_completions(shared_daemon, gemma3_path):  # noqa: F811
+    """lm-evaluation-harness's API model class on hand-made log-likelihood requests (what its
+    multiple-choice tasks send): values agree with llama.cpp, and the better continuation wins."""
+    pytest.importorskip("lm_eval")   # an optional dev dependency (see notes): lm_eval==0.4.13
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.tokenizer import Tokenizer
+
+    gf = read_gguf(str(gemma3_path))
+    tok = Tokenizer.from_gguf(gf.metadata)
+
+    class Edge(LocalCompletionsAPI):
+        """lm-eval with the model's own tokenizer (no Hugging Face download)."""
+        def __init__(self, **kw):
+            super().__init__(tokenizer_backend=None, **kw)
+            self.tokenizer, self.tokenized_requests = tok, True
+
+        def tok_encode(self, string, **kw):
+            enc = lambda s: tok.encode(s, add_special=True, parse_special=False)  # noqa: E731
+            return enc(string) if isinstance(string, str) else [enc(s) for s in string]
+
+    lm = Edge(base_url=shared_daemon.url + "/v1/completions", model=MODEL, max_retries=1)
+    ctx = "The capital of France is"
+    reqs = [Instance("loglikelihood", {}, (ctx, cont), i)
+            for i, cont in enumerate((" Paris", " a banana smoothie"))]
+    got = lm.loglikelihood(reqs, disable_tqdm=True)
+    assert got[0][0] > got[1][0] + 3
+    n_ctx = len(tok.encode(ctx, add_special=True, parse_special=False))
+    for (lp, greedy_), r in zip(got, reqs):
+        ids = tok.encode(ctx + r.args[1], add_special=True, parse_special=False)
+        ref, top1 = _ref_lp(gemma3_path, ids)
+        assert abs(lp - ref[n_ctx - 1:].sum()) < 0.3, (lp, ref[n_ctx - 1:].sum())
+        assert greedy_ == bool(top1[n_ctx - 1:].all())
+    assert got[1][1] is False

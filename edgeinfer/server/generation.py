@@ -83,8 +83,11 @@ class Generation:
         return await asyncio.to_thread(build, self.lm.engine)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               prompt_param: str = "messages", constraints: list | None = None) -> None:
-        """`constraints`: one TokenConstraint per choice (structured output), or None."""
+               prompt_param: str = "messages", constraints: list | None = None,
+               prompt_logprobs: int | None = None, score_only: bool = False) -> None:
+        """`constraints`: one TokenConstraint per choice (structured output), or None.
+        `prompt_logprobs`: choice 0 reports its prompt's logprobs (the prompt is the same
+        for all); `score_only`: compute the prompt, sample nothing (max_tokens 0)."""
         engine = self.lm.engine
         if constraints is not None and not engine_takes_constraints(engine):
             raise APIError(501, "structured output and forced tool calls need the engine's "
@@ -102,6 +105,10 @@ class Generation:
                 def sink(out: RequestOutput, i: int = i) -> None:
                     loop.call_soon_threadsafe(q.put_nowait, (i, out))
                 kw = {"constraint": constraints[i]} if constraints is not None else {}
+                if prompt_logprobs is not None and i == 0:
+                    kw["prompt_logprobs"] = prompt_logprobs
+                if score_only:
+                    kw["score_only"] = True
                 # choices after the first wait for its prefill and share it (prefix cache)
                 self._ids.append(engine.submit(prompt_ids, params, sink, choice=i,
                                                follows=self._ids[0] if i else None, **kw))

@@ -8,6 +8,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
+from pydantic import Field
 from fastapi.responses import StreamingResponse
 
 from edgeinfer.formats.chat_template import ChatTemplateError
@@ -342,14 +343,23 @@ def _prompts(body: CompletionRequest, engine) -> list[list[int]]:
     return out
 
 
+class _CompletionBody(CompletionRequest):
+    # OpenAI accepts 0 here: with echo, the prompt is scored and nothing is generated
+    max_tokens: int | None = Field(default=None, ge=0)
+
+
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: _CompletionBody, request: Request):
     manager, metrics = _state(request)
     if body.best_of not in (None, body.n):
         raise bad_param("best_of", "best_of is not supported (it must equal n)")
     if body.suffix:
         raise bad_param("suffix", "suffix (fill-in-the-middle) is not supported")
-    params = _sampling(body, body.max_tokens or 16, body.logprobs)
+    score_only = body.max_tokens == 0
+    params = _sampling(body, 1 if score_only else body.max_tokens or 16, body.logprobs)
+    # echo + logprobs: the prompt tokens' logprobs too (legacy shape, null for the first)
+    scoring = {"prompt_logprobs": body.logprobs if body.echo and body.logprobs is not None
+               else None, "score_only": score_only}
     spec, spec_param = _output_spec(body)
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
                                  device=body.device)
@@ -367,10 +377,10 @@ async def completions(body: CompletionRequest, request: Request):
         tok = gen.lm.engine.tokenizer
         echo = [tok.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
-            gen.submit(prompt, params, "prompt", constraints=constraints)
+            gen.submit(prompt, params, "prompt", constraints=constraints, **scoring)
             events = gen.events()
             return _stream(gen, _completion_chunks(gen, events, rid, created, model, echo[0],
-                                                   body, tok))
+                                                   body, tok, prompt))
         # Every prompt's n sequences are submitted at once, so they batch together in the
         # engine instead of running one prompt after another.
         gens = [gen]
@@ -379,15 +389,20 @@ async def completions(body: CompletionRequest, request: Request):
                 gens.append(await generation.start(manager, metrics, body.model, body.n,
                                                    body.backend, device=body.device))
             for g, ids in zip(gens, prompts):
-                g.submit(ids, params, "prompt", constraints=constraints)
+                g.submit(ids, params, "prompt", constraints=constraints, **scoring)
 
             async def collect(pi: int, g) -> list[dict]:
                 texts = [echo[pi]] * body.n
                 lps: list[dict] = [_empty_lp() for _ in range(body.n)]
+                head = None
                 async for i, out in g.events(lambda: request.is_disconnected()):
+                    if out.prompt_logprobs is not None:
+                        head = _prompt_lp(out, prompts[pi], tok)
                     if body.logprobs is not None:
                         _add_lp(lps[i], out, tok, len(texts[i]))
                     texts[i] += out.text
+                if head is not None:
+                    lps = [_join_lp(head, lp) for lp in lps]
                 return [{"index": pi * body.n + i, "text": texts[i],
                          "logprobs": lps[i] if body.logprobs is not None else None,
                          "finish_reason": _finish_reason(g.usage.finish_reasons.get(i))}
@@ -419,6 +434,25 @@ def _empty_lp() -> dict:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
+def _prompt_lp(out: RequestOutput, prompt: list[int], tok) -> dict:
+    """The prompt's part of a legacy logprobs object (echo): null for the first token."""
+    lp, offset = _empty_lp(), 0
+    for j, tid in enumerate(prompt):
+        s = tok.piece(int(tid)).decode("utf-8", errors="replace")
+        lp["tokens"].append(s)
+        lp["token_logprobs"].append(out.prompt_logprobs[j])
+        tops = out.prompt_top_logprobs[j]
+        lp["top_logprobs"].append(None if tops is None else {
+            tok.piece(int(a)).decode("utf-8", errors="replace"): v for a, v in tops})
+        lp["text_offset"].append(offset)
+        offset += len(s)
+    return lp
+
+
+def _join_lp(head: dict, tail: dict) -> dict:
+    return {k: head[k] + tail[k] for k in head}
+
+
 def _add_lp(lp: dict, out: RequestOutput, tok, offset: int) -> None:
     for j, (tid, l) in enumerate(zip(out.token_ids, out.logprobs)):
         s = tok.piece(int(tid)).decode("utf-8", errors="replace")
@@ -431,17 +465,25 @@ def _add_lp(lp: dict, out: RequestOutput, tok, offset: int) -> None:
         offset += len(s)
 
 
-async def _completion_chunks(gen, events, rid, created, model, echo, body, tok):
+async def _completion_chunks(gen, events, rid, created, model, echo, body, tok, prompt):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": "edgeinfer"}
     usage_on = bool(body.stream_options and body.stream_options.include_usage)
     extra = {"usage": None} if usage_on else {}
-    if echo:
+    # with logprobs the echo waits for the prompt's logprobs (choice 0's first event; the
+    # other choices start after it)
+    echo_lp = echo and body.logprobs is not None
+    if echo and not echo_lp:
         for i in range(body.n):
             yield _sse({**base, "choices": [{"index": i, "text": echo, "logprobs": None,
                                              "finish_reason": None}], **extra})
     try:
         async for i, out in events:
+            if echo_lp and out.prompt_logprobs is not None:
+                head = _prompt_lp(out, prompt, tok)
+                for j in range(body.n):
+                    yield _sse({**base, "choices": [{"index": j, "text": echo, "logprobs": head,
+                                                     "finish_reason": None}], **extra})
             lp = None
             if body.logprobs is not None:
                 lp = _empty_lp()
