@@ -9,15 +9,44 @@ Order of application (llama.cpp's sampler chain), per row of logits:
   2. penalties         repeat penalty over the last `repeat_last_n` tokens of prompt+output
                        (llama.cpp: positive logits divided by it, negative ones multiplied);
                        then frequency/presence penalties over *generated* tokens only
-                       (OpenAI: logit -= count * frequency_penalty + (count > 0) * presence).
+                       (OpenAI: logit -= count * frequency_penalty + (count > 0) * presence);
+                       then DRY (llama.cpp's "don't repeat yourself", below).
   3. top-k             keep the k largest logits.
+  3b. typical-p        (typical_p < 1) locally typical sampling: order by |-ln p - H|
+                       (H the entropy of the softmax over what is left), keep the shortest
+                       prefix whose mass exceeds typical_p.
   4. top-p             keep the smallest most-likely prefix whose probability (softmax at
-                       temperature 1 over what top-k left) reaches top_p.
+                       temperature 1 over what is left) reaches top_p.
   5. min-p             keep tokens with p >= min_p * p_max (logit >= max + ln(min_p)).
+  5b. XTC              (xtc_probability > 0, xtc_threshold <= 0.5) with probability
+                       xtc_probability (one draw per token): if two or more tokens have
+                       p >= xtc_threshold, remove all of them but the least likely.
   6. temperature       divide the survivors' logits by T.
   7. sample            one uniform draw from the sequence's own PCG64 generator.
 
-Temperature 0 (or top_k 1) is greedy: argmax after steps 0-2, no softmax, no RNG draw. A
+This is llama.cpp's default chain (common/sampling.cpp: penalties, dry, top_k, typ_p, top_p,
+min_p, xtc, temperature, dist; logit bias first). Mirostat (mirostat 1 or 2) replaces steps
+3-7 as llama.cpp does (temperature, then mirostat), with one difference: bias, penalties and
+DRY (steps 0-2) still apply. Per-request mirostat state (mu, starting at 2 * tau) lives in
+the SeqSamplingState:
+  v1: estimate the Zipf exponent s from the top 100 probabilities, keep the top
+      k = (e * 2^mu / (1 - V^-e))^(1/s) tokens (e = s - 1), sample, mu -= eta * (surprise - tau).
+  v2: keep tokens with surprise -log2 p <= mu (at least the top one), sample,
+      mu -= eta * (surprise - tau); surprise is measured on the renormalized survivors.
+
+DRY (dry_multiplier > 0, dry_base >= 1, dry_penalty_last_n != 0): over the last
+dry_penalty_last_n tokens of prompt+output (-1 = all of them), find every earlier place where
+the text ends as the history now ends (the repeated suffix may not reach back past a sequence
+breaker token); the token that followed there would extend the repeat, and gets
+logit -= dry_multiplier * dry_base ** (length - dry_allowed_length) for its longest such
+repeat of length >= dry_allowed_length (exponent clamped so the penalty stays finite). Sequence
+breakers are strings; a token whose text contains one breaks a repeat and is never penalized
+(llama.cpp also recognizes breakers spread over several tokens; here only tokens that contain
+a breaker whole count, which is exact for the default one-character breakers). The matching
+is a Z-algorithm pass in numba: linear in the window, whatever the history looks like.
+
+Temperature 0 (or top_k 1) is greedy: argmax after steps 0-2 (DRY included), no softmax,
+no RNG draw. A
 temperature so small that 1/T overflows float32 is greedy too (the limit T -> 0).
 
 Non-finite logits, after steps 0-2: NaN counts as -inf (a token the model cannot rank is
@@ -63,6 +92,10 @@ from numba import njit
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 64
+DRY_BREAKERS = ("\n", ":", "\"", "*")   # llama-server's default sequence breakers
+MAX_DRY_BREAKERS = 64
+MAX_DRY_BREAKER_CHARS = 40         # llama.cpp truncates breakers to this many characters
+MIROSTAT_M = 100                   # mirostat v1: tokens used to estimate the Zipf exponent
 BAN_BIAS = -100.0          # OpenAI: "-100 should result in a ban"
 _PROBE = 10.0              # top-p: first look for the nucleus within this of the max
 _NUCLEUS_BINS = 2048       # top-p without top-k: logit buckets instead of a full sort
@@ -100,6 +133,21 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None         # None = off; k = sampled token + k alternatives
+    # llama.cpp's further samplers (llama-server's names and defaults; all off by default)
+    typical_p: float = 1.0              # 1 = off
+    xtc_probability: float = 0.0        # 0 = off
+    xtc_threshold: float = 0.1          # > 0.5 = off
+    dry_multiplier: float = 0.0         # 0 = off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1        # -1 = whole context, 0 = off
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
+    # The breakers as token ids: filled from the model's vocabulary by `with_vocabulary()`
+    # (the server does it when the model is known); None = not resolved (no breakers).
+    dry_breaker_ids: tuple[int, ...] | None = None
+    mirostat: int = 0                   # 0 = off, 1 = v1, 2 = v2
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self):
         # Lenient shapes from JSON (a single stop string, lists, "123" bias keys); the
@@ -108,6 +156,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.dry_sequence_breakers, str):
+            object.__setattr__(self, "dry_sequence_breakers", (self.dry_sequence_breakers,))
+        elif isinstance(self.dry_sequence_breakers, list):
+            object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+        if isinstance(self.dry_breaker_ids, (list, set, frozenset)):
+            object.__setattr__(self, "dry_breaker_ids", tuple(self.dry_breaker_ids))
         if isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.logit_bias, Mapping):
@@ -169,6 +223,48 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        if not _is_real(self.typical_p) or not 0.0 <= self.typical_p <= 1.0:
+            bad("typical_p must be between 0 and 1 (1 disables it)")
+        if not _is_real(self.xtc_probability) or not 0.0 <= self.xtc_probability <= 1.0:
+            bad("xtc_probability must be between 0 and 1 (0 disables it)")
+        if not _is_real(self.xtc_threshold) or not 0.0 <= self.xtc_threshold <= 1.0:
+            bad("xtc_threshold must be between 0 and 1 (above 0.5 disables XTC)")
+        if not _is_real(self.dry_multiplier) or self.dry_multiplier < 0.0:
+            bad("dry_multiplier must be >= 0 (0 disables DRY)")
+        if not _is_real(self.dry_base) or self.dry_base < 1.0:
+            bad("dry_base must be >= 1")
+        if not _is_int(self.dry_allowed_length) or self.dry_allowed_length < 0:
+            bad("dry_allowed_length must be an integer >= 0")
+        if not _is_int(self.dry_penalty_last_n) or self.dry_penalty_last_n < -1:
+            bad("dry_penalty_last_n must be an integer >= -1 (-1 = whole context, 0 = off)")
+        br = self.dry_sequence_breakers
+        if not isinstance(br, tuple) or not all(isinstance(b, str) and b for b in br):
+            bad("dry_sequence_breakers must be a list of non-empty strings")
+        if len(br) > MAX_DRY_BREAKERS:
+            bad(f"dry_sequence_breakers accepts at most {MAX_DRY_BREAKERS} strings")
+        if self.dry_breaker_ids is not None and (not isinstance(self.dry_breaker_ids, tuple) or
+                                                 not all(_is_int(t) and t >= 0
+                                                         for t in self.dry_breaker_ids)):
+            bad("dry_breaker_ids must be a list of token ids >= 0")
+        if self.mirostat not in (0, 1, 2) or not _is_int(self.mirostat):
+            bad("mirostat must be 0 (off), 1 or 2")
+        if not _is_real(self.mirostat_tau) or self.mirostat_tau < 0.0:
+            bad("mirostat_tau must be >= 0")
+        if not _is_real(self.mirostat_eta) or self.mirostat_eta < 0.0:
+            bad("mirostat_eta must be >= 0")
+
+    @property
+    def dry_on(self) -> bool:
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
+
+    @property
+    def xtc_on(self) -> bool:
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5
+
+    @property
+    def extended(self) -> bool:
+        """A sampler beyond top-k/top-p/min-p is on: the draw takes the general path."""
+        return bool(self.mirostat) or self.typical_p < 1.0 or self.xtc_on
 
     @property
     def greedy(self) -> bool:
@@ -204,6 +300,14 @@ class SeqSamplingState:
         vals = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         vals[vals <= BAN_BIAS] = -np.inf
         self.bias_ids, self.bias_values = ids, vals
+        self.mu = 2.0 * params.mirostat_tau      # mirostat's running surprise bound
+        # DRY: token ids that break a repeat, and where the latest one sits in the history
+        self.breakers = frozenset(params.dry_breaker_ids or ()) if params.dry_on else frozenset()
+        self.last_break = -1
+        if self.breakers and prompt.size:
+            hits = np.flatnonzero(np.isin(prompt, np.fromiter(self.breakers, np.int64)))
+            if hits.size:
+                self.last_break = int(hits[-1])
 
     def append(self, token: int) -> None:
         if self._len == self._tokens.size:
@@ -211,7 +315,14 @@ class SeqSamplingState:
             grown[:self._len] = self._tokens[:self._len]
             self._tokens = grown
         self._tokens[self._len] = token
+        if token in self.breakers:
+            self.last_break = self._len
         self._len += 1
+
+    @property
+    def history(self) -> np.ndarray:
+        """Prompt and output tokens so far (a view; valid until the next append)."""
+        return self._tokens[:self._len]
 
     @property
     def generated(self) -> np.ndarray:
@@ -244,7 +355,9 @@ def process_logits(row: np.ndarray, state: SeqSamplingState,
     rep_ids = state.repeat_window() if p.repeat_penalty != 1.0 else None
     use_fp = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
     gen_ids, gen_counts = state.generated_counts() if use_fp and state.num_generated else (None, None)
-    if not state.bias_ids.size and (rep_ids is None or not rep_ids.size) and gen_ids is None:
+    dry = dry_penalties(state) if p.dry_on else None
+    if not state.bias_ids.size and (rep_ids is None or not rep_ids.size) and gen_ids is None \
+            and dry is None:
         return row
     if out is None:
         out = np.empty(vocab, dtype=np.float32)
@@ -267,7 +380,123 @@ def process_logits(row: np.ndarray, state: SeqSamplingState,
         ok = (gen_ids >= 0) & (gen_ids < vocab)
         ids, counts = gen_ids[ok], gen_counts[ok].astype(np.float32)
         out[ids] -= counts * np.float32(p.frequency_penalty) + np.float32(p.presence_penalty)
+    if dry is not None:
+        ids, pen = dry
+        ok = ids < vocab
+        out[ids[ok]] -= pen[ok]
     return out
+
+
+_FLOAT_MAX_LOG = 88.7228391        # ln(float32 max): DRY's exponent is clamped below it
+
+
+@njit(nogil=True, cache=True)
+def _dry_repeats(h, rep_limit, allowed, out_tok, out_len):
+    """For each earlier position j of the window h (oldest first), the length L of the
+    longest common suffix of h[:j+1] and h (capped at rep_limit); where L >= allowed, the
+    token after j (which would extend the repeat) and L go to out_tok/out_len. Returns how
+    many. z[k] is the Z-function of the reversed window (linear time: the Z-box [lt, rt]
+    means each position is compared against the suffix at most once)."""
+    n = h.shape[0]
+    last = n - 1
+    z = np.zeros(n, np.int64)
+    lt = 0
+    rt = 0
+    for k in range(1, n):
+        if k > rt:
+            m = 0
+            while k + m < n and h[last - m] == h[last - k - m]:
+                m += 1
+            z[k] = m
+            if m > 0:
+                lt = k
+                rt = k + m - 1
+        elif z[k - lt] < rt - k + 1:
+            z[k] = z[k - lt]
+        else:
+            i = rt + 1
+            while i < n and h[last - i] == h[last - i + k]:
+                i += 1
+            z[k] = i - k
+            lt = k
+            rt = i - 1
+    cnt = 0
+    for k in range(1, n):
+        m = min(z[k], rep_limit)
+        if m >= allowed:
+            out_tok[cnt] = h[last - k + 1]
+            out_len[cnt] = m
+            cnt += 1
+    return cnt
+
+
+def dry_penalties(state: SeqSamplingState) -> tuple[np.ndarray, np.ndarray] | None:
+    """(token ids, penalties) DRY subtracts from this step's logits, or None."""
+    p = state.params
+    hist = state.history
+    n = hist.shape[0] if p.dry_penalty_last_n < 0 else min(hist.shape[0], p.dry_penalty_last_n)
+    allowed = p.dry_allowed_length
+    if n <= allowed:
+        return None
+    rep_limit = n
+    if state.last_break >= 0:
+        rep_limit = min(n, hist.shape[0] - 1 - state.last_break)
+    if rep_limit < allowed:
+        return None
+    window = np.ascontiguousarray(hist[hist.shape[0] - n:])
+    toks = np.empty(n, np.int64)
+    lens = np.empty(n, np.int64)
+    cnt = _dry_repeats(window, rep_limit, allowed, toks, lens)
+    if not cnt:
+        return None
+    ids, inv = np.unique(toks[:cnt], return_inverse=True)
+    best = np.zeros(ids.size, np.int64)
+    np.maximum.at(best, inv, lens[:cnt])
+    if state.breakers:
+        keep = ~np.isin(ids, np.fromiter(state.breakers, np.int64))
+        ids, best = ids[keep], best[keep]
+        if not ids.size:
+            return None
+    exp = (best - allowed).astype(np.float64)
+    if p.dry_base > 1.000001:
+        exp = np.minimum(exp, float(int(_FLOAT_MAX_LOG / math.log(p.dry_base))))
+    pen = (p.dry_multiplier * np.power(p.dry_base, exp)).astype(np.float32)
+    return ids, pen
+
+
+_BREAKER_CACHE: dict = {}
+
+
+def breaker_ids(tokenizer, breakers: Sequence[str]) -> tuple[int, ...]:
+    """Token ids whose text (special tokens rendered) contains one of `breakers` (each cut
+    to 40 characters, as llama.cpp does). One pass over the vocabulary per (tokenizer,
+    breakers), then cached."""
+    key = (id(tokenizer), tuple(breakers))
+    hit = _BREAKER_CACHE.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    needles = [b[:MAX_DRY_BREAKER_CHARS].encode("utf-8") for b in breakers]
+    size = int(getattr(tokenizer, "vocab_size", 0) or len(getattr(tokenizer, "tokens", ())))
+    ids = []
+    for t in range(size):
+        piece = tokenizer.piece(t, True)
+        if any(nd in piece for nd in needles):
+            ids.append(t)
+    out = tuple(ids)
+    if len(_BREAKER_CACHE) > 16:
+        _BREAKER_CACHE.clear()
+    _BREAKER_CACHE[key] = (tokenizer, out)
+    return out
+
+
+def with_vocabulary(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`params` with DRY's sequence breakers resolved to token ids of this vocabulary
+    (unchanged when DRY is off or they are resolved already)."""
+    if not params.dry_on or params.dry_breaker_ids is not None:
+        return params
+    import dataclasses
+    return dataclasses.replace(params, dry_breaker_ids=breaker_ids(
+        tokenizer, params.dry_sequence_breakers))
 
 
 @dataclass
@@ -501,6 +730,175 @@ def _sample_row(row: np.ndarray, m: float, p: SamplingParams, u: float, sc: _Scr
     return _categorical(w, u)
 
 
+_EXT_TAIL = 1e-6    # general path: the least likely tokens holding at most this share of the
+                    # mass are not candidates (llama.cpp's float32 softmax errs about as much)
+
+
+def _draw(row: np.ndarray, m: float, state: SeqSamplingState, sc: _Scratch) -> int:
+    """Steps 3-7 for a processed row with temperature > 0: the fast path, or the general
+    one when typical-p, XTC or mirostat is on."""
+    p = state.params
+    if not p.extended:
+        return _sample_row(row, m, p, float(state.rng.random()), sc)
+    if p.mirostat:
+        return _mirostat(row, m, state, sc)
+    return _sample_ext(row, m, state, sc)
+
+
+def _candidates(row: np.ndarray, m: float, p: SamplingParams, sc: _Scratch) -> np.ndarray:
+    """Top-k's survivors, or else (above _BLOCK tokens) every token but a tail of at most
+    _EXT_TAIL of the mass
+    (found by bucketing logits by their distance below the max, as top-p does), largest
+    ascending ids. (The bundled 270M base model mid-sentence keeps ~120k of 262k: nothing
+    below sorts them all.)"""
+    vocab = row.shape[0]
+    if p.top_k and p.top_k < vocab:
+        ids = _top_k_ids(row, p.top_k, sc)
+    elif vocab <= _BLOCK:                        # small: every token, exactly
+        ids = np.arange(vocab)
+    else:
+        m32 = np.float32(m)
+        w = sc.w
+        np.subtract(row, m32, out=w)
+        np.exp(w, out=w)
+        total = float(w.sum(dtype=np.float64))
+        c = math.log(vocab / _EXT_TAIL)          # beyond c below the max: V e^-c <= tail
+        last = _NUCLEUS_BINS
+        scale = np.float32(last / c)
+        mass = np.zeros(last + 8)
+        _bucket_mass(row, w, m32, scale, last, mass)
+        tail = total - np.cumsum(mass[:last])    # mass of the buckets after each one
+        b = min(int(np.searchsorted(-tail, -_EXT_TAIL * total, side="left")), last - 1)
+        np.greater_equal(row, np.float32(m - (b + 1) / float(scale)), out=sc.mask)
+        ids = np.flatnonzero(sc.mask)
+    return np.sort(ids)
+
+
+_PREFIX_BINS = 2048
+
+
+def _mass_prefix(key: np.ndarray, mass: np.ndarray, target: float, strict: bool) -> np.ndarray:
+    """Bool mask of the shortest prefix, in ascending `key` order (ties by position), whose
+    mass reaches `target` (strict: exceeds it); everything when none does. A mass histogram
+    over key buckets finds the crossing bucket and only that bucket is sorted: linear time."""
+    n = key.shape[0]
+    lo, hi = float(key.min()), float(key.max())
+    if not hi > lo:
+        order = np.arange(n)
+        cum = np.cumsum(mass)
+        keep = min(int(np.searchsorted(cum, target, side="right" if strict else "left")) + 1, n)
+        out = np.zeros(n, bool)
+        out[:keep] = True
+        return out
+    scale = _PREFIX_BINS / (hi - lo)
+    bins = np.minimum(((key - lo) * scale).astype(np.int64), _PREFIX_BINS - 1)
+    hist = np.bincount(bins, weights=mass, minlength=_PREFIX_BINS)
+    cm = np.cumsum(hist)
+    side = "right" if strict else "left"
+    b = int(np.searchsorted(cm, target, side=side))
+    if b >= _PREFIX_BINS:
+        return np.ones(n, bool)
+    out = bins < b
+    members = np.flatnonzero(bins == b)
+    order = members[np.argsort(key[members], kind="stable")]
+    cum = np.cumsum(mass[order]) + (cm[b - 1] if b else 0.0)
+    keep = min(int(np.searchsorted(cum, target, side=side)) + 1, order.size)
+    out[order[:keep]] = True
+    return out
+
+
+def _sample_ext(row: np.ndarray, m: float, state: SeqSamplingState, sc: _Scratch) -> int:
+    """Steps 3-7 on explicit candidates, with typical-p (3b) and XTC (5b)."""
+    p = state.params
+    xtc = float(state.rng.random()) if p.xtc_on else None
+    ids, vals = _ext_truncate(row, m, p, sc, xtc)
+    w = np.exp((vals - vals.max()) / p.temperature)
+    return int(ids[_categorical(w, float(state.rng.random()))])
+
+
+def _ext_truncate(row: np.ndarray, m: float, p: SamplingParams, sc: _Scratch,
+                  xtc_draw: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 3-5b: the surviving ids (ascending) and their logits (float64). `xtc_draw` is
+    the row's uniform draw for XTC (None: XTC is off); it is drawn only when XTC is on, so
+    requests without it keep their random streams. No step sorts the candidates."""
+    ids = _candidates(row, m, p, sc)
+    vals = row[ids].astype(np.float64)
+    if p.typical_p < 1.0 and ids.size > 1:
+        pr = np.exp(vals - vals.max())
+        pr /= pr.sum()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            nlp = -np.log(pr)
+            ent = float(np.sum(np.where(pr > 0, pr * nlp, 0.0)))
+        ok = _mass_prefix(np.abs(nlp - ent), pr, p.typical_p, strict=True)
+        ids, vals = ids[ok], vals[ok]
+    if p.top_p < 1.0 and ids.size > 1:
+        pr = np.exp(vals - vals.max())
+        ok = _mass_prefix(-vals, pr, p.top_p * float(pr.sum()), strict=False)
+        ids, vals = ids[ok], vals[ok]
+    if p.min_p > 0.0:
+        ok = vals >= vals.max() + math.log(p.min_p)
+        ids, vals = ids[ok], vals[ok]
+    if xtc_draw is not None and ids.size >= 2 and xtc_draw <= p.xtc_probability:
+        pr = np.exp(vals - vals.max())
+        above = np.flatnonzero(pr >= p.xtc_threshold * pr.sum())
+        if above.size >= 2:
+            # remove them all but the least likely (the last in largest-first order)
+            low = above[vals[above] == vals[above].min()][-1]
+            ok = np.ones(ids.size, bool)
+            ok[above] = False
+            ok[low] = True
+            ids, vals = ids[ok], vals[ok]
+    return ids, vals
+
+
+def truncate_ext(row: np.ndarray, p: SamplingParams, xtc_draw: float | None = 0.0
+                 ) -> np.ndarray:
+    """The ids that survive steps 3-5b of the general path, ascending (for tests/tools)."""
+    row = np.asarray(row, dtype=np.float32)
+    ids, _ = _ext_truncate(row, float(row.max()), p, _Scratch(row.shape[0]),
+                           xtc_draw if p.xtc_on else None)
+    return np.sort(ids)
+
+
+def _mirostat(row: np.ndarray, m: float, state: SeqSamplingState, sc: _Scratch) -> int:
+    """Temperature, then mirostat v1 or v2; updates state.mu."""
+    p = state.params
+    vocab = row.shape[0]
+    inv_t = 1.0 / p.temperature
+    if p.mirostat == 2:
+        w = sc.w
+        np.subtract(row, np.float32(m), out=w)
+        np.multiply(w, np.float32(inv_t), out=w)
+        np.exp(w, out=w)
+        total = float(w.sum(dtype=np.float64))
+        # p = w / total has surprise -log2 p <= mu  <=>  w >= total * 2^-mu
+        np.greater_equal(w, np.float32(total * 2.0 ** -state.mu), out=sc.mask)
+        ids = np.flatnonzero(sc.mask)
+        if not ids.size:
+            ids = np.array([int(np.argmax(row))])
+        ww = w[ids].astype(np.float64)
+    else:
+        top = _top_n(row, min(MIROSTAT_M, vocab), sc)
+        lv = (row[top].astype(np.float64) - m) * inv_t
+        lv = lv[np.isfinite(lv)]
+        k = 1
+        if lv.size >= 2:
+            i = np.arange(lv.size - 1, dtype=np.float64)
+            t = np.log((i + 2) / (i + 1))
+            s_hat = float(np.dot(t, lv[:-1] - lv[1:]) / np.dot(t, t))
+            eps = s_hat - 1.0
+            with np.errstate(all="ignore"):
+                kf = np.power(eps * np.power(2.0, state.mu) / (1.0 - np.power(float(vocab), -eps)),
+                              1.0 / s_hat)
+            k = vocab if not np.isfinite(kf) or kf >= vocab else max(int(kf), 1)
+        ids = _top_n(row, k, sc) if k > 1 else np.array([int(np.argmax(row))])
+        ww = np.exp((row[ids].astype(np.float64) - m) * inv_t)
+    j = _categorical(ww, float(state.rng.random()))
+    prob = float(ww[j] / ww.sum())
+    state.mu -= p.mirostat_eta * (-math.log2(prob) - p.mirostat_tau)
+    return int(ids[j])
+
+
 def truncate(row: np.ndarray, p: SamplingParams) -> np.ndarray:
     """The ids that survive steps 3-5 for a processed row, ascending (for tests/tools)."""
     row = np.asarray(row, dtype=np.float32)
@@ -572,7 +970,7 @@ class Sampler:
                 m = float(row.max())          # NaN if any logit is NaN
                 if math.isfinite(m):          # the common case, kept inline
                     tok = (int(np.argmax(row)) if p.greedy
-                           else _sample_row(row, m, p, float(state.rng.random()), sc))
+                           else _draw(row, m, state, sc))
                     tokens[b] = tok
                     if p.logprobs is not None:
                         logprobs[b], tl = _logprobs(row, m, tok, p.logprobs, sc)
@@ -643,7 +1041,7 @@ def _edge_row(row: np.ndarray, m: float, raw: np.ndarray, allowed: np.ndarray | 
     if fallback or p.greedy:
         tok = int(np.argmax(row))
     else:
-        tok = _sample_row(row, m, p, float(state.rng.random()), sc)
+        tok = _draw(row, m, state, sc)
     if p.logprobs is None:
         return tok, None, [], None
     lp, top = _logprobs(row, m, tok, p.logprobs, sc)
