@@ -29,11 +29,9 @@ def _admit(kv, seq, reserved_len=0):
 
 def _compute_all(kv, seq):
     """Pretend the runner computed every known token of `seq`."""
-    copies = kv.prepare_write(seq, seq.num_computed_tokens, seq.num_tokens)
-    assert copies is not None
+    assert kv.prepare_write(seq, seq.num_computed_tokens, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     kv.on_computed(seq)
-    return copies
 
 
 # -- the tree on its own ----------------------------------------------------------------
@@ -201,53 +199,13 @@ def test_allocation_evicts_cached_blocks_when_the_free_list_is_empty():
     kv.check_invariants([b])
 
 
-def test_fork_shares_blocks_and_copy_on_write_copies_the_partial_block():
-    kv = KVCacheManager(16, BS)
-    parent = _seq(0, range(6))
-    _admit(kv, parent)
-    _compute_all(kv, parent)  # positions 0..5: block 1 is partial
-    child = _seq(1, range(6))
-    child.num_computed_tokens = parent.num_computed_tokens
-    kv.fork(parent, child)
-    assert child.block_table == parent.block_table
-    assert kv.pool.ref_count(parent.block_table[1]) == 2
-    kv.check_invariants([parent, child])
-    parent.append_token(40)
-    copies = kv.prepare_write(parent, 6, 7)
-    assert len(copies) == 1
-    src, dst = copies[0]
-    assert src == child.block_table[1] and dst == parent.block_table[1] and src != dst
-    assert parent.block_table[0] == child.block_table[0]  # the full block stays shared
-    # the child is now the only owner of the old block: it writes in place
-    child.append_token(41)
-    assert kv.prepare_write(child, 6, 7) == []
-    kv.check_invariants([parent, child])
-
-
-def test_cow_at_a_block_boundary_needs_no_copy():
-    kv = KVCacheManager(16, BS)
-    parent = _seq(0, range(9))
-    _admit(kv, parent)
-    # prefill computed 8 tokens; position 8 (a fresh block) is still to compute
-    assert kv.prepare_write(parent, 0, 8) == []
-    parent.num_computed_tokens = 8
-    kv.on_computed(parent)
-    child = _seq(1, range(9))
-    child.num_computed_tokens = 8
-    kv.fork(parent, child)
-    copies = kv.prepare_write(child, 8, 9)
-    assert copies == []  # no computed slot lives in block 2 yet
-    assert child.block_table[2] != parent.block_table[2]
-    kv.check_invariants([parent, child])
-
-
 def test_prepare_write_refuses_atomically_when_the_pool_is_short():
     kv = KVCacheManager(2, BS)
     s = _seq(0, range(8))
     _admit(kv, s)
     s.num_computed_tokens = 8
     s.append_token(1)
-    assert kv.prepare_write(s, 8, 9) is None
+    assert kv.prepare_write(s, 8, 9) is False
     assert len(s.block_table) == 2
     kv.check_invariants([s])
 
@@ -290,7 +248,7 @@ _PREFIXES = [[7] * 12, [7] * 8 + [3] * 4, [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
 class KVTables(RuleBasedStateMachine):
-    """Admit, compute, fork, free and evict in any order; every computed position must read
+    """Admit, compute, free and evict in any order; every computed position must read
     back, through the block table, the token the sequence has there."""
 
     def __init__(self):
@@ -315,11 +273,8 @@ class KVTables(RuleBasedStateMachine):
         seq = self.live[i % len(self.live)]
         start = seq.num_computed_tokens
         end = min(seq.num_tokens, start + n)
-        copies = self.kv.prepare_write(seq, start, end)
-        if copies is None:
+        if not self.kv.prepare_write(seq, start, end):
             return
-        for src, dst in copies:
-            self.store[dst] = list(self.store[src])
         for p in range(start, end):
             b = seq.block_table[p // BS]
             assert self.kv.pool.ref_count(b) == 1 and not self.kv.pool.is_cached(b)
@@ -328,18 +283,6 @@ class KVTables(RuleBasedStateMachine):
         self.kv.on_computed(seq)
         if end == seq.num_tokens:
             seq.append_token(token)
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 50))
-    def fork(self, i):
-        parent = self.live[i % len(self.live)]
-        child = _seq(self.next_id, parent.prompt_token_ids)
-        self.next_id += 1
-        for t in parent.output_token_ids:
-            child.append_token(t)
-        child.num_computed_tokens = parent.num_computed_tokens
-        self.kv.fork(parent, child)
-        self.live.append(child)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 50))

@@ -58,9 +58,6 @@ class FakeKVRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         pool, bs = self.kv.pool, self.bs
-        for src, dst in out.block_copies:
-            assert pool.ref_count(dst) == 1 and not pool.is_cached(dst)
-            self.store[dst] = list(self.store[src])
         # the whole batch writes before anyone reads, as in a layer of a real forward
         for ch in out.chunks:
             seq = ch.seq
@@ -109,15 +106,6 @@ class Harness:
             )
         self.sched.add(seq)
         return seq
-
-    def fork(self, seq, child_id, last_token=None):
-        child = self.sched.fork(seq, child_id, last_token)
-        self.seqs[child_id] = child
-        self.expected[child_id] = reference(
-            child.token_ids, child.num_output_tokens, child.max_tokens, self.stops,
-            self.config.max_model_len,
-        )
-        return child
 
     def step(self) -> SchedulerOutput:
         sched = self.sched
@@ -403,36 +391,6 @@ def test_cache_evicts_old_prefixes_when_the_pool_needs_room():
     assert oldest.num_cached_tokens == 0
 
 
-# -- forks --------------------------------------------------------------------------------
-@pytest.mark.parametrize("diverge", [False, True])
-def test_fork_shares_blocks_and_copies_on_write(diverge):
-    h = Harness(_config())
-    parent = h.add(0, _prompt(0, 6), 12)
-    while parent.num_output_tokens == 0:
-        h.step()
-    last = (parent.output_token_ids[-1] + 1) % VOCAB if diverge else None
-    child = h.fork(parent, 1, last)
-    assert child.block_table == parent.block_table
-    assert child.num_output_tokens == 1
-    out = h.step()
-    # position 6 sits in the shared partial block 1: the first writer copies it
-    assert len(out.block_copies) == 1
-    assert child.block_table[0] == parent.block_table[0]
-    assert child.block_table[1] != parent.block_table[1]
-    h.run()
-    h.assert_matches_reference(0)
-    h.assert_matches_reference(1)
-    assert (child.token_ids != parent.token_ids) == diverge
-
-
-def test_fork_is_refused_during_prefill():
-    h = Harness(_config(max_tokens_per_step=4))
-    s = h.add(0, _prompt(0, 12), 3)
-    h.step()
-    with pytest.raises(ValueError):
-        h.sched.fork(s, 1)
-
-
 # -- randomized ---------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
@@ -462,7 +420,6 @@ def test_random_workloads_keep_invariants_and_finish_everything(data):
         prompt = shared[:keep] + [rng.randrange(VOCAB) for _ in range(n - keep)]
         arrivals.setdefault(rng.randint(0, 10), []).append((i, prompt, rng.randint(1, 24)))
     aborted: set[int] = set()
-    next_id = 1000
     while h.sched.has_work() or arrivals:
         for args in arrivals.pop(h.steps, []):
             h.add(*args)
@@ -470,13 +427,6 @@ def test_random_workloads_keep_invariants_and_finish_everything(data):
             victim = rng.choice(h.sched.live_sequences())
             if h.sched.abort(victim.seq_id):
                 aborted.add(victim.seq_id)
-        ready = [s for s in h.sched.running if not s.is_prefilling and s.output_token_ids]
-        if ready and rng.random() < 0.05:
-            parent = rng.choice(ready)
-            last = rng.choice([None, rng.randrange(VOCAB)])
-            if last not in stops:
-                h.fork(parent, next_id, last)
-                next_id += 1
         h.step()
         assert h.steps < 5000, "no progress"
     h.kv.check_invariants([])

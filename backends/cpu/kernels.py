@@ -173,13 +173,6 @@ def kv_write(k_cache, v_cache, k, v, slots):
                 v_cache[blk, off, h, d] = v[t, h, d]
 
 
-@njit(**_JIT)
-def copy_blocks(k_cache, v_cache, src, dst):
-    for i in range(src.shape[0]):
-        k_cache[dst[i]] = k_cache[src[i]]
-        v_cache[dst[i]] = v_cache[src[i]]
-
-
 @njit(inline="always", nogil=True)
 def _attend_one(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
                 ggml_rounding, out, th):

@@ -223,6 +223,30 @@ class CpuOps:
     def to_numpy(self, x: np.ndarray) -> np.ndarray:
         return x
 
+    # -- encoder models (BERT) ---------------------------------------------------------------
+    def layer_norm(self, x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+        from edgeinfer.backends.cpu.encoder import layer_norm
+        flat = x.reshape(-1, x.shape[-1])
+        return layer_norm(flat, w, b, eps, np.empty_like(flat), _par(flat.size)).reshape(x.shape)
+
+    def gelu(self, x: np.ndarray) -> np.ndarray:
+        """GELU (tanh approximation) in place; ggml numerics through its f16 table."""
+        ones = np.ones_like(x)
+        if self.numerics == "ggml":
+            return K.gelu_tanh_mul_f16(x, ones, x, K.gelu_f16_table(), _par(x.size))
+        return K.gelu_tanh_mul(x, ones, x, _par(x.size))
+
+    def encoder_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                          batch: ForwardBatch, scale: float) -> np.ndarray:
+        """Every token attends to every token of its own sequence in this batch."""
+        from edgeinfer.backends.cpu.encoder import encoder_attention, sequence_bounds
+        bounds = batch.cache.get("seq_bounds")
+        if bounds is None:      # once per step, not per layer
+            bounds = batch.cache["seq_bounds"] = sequence_bounds(batch.token_seq)
+        T, H, D = q.shape
+        return encoder_attention(q, k, v, bounds[0], bounds[1], np.float32(scale),
+                                 np.empty_like(q), _par(T * H * D * 8))
+
     # -- paged KV cache --------------------------------------------------------------------
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
                      head_dim: int) -> CpuKVCache:
@@ -246,11 +270,3 @@ class CpuOps:
         return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                  batch.token_seq, batch.positions, window, np.float32(scale),
                                  self.numerics == "ggml", out, _par(T * H * keys * D // 16))
-
-    def copy_blocks(self, cache: CpuKVCache, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = np.array([p[0] for p in pairs], np.int64)
-        dst = np.array([p[1] for p in pairs], np.int64)
-        for layer in range(len(cache.k)):
-            K.copy_blocks(cache.k[layer], cache.v[layer], src, dst)

@@ -141,6 +141,29 @@ class TorchOps:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
+    # -- encoder models (BERT) ---------------------------------------------------------------
+    def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), w.float(), b.float(), eps)
+        return y.to(x.dtype)
+
+    def gelu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+    def encoder_attention(self, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Every token attends to every token of its own sequence (a block-diagonal mask)."""
+        seq = batch.cache.get("torch_seq_mask")
+        if seq is None:
+            ts = torch.from_numpy(batch.token_seq.astype(np.int64)).to(self.device)
+            seq = batch.cache["torch_seq_mask"] = ts[:, None] == ts[None, :]
+        group = q.shape[1] // k.shape[1]
+        kf, vf = k.float(), v.float()
+        if group > 1:
+            kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), kf.transpose(0, 1),
+                                             vf.transpose(0, 1), attn_mask=seq, scale=scale)
+        return out.transpose(0, 1).to(q.dtype).contiguous()
+
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x.add_(y.to(x.dtype))
 
@@ -176,12 +199,3 @@ class TorchOps:
         lay = self._layout(batch, cache.block_size)
         write_kv(cache.k[layer], cache.v[layer], k, v, lay.slots)
         return paged_attention(q, cache.k[layer], cache.v[layer], lay, scale, window)
-
-    def copy_blocks(self, cache: TorchKVCache, pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = self._ids_raw([p[0] for p in pairs])
-        dst = self._ids_raw([p[1] for p in pairs])
-        for k, v in zip(cache.k, cache.v):
-            k[dst] = k[src]
-            v[dst] = v[src]

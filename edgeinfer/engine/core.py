@@ -417,7 +417,7 @@ class Engine:
         gone, self._gone = self._gone, []
         return StepPlan(tuple(spans), tuple(new),
                         preempted=tuple(s.seq_id for s in out.preempted),
-                        finished=tuple(gone), block_copies=tuple(out.block_copies))
+                        finished=tuple(gone))
 
     def step(self) -> SchedulerOutput:
         """Schedule, run and sample one batch; deliver events. Engine thread only."""

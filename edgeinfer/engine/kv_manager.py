@@ -90,43 +90,25 @@ class KVCacheManager:
         return cost
 
     # -- per-step growth ---------------------------------------------------------------
-    def _blocks_to_write(self, seq: Sequence, start: int, end: int) -> int:
-        table = seq.block_table
-        needed = 0
-        for idx in range(start // self.block_size, (end - 1) // self.block_size + 1):
-            if idx >= len(table) or self.pool.ref_count(table[idx]) > 1:
-                needed += 1
-        return needed
-
-    def prepare_write(self, seq: Sequence, start: int, end: int) -> list[tuple[int, int]] | None:
-        """Make positions start..end-1 of `seq` writable in its own blocks.
-
-        Appends blocks the table lacks and replaces shared ones (copy-on-write after a
-        fork). Returns the (src, dst) copies the runner must do before the forward pass,
-        or None, changing nothing, when the pool cannot supply the blocks.
-        """
+    def prepare_write(self, seq: Sequence, start: int, end: int) -> bool:
+        """Make positions start..end-1 of `seq` writable: append the blocks its table lacks.
+        False, changing nothing, when the pool cannot supply them. (Blocks are shared only
+        through the prefix cache, and only full ones, so a write never lands in a shared
+        block: n > 1 shares a prompt that way, not by forking tables.)"""
         if start != seq.num_computed_tokens or end <= start:
             raise ValueError(f"bad write range {start}..{end} for {seq!r}")
-        if self._blocks_to_write(seq, start, end) > self.num_available:
-            return None
         bs = self.block_size
         table = seq.block_table
-        copies: list[tuple[int, int]] = []
-        for idx in range(start // bs, (end - 1) // bs + 1):
-            if idx >= len(table):
-                table.append(self._allocate())
-                continue
-            src = table[idx]
-            if self.pool.ref_count(src) > 1:
-                dst = self._allocate()
-                # only the first block can hold this sequence's already computed slots
-                if idx == start // bs and start % bs:
-                    copies.append((src, dst))
-                table[idx] = dst
-                self.pool.free(src)
-            elif self.pool.is_cached(src):
-                raise BlockPoolError(f"write into published block {src} of {seq!r}")
-        return copies
+        last = (end - 1) // bs
+        if last + 1 - len(table) > self.num_available:
+            return False
+        for idx in range(start // bs, min(last + 1, len(table))):
+            b = table[idx]
+            if self.pool.ref_count(b) > 1 or self.pool.is_cached(b):
+                raise BlockPoolError(f"write into shared or published block {b} of {seq!r}")
+        while len(table) <= last:
+            table.append(self._allocate())
+        return True
 
     def on_computed(self, seq: Sequence) -> None:
         """Publish the blocks that became full after `seq.num_computed_tokens` advanced."""
@@ -151,24 +133,13 @@ class KVCacheManager:
         self._tail[seq.seq_id] = node
         seq.num_published_blocks = n_full
 
-    # -- release and forks -------------------------------------------------------------
+    # -- release -----------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
         """Release all of `seq`'s blocks; published ones stay cached until evicted."""
         self.pool.free_table(seq.block_table)
         seq.block_table = []
         seq.num_published_blocks = 0
         self._tail.pop(seq.seq_id, None)
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (copy-on-write on its next write)."""
-        if child.block_table:
-            raise BlockPoolError(f"fork into {child!r} that holds blocks")
-        for b in parent.block_table:
-            self.pool.incref(b)
-        child.block_table = list(parent.block_table)
-        child.num_published_blocks = parent.num_published_blocks
-        if parent.seq_id in self._tail:
-            self._tail[child.seq_id] = self._tail[parent.seq_id]
 
     # -- reporting -------------------------------------------------------------------
     def stats(self) -> KVStats:

@@ -18,8 +18,8 @@ reaches them, and preemption covers the case where the promises were too small.
 
 The engine thread owns the scheduler (nothing here is thread-safe); one step is:
     out = sched.schedule()
-    runner: copy blocks out.block_copies (src -> dst, every layer), then forward out.chunks,
-            sample one token for each chunk with needs_logits -> sampled {seq_id: token}
+    runner: forward out.chunks, sample one token for each chunk with needs_logits
+            -> sampled {seq_id: token}
     sched.update(out, sampled)               # advance counters, append tokens
     engine: FinishCheck per sampled token (stop, length) -> sched.finish(seq_id, reason);
             stream the new tokens; report out.finished (errors, pool-length), out.aborted.
@@ -80,8 +80,6 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
-    # the runner copies block src -> dst in every layer before the forward pass
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # requeued; will recompute
     aborted: list[Sequence] = field(default_factory=list)  # cancelled and released
     finished: list[Sequence] = field(default_factory=list)  # ended while scheduling (error/length)
@@ -185,41 +183,6 @@ class Scheduler:
     def get(self, seq_id: int) -> Sequence | None:
         return self._live.get(seq_id)
 
-    def fork(self, seq: Sequence, new_seq_id: int, last_token: int | None = None) -> Sequence:
-        """A running copy of `seq` sharing all its blocks (n > 1 sampling).
-
-        When all running slots are taken the copy waits at the head of the queue instead,
-        holding no blocks. `last_token` replaces the copy's newest output token, which has
-        no K/V yet, so each copy continues from its own sample of the same logits.
-        """
-        if self._live.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.RUNNING:
-            raise ValueError(f"can only fork a running sequence, not {seq!r}")
-        if new_seq_id in self._live:
-            raise ValueError(f"sequence id {new_seq_id} is already scheduled")
-        if seq.is_prefilling:
-            raise ValueError(f"fork {seq!r} after its prefill, not during it")
-        child = Sequence(new_seq_id, seq.prompt_token_ids, seq.params, seq.arrival_time)
-        for t in seq.output_token_ids:
-            child.append_token(t)
-        if last_token is not None:
-            if not child.output_token_ids:
-                raise ValueError("last_token needs a sequence that has sampled a token")
-            child.output_token_ids[-1] = last_token
-            child.token_ids[-1] = last_token
-        self._live[new_seq_id] = child
-        if len(self.running) >= self.config.max_running_seqs:
-            # no slot: queue it first in line; it recomputes from the prefix cache, which
-            # holds the parent's full blocks
-            self.waiting.appendleft(child)
-            return child
-        child.status = SequenceStatus.RUNNING
-        child.num_computed_tokens = seq.num_computed_tokens
-        child.num_cached_tokens = seq.num_cached_tokens
-        child.reserved_len = seq.reserved_len
-        self.kv.fork(seq, child)
-        self.running.append(child)
-        return child
-
     def has_work(self) -> bool:
         return bool(self._live)
 
@@ -237,8 +200,8 @@ class Scheduler:
                 i += 1
                 continue
             start = seq.num_computed_tokens
-            copies = self.kv.prepare_write(seq, start, start + 1)
-            while copies is None:
+            ok = self.kv.prepare_write(seq, start, start + 1)
+            while not ok:
                 if len(self.running) == 1:
                     # it holds the whole pool and still needs more: the pool is its context
                     self._finish(seq, "length")
@@ -248,10 +211,9 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                copies = self.kv.prepare_write(seq, start, start + 1)
-            if copies is None:
+                ok = self.kv.prepare_write(seq, start, start + 1)
+            if not ok:
                 continue  # seq left running; index i now names the next sequence
-            out.block_copies.extend(copies)
             out.chunks.append(ScheduledChunk(seq, start, [seq.token_ids[start]], True))
             budget -= 1
             i += 1
@@ -271,10 +233,8 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         start = seq.num_computed_tokens
         end = min(seq.num_tokens, start + budget)
-        copies = self.kv.prepare_write(seq, start, end)
-        if copies is None:  # only a forked table can need blocks here; retry next step
+        if not self.kv.prepare_write(seq, start, end):   # admission reserved these blocks
             return 0
-        out.block_copies.extend(copies)
         out.chunks.append(
             ScheduledChunk(seq, start, seq.token_ids[start:end], end == seq.num_tokens)
         )

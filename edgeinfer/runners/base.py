@@ -94,7 +94,6 @@ class StepPlan:
     new_requests: tuple[NewRequest, ...] = ()
     preempted: tuple[int, ...] = ()             # KV dropped: will recompute from position 0
     finished: tuple[int, ...] = ()              # gone: release everything held for them
-    block_copies: tuple[tuple[int, int], ...] = ()   # copy block src -> dst before the pass
 
     @property
     def num_tokens(self) -> int:

@@ -77,6 +77,10 @@ class ModelRunner:
         # a prompt only once all of it is scheduled)
         self.pooling = pooling_of(gf.metadata, cfg.arch)
         self.pooler = Pooler(whole_prompt=bool(getattr(self.model, "non_causal", False)))
+        # encoders (bert) have no LM head: the engine refuses generation on them
+        self.embedding_only = bool(getattr(self.model, "embedding_only", False))
+        if self.pooling == "rank" and not getattr(self.model, "has_rank_head", False):
+            self.pooling = "cls"        # a rank pooling_type without a head: plain CLS vectors
 
     @classmethod
     def load(cls, path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
@@ -117,15 +121,12 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
     def forward(self, spans: Sequence[ScheduledSpan],
-                block_copies: Sequence[tuple[int, int]] = (),
                 hidden_of: Sequence[ScheduledSpan] = ()) -> np.ndarray:
         """Run the model over the spans; float32 logits [spans that sample, vocab]. The
         final hidden states of every position of the spans in `hidden_of` (embeddings) are
         left in self.hidden as {id(span): float32 [len(span), E]}."""
         self.ops.begin_step()
         self.hidden = {}
-        if block_copies:
-            self.ops.copy_blocks(self.kv, list(block_copies))
         if not spans:
             return np.empty((0, self.cfg.vocab_size), np.float32)
         batch = build_forward_batch(spans, self.kv_plan.block_size)
@@ -166,7 +167,7 @@ class ModelRunner:
         scored = [s for s in spans if s.prompt_logprobs is not None]
         if scored:
             spans = [s for s in spans if s.prompt_logprobs is None]
-        logits = self.forward(spans, plan.block_copies, pooled)
+        logits = self.forward(spans, pooled)
         sampled = [s for s in spans if s.sample]
         plp = {}
         if scored:     # after the batch: their pieces run one after another (logprobs.py)

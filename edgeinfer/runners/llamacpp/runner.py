@@ -160,7 +160,7 @@ class LlamaCppRunner:
 
     # -- one step --------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. plan.block_copies are ignored: llama.cpp shares cells itself."""
+        """Run one step: bind slots, decode what they lack, sample."""
         self.sampling.begin(plan)
         for rid in plan.finished:
             self._history.pop(rid, None)
