@@ -9,7 +9,7 @@ from gguf import LlamaFileType
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert")
 
 
 class UnsupportedArchitecture(GGUFError):
@@ -42,6 +42,9 @@ class ModelConfig:
     post_norms: bool = False     # gemma3 post-attention / post-ffw norms
     activation: str = "silu"     # silu (SwiGLU) or gelu_tanh (GeGLU)
     has_rope_freqs: bool = False  # llama3 per-dimension rope factors tensor
+    causal: bool = True          # False: encoders (bert), every token sees its whole sequence
+    n_token_types: int = 0       # bert: rows of token_types.weight
+    n_cls_out: int = 0           # bert rerankers: classification head outputs (0 = no head)
 
     @property
     def q_dim(self) -> int:
@@ -102,7 +105,8 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
     if v_dim != head_dim:
         raise GGUFError(f"has different key ({head_dim}) and value ({v_dim}) head sizes")
     ctx = _positive("context length", _meta(f, arch, "context_length", 2048), 1 << 24)
-    eps = _meta(f, arch, "attention.layer_norm_rms_epsilon", 1e-5, float)
+    eps = _meta(f, arch, "attention.layer_norm_epsilon" if arch == "bert" else
+                "attention.layer_norm_rms_epsilon", 1e-12 if arch == "bert" else 1e-5, float)
     tokens = f.metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise GGUFError("has no tokenizer vocabulary (tokenizer.ggml.tokens)")
@@ -130,6 +134,14 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
                           sliding_window=_meta(f, arch, "attention.sliding_window", 0),
                           swa_pattern=6, qk_norm=True, embed_scale=math.sqrt(n_embd),
                           post_norms=True, activation="gelu_tanh")
+    elif arch == "bert":
+        types = f.tensors.get("token_types.weight")
+        cls_out = f.tensors.get("cls.output.weight")
+        cfg = ModelConfig(**common, rope_neox=False, activation="gelu", causal=False,
+                          n_token_types=int(types.shape[1]) if types is not None and
+                          len(types.shape) == 2 else 0,
+                          n_cls_out=int(cls_out.shape[1]) if cls_out is not None and
+                          len(cls_out.shape) == 2 else 0)
     elif arch == "qwen3":
         cfg = ModelConfig(**common, rope_neox=True, qk_norm=True)
     elif arch == "qwen2":
@@ -142,6 +154,8 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the forward pass reads, with its ggml shape."""
+    if cfg.arch == "bert":
+        return _bert_tensors(cfg)
     e, q, kv, ff = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (e, cfg.vocab_size),
@@ -169,6 +183,27 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "attn_q.bias"] = (q,)
             shapes[p + "attn_k.bias"] = (kv,)
             shapes[p + "attn_v.bias"] = (kv,)
+    return shapes
+
+
+def _bert_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    e, ff = cfg.n_embd, cfg.n_ff
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (e, cfg.vocab_size), "position_embd.weight": (e, cfg.context_length),
+        "token_embd_norm.weight": (e,), "token_embd_norm.bias": (e,)}
+    if cfg.n_token_types:
+        shapes["token_types.weight"] = (e, cfg.n_token_types)
+    if cfg.n_cls_out:
+        shapes["cls.output.weight"] = (e, cfg.n_cls_out)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        for n, shape in (("attn_q", (e, cfg.q_dim)), ("attn_k", (e, cfg.kv_dim)),
+                         ("attn_v", (e, cfg.kv_dim)), ("attn_output", (cfg.q_dim, e)),
+                         ("ffn_up", (e, ff)), ("ffn_down", (ff, e))):
+            shapes[p + n + ".weight"] = shape
+        for n in ("attn_output_norm", "layer_output_norm"):
+            shapes[p + n + ".weight"] = (e,)
+            shapes[p + n + ".bias"] = (e,)
     return shapes
 
 

@@ -1,0 +1,136 @@
+"""BERT encoders (all-MiniLM, bge, bge-reranker): absolute position embeddings, token type
+embeddings (type 0 for every token, as llama.cpp), layer norm with bias after each residual
+(post-norm), GELU feed-forward, and non-causal attention within each sequence.
+
+It is embedding-only: the forward pass leaves the last layer's hidden states of the requested
+rows in batch.hidden and computes no logits. The runner computes a prompt only once all of it
+is scheduled (`non_causal`), because every token attends to the tokens after it too. A
+reranker's classification head (cls.weight/bias, tanh, cls.output.weight/bias) scores the
+first token's state (`rank_head`), as llama.cpp's rank pooling does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.formats.model_config import ModelConfig
+
+
+@dataclass
+class BertLayer:
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    bq: Any
+    bk: Any
+    bv: Any
+    bo: Any
+    attn_norm_w: Any
+    attn_norm_b: Any
+    w_up: Any
+    b_up: Any
+    w_down: Any
+    b_down: Any
+    out_norm_w: Any
+    out_norm_b: Any
+
+
+def _dense(gf, name: str) -> np.ndarray | None:
+    """A small tensor (the classification head) as float32 numpy, ggml shape reversed."""
+    t = gf.tensors.get(name)
+    if t is None:
+        return None
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    raw = gf.raw(name)
+    if t.ggml_type == GGMLQuantizationType.F32:
+        a = np.frombuffer(raw, np.float32)
+    else:
+        a = dequantize(raw, t.ggml_type)
+    return np.asarray(a, np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+
+
+class BertModel:
+    non_causal = True
+    embedding_only = True
+
+    def __init__(self, cfg: ModelConfig, ops, gf):
+        self.cfg, self.ops = cfg, ops
+
+        def opt(name):
+            return ops.vector(gf, name) if name in gf.tensors else None
+        self.tok_embd = ops.matrix(gf, "token_embd.weight")
+        self.pos_embd = ops.matrix(gf, "position_embd.weight")
+        types = opt("token_types.weight")
+        self.type0 = types[:cfg.n_embd] if types is not None else None    # "sentence A"
+        self.norm_w = ops.vector(gf, "token_embd_norm.weight")
+        self.norm_b = ops.vector(gf, "token_embd_norm.bias")
+        self.layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(BertLayer(
+                wq=ops.matrix(gf, p + "attn_q.weight"), wk=ops.matrix(gf, p + "attn_k.weight"),
+                wv=ops.matrix(gf, p + "attn_v.weight"), wo=ops.matrix(gf, p + "attn_output.weight"),
+                bq=opt(p + "attn_q.bias"), bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
+                bo=opt(p + "attn_output.bias"),
+                attn_norm_w=ops.vector(gf, p + "attn_output_norm.weight"),
+                attn_norm_b=ops.vector(gf, p + "attn_output_norm.bias"),
+                w_up=ops.matrix(gf, p + "ffn_up.weight"), b_up=opt(p + "ffn_up.bias"),
+                w_down=ops.matrix(gf, p + "ffn_down.weight"), b_down=opt(p + "ffn_down.bias"),
+                out_norm_w=ops.vector(gf, p + "layer_output_norm.weight"),
+                out_norm_b=ops.vector(gf, p + "layer_output_norm.bias")))
+        # reranker head: small, kept as float32 numpy
+        self.cls_w, self.cls_b = _dense(gf, "cls.weight"), _dense(gf, "cls.bias")
+        self.cls_out_w, self.cls_out_b = _dense(gf, "cls.output.weight"), _dense(gf, "cls.output.bias")
+
+    @property
+    def has_rank_head(self) -> bool:
+        return self.cls_w is not None or self.cls_out_w is not None
+
+    def _linear(self, x, w, b):
+        y = self.ops.matmul(x, w)
+        return self.ops.add_bias(y, b) if b is not None else y
+
+    def forward(self, batch: ForwardBatch, kv=None):
+        cfg, ops = self.cfg, self.ops
+        T, eps = batch.num_tokens, cfg.rms_eps
+        x = ops.embed(self.tok_embd, batch.token_ids)
+        if self.type0 is not None:
+            x = ops.add(x, self.type0)
+        x = ops.add(x, ops.embed(self.pos_embd, batch.positions))
+        x = ops.layer_norm(x, self.norm_w, self.norm_b, eps)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        for w in self.layers:
+            q = self._linear(x, w.wq, w.bq).reshape(T, cfg.n_head, cfg.head_dim)
+            k = self._linear(x, w.wk, w.bk).reshape(T, cfg.n_kv_head, cfg.head_dim)
+            v = self._linear(x, w.wv, w.bv).reshape(T, cfg.n_kv_head, cfg.head_dim)
+            a = ops.encoder_attention(q, k, v, batch, scale).reshape(T, cfg.q_dim)
+            cur = ops.add(self._linear(a, w.wo, w.bo), x)
+            cur = ops.layer_norm(cur, w.attn_norm_w, w.attn_norm_b, eps)
+            f = self._linear(ops.gelu(self._linear(cur, w.w_up, w.b_up)), w.w_down, w.b_down)
+            x = ops.layer_norm(ops.add(f, cur), w.out_norm_w, w.out_norm_b, eps)
+        if batch.hidden_indices is not None:
+            batch.hidden = ops.to_numpy(ops.take_rows(x, batch.hidden_indices))
+        return None
+
+    def rank_head(self, h: np.ndarray) -> np.ndarray:
+        """Classification head over the first token's state: [classes] raw scores."""
+        if not self.has_rank_head:
+            raise RuntimeError("this model has no classification head (cls.weight / "
+                               "cls.output.weight) for rank pooling")
+        y = np.asarray(h, np.float32).reshape(-1)
+        if self.cls_w is not None:
+            y = self.cls_w @ y
+            if self.cls_b is not None:
+                y = y + self.cls_b.reshape(-1)
+            y = np.tanh(y)
+        if self.cls_out_w is not None:
+            y = self.cls_out_w @ y
+            if self.cls_out_b is not None:
+                y = y + self.cls_out_b.reshape(-1)
+        return y.astype(np.float32).reshape(-1)
