@@ -21,6 +21,7 @@ def add_commands(subparsers: Any) -> None:
     _server_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    _ray_args(p)
     p.set_defaults(func=cmd_serve, validate=_validate_placement(p))
 
     p = subparsers.add_parser("daemon", help="start, stop or inspect the background daemon")
@@ -58,6 +59,20 @@ def _server_args(p: argparse.ArgumentParser) -> None:
                       "device alone lets auto place models on it")
 
 
+def _ray_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scale-out on Ray Serve (the edgeinfer[ray] extra; docs/scale-out.md)")
+    g.add_argument("--ray", action="store_true",
+                   help="serve through engine replicas on Ray Serve")
+    g.add_argument("--ray-address", metavar="ADDRESS",
+                   help="join this Ray cluster (default: start a local one on 127.0.0.1)")
+    g.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="engine replicas (the minimum when autoscaling; default 1)")
+    g.add_argument("--max-replicas", type=int, metavar="M",
+                   help="autoscale between --replicas and M on queue depth")
+    g.add_argument("--routing", choices=["affinity", "pow2"], default="affinity",
+                   help="prefix-cache affinity (default) or plain power of two choices")
+
+
 def _validate_placement(p: argparse.ArgumentParser):
     def validate(args: argparse.Namespace) -> None:
         from edgeinfer.cli.run import check_device_args
@@ -71,6 +86,15 @@ def _user_error(msg: str) -> Exception:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray or args.ray_address:
+        from edgeinfer.scaleout.launch import ScaleOutError, serve_ray
+        try:
+            return serve_ray(args.host, args.port, args.api_key, args.backend, args.device,
+                             args.log_level, replicas=args.replicas,
+                             max_replicas=args.max_replicas, ray_address=args.ray_address,
+                             routing=args.routing)
+        except (ScaleOutError, daemon.DaemonError) as e:
+            raise _user_error(str(e)) from None
     try:
         return daemon.serve(args.host, args.port, args.api_key, args.backend, args.log_level,
                             device=args.device)
