@@ -21,6 +21,7 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_REPACK              | repack              | per model (int8 tiles on VNNI CPUs) |
 | EDGEINFER_BATCH_INVARIANT     | batch_invariant     | off                                 |
 | EDGEINFER_TORCH_DTYPE         | torch_dtype         | the device's choice                 |
+| EDGEINFER_SPECULATIVE         | speculative         | on (prompt-lookup drafts, batch <= 2)|
 | EDGEINFER_HF_ENDPOINT / HF_TOKEN | hf_endpoint / hf_token | huggingface.co / none        |
 | EDGEINFER_DEBUG               | debug               | off                                 |
 """
@@ -109,6 +110,7 @@ class Settings:
     repack: bool | None = None              # None = per model
     batch_invariant: bool = False
     torch_dtype: str | None = None
+    speculative: bool = True
     hf_endpoint: str | None = None
     hf_token: str | None = None
     debug: bool = False
@@ -142,6 +144,7 @@ class Settings:
             repack=_flag(env, "EDGEINFER_REPACK"),
             batch_invariant=bool(_flag(env, "EDGEINFER_BATCH_INVARIANT")),
             torch_dtype=env.get("EDGEINFER_TORCH_DTYPE") or None,
+            speculative=_flag(env, "EDGEINFER_SPECULATIVE") is not False,
             hf_endpoint=env.get("EDGEINFER_HF_ENDPOINT") or None,
             hf_token=env.get("HF_TOKEN") or None,
             debug=bool(env.get("EDGEINFER_DEBUG")),
@@ -156,6 +159,7 @@ class Settings:
                             max_running_seqs=self.max_running_seqs,
                             batch_invariant=self.batch_invariant, repack=self.repack,
                             torch_dtype=self.torch_dtype, threads=self.threads,
+                            speculative=self.speculative,
                             governor=governor, **kw)
 
     def with_overrides(self, **overrides) -> "Settings":

@@ -15,12 +15,15 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+import numpy as np
+
 from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
 from edgeinfer.engine.prompt_scoring import PromptScoring, ScoringAwareKV
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
+from edgeinfer.engine.speculation import MAX_BATCH, SpeculationStats, propose
 from edgeinfer.engine.stops import FinishCheck, stop_token_set
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.formats.tokenizer import IncrementalDetokenizer
@@ -54,6 +57,7 @@ class EngineConfig:
     repack: bool | None = None            # CPU weights as int8 tiles; None = per model
     torch_dtype: str | None = None        # torch weights' dtype; None = the device's choice
     threads: int | None = None            # llama.cpp threads when no governor is given
+    speculative: bool = True              # prompt-lookup drafts for small batches
     governor: Any = field(default=None, compare=False)   # the process's CPU thread budget
 
 
@@ -105,6 +109,7 @@ class _RequestState:
                                  arrival_time=time.monotonic())
         self.want_logprobs = params.logprobs is not None
         self.reused = 0       # prompt tokens the runner's own cache skipped (llama.cpp)
+        self.spec = SpeculationStats()
         self.pooling: str | None = None     # embedding requests: how the runner pools
         self.scoring: PromptScoring | None = None   # prompt logprobs / max_tokens 0
 
@@ -413,15 +418,34 @@ class Engine:
                 mask = st.constraint.allowed_tokens()
             spans.append(ScheduledSpan(rid, c.start, tuple(c.token_ids), tuple(seq.block_table),
                                        c.needs_logits and st.pooling is None, mask,
-                                       st.scoring.k if st.scoring and st.scoring.wants else None))
+                                       st.scoring.k if st.scoring and st.scoring.wants else None,
+                                       num_draft=c.num_draft))
         gone, self._gone = self._gone, []
         return StepPlan(tuple(spans), tuple(new),
                         preempted=tuple(s.seq_id for s in out.preempted),
                         finished=tuple(gone))
 
+    def _drafts(self) -> dict[int, list[int]]:
+        """Prompt-lookup drafts for the decoding sequences of a small batch (speculation.py)."""
+        if not self.config.speculative or not self.runner.supports_drafts:
+            return {}
+        decoding = [s for s in self.scheduler.running if not s.is_prefilling]
+        if not decoding or len(decoding) > MAX_BATCH:
+            return {}
+        drafts = {}
+        for seq in decoding:
+            st = self._states.get(seq.seq_id)
+            if (st is None or st.constraint is not None or st.pooling is not None
+                    or st.scoring is not None or not st.spec.worth_it()):
+                continue
+            draft = propose(np.asarray(seq.token_ids, np.int64))
+            if draft:
+                drafts[seq.seq_id] = draft
+        return drafts
+
     def step(self) -> SchedulerOutput:
         """Schedule, run and sample one batch; deliver events. Engine thread only."""
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._drafts())
         for seq in out.aborted:
             self._end(seq, "abort")
         for seq in out.finished:
@@ -448,45 +472,78 @@ class Engine:
             st = self._states.get(rid)
             if st is not None and st.scoring is not None:
                 st.scoring.add(plp)
-        sampled = {rid: toks[0] for rid, toks in result.tokens.items()}
         for rid, message in result.errors.items():
             seq = self.scheduler.get(rid)
             if seq is not None:
                 self._fail(seq, message)
-        self.scheduler.update(out, sampled)
+        # Each sampling request's new tokens (several when a draft was accepted) go through
+        # its FinishCheck first: a stop inside them keeps only the tokens up to it.
         now = time.monotonic()
+        kept: dict[int, list[int]] = {}
+        verdicts: dict[int, tuple] = {}
         for c in out.chunks:
             seq = c.seq
             rid = seq.seq_id
-            if not c.needs_logits or rid not in sampled or rid not in self._states:
+            tokens = result.tokens.get(rid)
+            if not c.needs_logits or not tokens or rid not in self._states:
                 continue
             st = self._states[rid]
-            token = sampled[rid]
+            if c.num_draft:
+                st.spec.record(c.num_draft, len(tokens) - 1)
+            if st.scoring is not None and st.scoring.score_only:
+                kept[rid] = tokens[:1]
+                verdicts[rid] = ("score_only",)
+                continue
+            text, shown, reason = "", [], None
+            try:
+                for i, token in enumerate(tokens):
+                    piece, show, reason = st.finish.push(
+                        token, seq.num_output_tokens + i + 1, seq.num_tokens + i + 1)
+                    text += piece
+                    if show:
+                        shown.append(i)
+                    if reason:
+                        break
+            except ConstraintError as e:
+                verdicts[rid] = ("error", f"structured output: {e}")
+                continue
+            kept[rid] = tokens[:i + 1]
+            verdicts[rid] = ("ok", text, shown, reason)
+        self.scheduler.update(out, kept)
+        for c in out.chunks:
+            seq = c.seq
+            rid = seq.seq_id
+            verdict = verdicts.get(rid)
+            if not c.needs_logits or verdict is None or rid not in self._states:
+                continue
+            st = self._states[rid]
             o = st.out
+            if verdict[0] == "error":
+                self._fail(seq, verdict[1])
+                continue
             if st.scoring is not None:
                 taken = st.scoring.take()
                 if taken is not None:
                     o.prompt_logprobs, o.prompt_top_logprobs = taken
-                if st.scoring.score_only:          # max_tokens 0: the prompt alone
+                if verdict[0] == "score_only":          # max_tokens 0: the prompt alone
                     self.scheduler.finish(rid, "length")
                     self._end(seq, "length")
                     continue
-            self.tokens_generated += 1
+            _, text, shown, reason = verdict
+            tokens = kept[rid]
+            self.tokens_generated += len(tokens)
             if o.first_token_time is None:
                 o.first_token_time = now
                 self._release_followers(rid)       # its prompt is in the prefix cache now
-            try:
-                text, shown, reason = st.finish.push(token, seq.num_output_tokens, seq.num_tokens)
-            except ConstraintError as e:
-                self._fail(seq, f"structured output: {e}")
-                continue
             o.text += text
-            if shown:
-                o.token_ids.append(token)
-                if st.want_logprobs and rid in result.logprobs:
-                    o.logprobs.extend(result.logprobs[rid])
-                    if rid in result.top_logprobs:
-                        o.top_logprobs.extend(result.top_logprobs[rid])
+            lps = result.logprobs.get(rid) if st.want_logprobs else None
+            tops = result.top_logprobs.get(rid)
+            for i in shown:
+                o.token_ids.append(tokens[i])
+                if lps is not None and i < len(lps):
+                    o.logprobs.append(lps[i])
+                    if tops is not None and i < len(tops):
+                        o.top_logprobs.append(tops[i])
             if reason:
                 self.scheduler.finish(rid, reason)
                 self._end(seq, reason)

@@ -67,6 +67,9 @@ class ScheduledChunk:
     start: int  # == seq.num_computed_tokens when scheduled
     token_ids: list[int]
     needs_logits: bool  # the chunk ends at the last known token: sample one token
+    # speculative decoding: the last `num_draft` token_ids are proposed, not yet known
+    # tokens; the runner samples at each of them and keeps the prefix the model agrees with
+    num_draft: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +77,8 @@ class ScheduledChunk:
 
     @property
     def is_decode(self) -> bool:
-        return self.needs_logits and len(self.token_ids) == 1 and self.start > 0
+        return (self.needs_logits and len(self.token_ids) == 1 + self.num_draft
+                and self.start > 0)
 
 
 @dataclass
@@ -187,8 +191,11 @@ class Scheduler:
         return bool(self._live)
 
     # -- one step ------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """One step's batch. `drafts` (speculative decoding): proposed next tokens per
+        sequence id, verified in its decode chunk when the budget and the pool allow."""
         out = SchedulerOutput()
+        drafts = drafts or {}
         self._apply_aborts(out)
         budget = self.config.max_tokens_per_step
 
@@ -214,8 +221,10 @@ class Scheduler:
                 ok = self.kv.prepare_write(seq, start, start + 1)
             if not ok:
                 continue  # seq left running; index i now names the next sequence
-            out.chunks.append(ScheduledChunk(seq, start, [seq.token_ids[start]], True))
-            budget -= 1
+            draft = self._fit_draft(seq, drafts.get(seq.seq_id), budget)
+            out.chunks.append(ScheduledChunk(seq, start, [seq.token_ids[start], *draft], True,
+                                             len(draft)))
+            budget -= 1 + len(draft)
             i += 1
 
         # 2. running sequences still prefilling, in admission order
@@ -229,6 +238,21 @@ class Scheduler:
         if not out.preempted:
             self._admit(budget, out)
         return out
+
+    def _fit_draft(self, seq: Sequence, draft: list[int] | None, budget: int) -> list[int]:
+        """The part of a proposed draft this step can verify: within the budget left after
+        one token for every decode, the request's max_tokens and the context, and blocks
+        the pool can give now (a draft never preempts anyone)."""
+        if not draft:
+            return []
+        decodes_left = sum(1 for s in self.running if not s.is_prefilling)
+        room = min(len(draft), budget - decodes_left,
+                   seq.max_tokens - seq.num_output_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
+        start = seq.num_computed_tokens
+        while room > 0 and not self.kv.prepare_write(seq, start, start + 1 + room):
+            room //= 2
+        return list(draft[:max(room, 0)])
 
     def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         start = seq.num_computed_tokens
@@ -337,8 +361,9 @@ class Scheduler:
         self._aborts.discard(seq.seq_id)
 
     # -- after the forward pass ----------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Advance every computed chunk and append sampled tokens. Whether a request is
+    def update(self, output: SchedulerOutput, sampled: dict[int, list[int]]) -> None:
+        """Advance every computed chunk and append its sampled tokens: one, or for a chunk
+        with a draft the accepted draft tokens and the one after them. Whether a request is
         finished (stop, length) is the engine's decision (edgeinfer.engine.stops.FinishCheck);
         it calls finish(). Sequences aborted or finished since schedule() are skipped."""
         for chunk in output.chunks:
@@ -347,14 +372,25 @@ class Scheduler:
                 continue
             if chunk.start != seq.num_computed_tokens:
                 raise ValueError(f"chunk at {chunk.start} does not continue {seq!r}")
-            seq.num_computed_tokens += len(chunk.token_ids)
-            self.kv.on_computed(seq)
             if not chunk.needs_logits:
+                seq.num_computed_tokens += len(chunk.token_ids)
+                self.kv.on_computed(seq)
                 continue
-            token = sampled.get(seq.seq_id)
-            if token is None:
+            tokens = sampled.get(seq.seq_id)
+            if not tokens:
                 raise ValueError(f"no sampled token for {seq!r}, whose chunk needed logits")
-            seq.append_token(int(token))
+            if isinstance(tokens, int):
+                tokens = [tokens]
+            draft = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft:]
+            accepted = len(tokens) - 1
+            if accepted > chunk.num_draft or list(tokens[:accepted]) != list(draft[:accepted]):
+                raise ValueError(f"sampled {tokens} do not continue the draft {draft} of {seq!r}")
+            # K/V is right up to the last accepted draft token; the rest of the draft's slots
+            # are overwritten before anything reads them
+            for token in tokens:
+                seq.append_token(int(token))
+            seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_draft + accepted
+            self.kv.on_computed(seq)
 
     # -- reporting -------------------------------------------------------------------
     def stats(self) -> SchedulerStats:

@@ -70,7 +70,12 @@ class ScheduledSpan:
     row predicts a prompt token (p + 1 < prompt length), log P(prompt[p + 1] | prefix) and
     the k best alternatives (StepResult.prompt_logprobs; computed in chunks of rows, see
     edgeinfer.runners.logprobs). The engine sets it only on spans of a request that asked,
-    and admits such a request without prefix-cache reuse, so its spans cover every position."""
+    and admits such a request without prefix-cache reuse, so its spans cover every position.
+
+    `num_draft = k` (speculative decoding, `sample` set): the last k token_ids are a guess,
+    not known tokens. The runner samples at each of the last k + 1 positions in order, as
+    plain decoding would, and stops at the first sample that differs from the guess: the
+    request's tokens in StepResult are the accepted guesses and that one sample."""
     req_id: int
     start: int
     token_ids: tuple[int, ...]
@@ -78,6 +83,7 @@ class ScheduledSpan:
     sample: bool
     token_mask: np.ndarray | None = None
     prompt_logprobs: int | None = None
+    num_draft: int = 0
 
     @property
     def end(self) -> int:
@@ -85,7 +91,7 @@ class ScheduledSpan:
 
     @property
     def is_decode(self) -> bool:
-        return self.sample and len(self.token_ids) == 1 and self.start > 0
+        return self.sample and len(self.token_ids) == 1 + self.num_draft and self.start > 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,7 @@ class Runner(Protocol):
     kind: str                     # "cpu", "torch:cuda", "llamacpp", ...
     weights_format: str           # how the weights sit in memory, for show / ps
     prefix_caching: bool          # False: block ids are capacity accounting only
+    supports_drafts: bool         # verifies ScheduledSpan.num_draft guesses
 
     @property
     def tokenizer(self): ...

@@ -49,7 +49,7 @@ def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int) -> Forw
         tables[i, :len(s.block_table)] = s.block_table
         t += m
         if s.sample:
-            logits_rows.append(t - 1)
+            logits_rows.extend(range(t - 1 - s.num_draft, t))
     blocks = tables[token_seq, positions // block_size].astype(np.int64)
     slots = blocks * block_size + positions % block_size
     return ForwardBatch(token_ids, positions, slots, token_seq, tables,
@@ -59,6 +59,7 @@ def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int) -> Forw
 class ModelRunner:
     """Implements edgeinfer.runners.base.Runner with a native model on `ops`."""
     prefix_caching = True
+    supports_drafts = True
 
     def __init__(self, gf: GGUFFile, cfg: ModelConfig, ops: Ops, kv_plan: KVPlan):
         from edgeinfer.models import build_model

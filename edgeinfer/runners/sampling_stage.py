@@ -37,7 +37,8 @@ class SamplingStage:
             eos_token_ids=self.eos_token_ids)
 
     def sample(self, spans: Sequence[ScheduledSpan], logits: np.ndarray) -> StepResult:
-        """One token for each span (those with `sample` set, in order) from its row."""
+        """Tokens for the spans that sample, in order. `logits` has one row per span, or
+        1 + num_draft rows for a span with a draft (its last positions, in order)."""
         result = StepResult()
         if not spans:
             return result
@@ -46,6 +47,24 @@ class SamplingStage:
         except KeyError as e:
             raise RuntimeError(f"request {e.args[0]} was scheduled before it was announced "
                                "in a plan's new_requests") from None
+        rows, plain, r = [], [], 0
+        for i, s in enumerate(spans):
+            rows.append(r)
+            r += 1 + s.num_draft
+            if not s.num_draft:
+                plain.append(i)
+        if r != logits.shape[0]:
+            raise RuntimeError(f"{logits.shape[0]} rows of logits for {r} sampled positions")
+        if plain:
+            self._sample_rows([spans[i] for i in plain], [states[i] for i in plain],
+                              logits[[rows[i] for i in plain]], result)
+        for i, s in enumerate(spans):
+            if s.num_draft:
+                self._verify(s, states[i], logits[rows[i]:rows[i] + 1 + s.num_draft], result)
+        return result
+
+    def _sample_rows(self, spans, states, logits: np.ndarray, result: StepResult) -> None:
+        """One token per span from its row, batched."""
         masks = [s.token_mask for s in spans]
         if any(m is not None for m in masks):
             out = self._sampler.sample(logits, states, masks)
@@ -58,9 +77,21 @@ class SamplingStage:
                 continue
             tok = int(out.tokens[i])
             st.append(tok)
-            result.tokens[span.req_id] = [tok]
+            result.tokens.setdefault(span.req_id, []).append(tok)
             if st.params.logprobs is not None:
-                result.logprobs[span.req_id] = [float(out.logprobs[i])]
+                result.logprobs.setdefault(span.req_id, []).append(float(out.logprobs[i]))
                 if out.top_logprobs is not None:
-                    result.top_logprobs[span.req_id] = [out.top_logprobs[i]]
-        return result
+                    result.top_logprobs.setdefault(span.req_id, []).append(out.top_logprobs[i])
+
+    def _verify(self, span: ScheduledSpan, state: SeqSamplingState, logits: np.ndarray,
+                result: StepResult) -> None:
+        """Sample position by position as plain decoding would (the same state updates, the
+        same draws); keep going while the sample equals the guess."""
+        draft = span.token_ids[len(span.token_ids) - span.num_draft:]
+        for j in range(span.num_draft + 1):
+            self._sample_rows([span], [state], logits[j:j + 1], result)
+            got = result.tokens.get(span.req_id)
+            if span.req_id in result.errors or not got:
+                return
+            if j == span.num_draft or got[-1] != draft[j]:
+                return

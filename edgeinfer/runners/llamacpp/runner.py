@@ -71,6 +71,7 @@ class LlamaCppRunner:
     kind = "llamacpp"
     weights_format = "gguf (llama.cpp)"
     prefix_caching = False
+    supports_drafts = False       # llama.cpp gives one row of logits per sampled span here
 
     def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
                  min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,

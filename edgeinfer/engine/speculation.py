@@ -1,0 +1,63 @@
+"""Prompt-lookup speculative decoding: drafts from the request's own text, no draft model.
+
+When the last few tokens of a sequence also occur earlier in it (a code listing being
+reproduced, a quoted document, a JSON object echoing its input), the tokens that followed
+that earlier occurrence are a cheap guess of what comes next. The runner checks a guess of
+k tokens in one forward pass over k + 1 positions: it samples at each position as it would
+have one step at a time and keeps the draft tokens up to the first one it did not sample,
+plus the token it sampled there. Output is exactly what plain decoding gives (the same
+draws from the same generator), so this only changes speed.
+
+It pays where a step costs about the same for one row as for eight (decode reads every
+weight once either way) and the guesses are often right; so drafts are proposed only for
+small batches, and a request whose guesses keep failing stops getting them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_DRAFT = 7             # 8 rows: one load of each int8 weight tile serves them all
+NGRAM_SIZES = (3, 2)      # longest match first
+MIN_TOKENS = 16           # nothing worth looking up in a shorter sequence
+WINDOW = 4096             # look back at most this far (bounded cost per step)
+MAX_BATCH = 2             # decoding sequences above which speculation is off
+PROBATION = 24            # proposed tokens before a request's acceptance is judged
+MIN_ACCEPTANCE = 0.25     # below this, the request's guesses cost more than they save
+
+
+def propose(tokens: np.ndarray, k: int = MAX_DRAFT) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last
+    n-gram (n = 3, then 2), or [] when there is none. `tokens`: int array, prompt + output."""
+    n_tok = tokens.shape[0]
+    if n_tok < MIN_TOKENS or k <= 0:
+        return []
+    hist = tokens[max(0, n_tok - WINDOW):]
+    for n in NGRAM_SIZES:
+        if hist.shape[0] <= n:
+            continue
+        tail = hist[-n:]
+        # positions i where hist[i:i+n] == tail, excluding the tail itself
+        windows = np.lib.stride_tricks.sliding_window_view(hist[:-1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        hits = hits[hits + n < hist.shape[0]]
+        if hits.size:
+            start = int(hits[-1]) + n          # the most recent occurrence
+            draft = hist[start:start + k]
+            return [int(t) for t in draft]
+    return []
+
+
+@dataclass
+class SpeculationStats:
+    """One request's record: how many draft tokens it was offered and kept."""
+    proposed: int = 0
+    accepted: int = 0
+
+    def worth_it(self) -> bool:
+        return self.proposed < PROBATION or self.accepted >= MIN_ACCEPTANCE * self.proposed
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
