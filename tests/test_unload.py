@@ -1,6 +1,7 @@
 """Deterministic unload (issue 12): unloading a model through the API gives its memory back.
 
-A real daemon process loads the bundled model, generates, and unloads it with keep_alive 0;
+A real daemon process loads the bundled model, generates, and unloads it (keep_alive 0, then
+`edgeinfer stop NAME`, then the idle reaper after a 1 s keep_alive);
 its RSS (psutil on the daemon's pid) must come back to within 50 MB of the figure read just
 before the load. The first load in a daemon's life also brings the compute kernels' machine
 code in (numba's cached kernels, linked by LLVM), which stays for the process's lifetime
@@ -10,6 +11,9 @@ KV pool, engine or tokenizer may survive an unload, and nothing may grow cycle a
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -19,7 +23,11 @@ from daemon_fixture import register_gemma, start_daemon
 
 MB = 1 << 20
 TOLERANCE = 50 * MB           # issue 12: "within 50 MB of its pre-load figure"
-KERNEL_CODE_ALLOWANCE = 100 * MB   # first load only: kernel machine code, kept process-wide
+# First load only: the kernels' machine code (numba's cached kernels, linked by LLVM at their
+# first call) stays for the process's lifetime, whatever model runs next. Measured in-process:
+# the matmul kernels alone +137 MB, and a daemon's first load/unload of gemma3 +58..89 MB.
+# A leaked engine (weights, KV pool, tokenizer) is +250 MB and fails even this bound.
+KERNEL_CODE_ALLOWANCE = 150 * MB
 
 
 @pytest.fixture()
@@ -47,18 +55,29 @@ def _models(d) -> list[str]:
     return [m["name"] for m in d.stats()["models"]]
 
 
-def _load_generate_unload(d) -> int:
-    """Returns the RSS while loaded (after generating)."""
-    r = d.post("/api/generate", {"model": "gemma3:270m", "prompt": "Tell me about the sea.",
-                                 "stream": False,
-                                 "options": {"temperature": 0, "num_predict": 16}})
+def _load_generate_unload(d, how: str) -> int:
+    """Load and generate, then unload `how`: "api" (keep_alive 0 on an empty request),
+    "cli" (`edgeinfer stop NAME`) or "reaper" (a 1 s keep_alive runs out). Returns the RSS
+    while loaded."""
+    body = {"model": "gemma3:270m", "prompt": "Tell me about the sea.", "stream": False,
+            "options": {"temperature": 0, "num_predict": 16}}
+    if how == "reaper":
+        body["keep_alive"] = "1s"
+    r = d.post("/api/generate", body)
     assert r.status_code == 200, r.text
     assert r.json()["eval_count"] > 0
-    assert _models(d) == ["gemma3:270m"]
     loaded = psutil.Process(d.proc.pid).memory_info().rss
-    r = d.post("/api/generate", {"model": "gemma3:270m", "keep_alive": 0})
-    assert r.status_code == 200, r.text
-    assert r.json()["done_reason"] == "unload"
+    if how == "api":
+        assert _models(d) == ["gemma3:270m"]
+        r = d.post("/api/generate", {"model": "gemma3:270m", "keep_alive": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["done_reason"] == "unload"
+    elif how == "cli":
+        assert _models(d) == ["gemma3:270m"]
+        env = {**os.environ, "EDGEINFER_HOST": f"127.0.0.1:{d.port}"}
+        r = subprocess.run([sys.executable, "-m", "edgeinfer", "stop", "gemma3:270m"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 30            # a guard against hanging, not a timing
     while _models(d) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -69,12 +88,12 @@ def _load_generate_unload(d) -> int:
 def test_unload_returns_memory(daemon):
     proc = psutil.Process(daemon.proc.pid)
     figures = []
-    for cycle in range(3):
+    for cycle, how in enumerate(["api", "api", "cli", "reaper"]):
         before = _rss(proc)
-        loaded = _load_generate_unload(daemon)
+        loaded = _load_generate_unload(daemon, how)
         after = _rss(proc)
         figures.append((before, loaded, after))
-        print(f"cycle {cycle}: before {before / MB:.0f} MB, loaded {loaded / MB:.0f} MB, "
+        print(f"cycle {cycle} ({how}): before {before / MB:.0f} MB, loaded {loaded / MB:.0f} MB, "
               f"after unload {after / MB:.0f} MB ({(after - before) / MB:+.0f} MB)")
     # the model really was in memory: the unload has something to give back
     assert all(loaded - before > 200 * MB for before, loaded, _ in figures), figures
