@@ -377,10 +377,10 @@ class Scheduler:
                 self.kv.on_computed(seq)
                 continue
             tokens = sampled.get(seq.seq_id)
-            if not tokens:
-                raise ValueError(f"no sampled token for {seq!r}, whose chunk needed logits")
             if isinstance(tokens, int):
                 tokens = [tokens]
+            if not tokens:
+                raise ValueError(f"no sampled token for {seq!r}, whose chunk needed logits")
             draft = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft:]
             accepted = len(tokens) - 1
             if accepted > chunk.num_draft or list(tokens[:accepted]) != list(draft[:accepted]):
