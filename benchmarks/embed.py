@@ -86,7 +86,13 @@ def _llama_child(model: str, texts: list[str], threads: int, rounds: int, q) -> 
     import resource
 
     import llama_cpp
-    llm = llama_cpp.Llama(model, embedding=True, n_ctx=8192, n_batch=2048, n_ubatch=512,
+    from edgeinfer.formats.gguf_file import read_gguf
+    f = read_gguf(model)
+    encoder = f.metadata.get("general.architecture") == "bert"
+    f.close()
+    # an encoder needs the whole batch in one micro-batch (n_ubatch >= n_tokens)
+    llm = llama_cpp.Llama(model, embedding=True, n_ctx=8192, n_batch=2048,
+                          n_ubatch=2048 if encoder else 512,
                           n_seq_max=64, n_threads=threads, n_threads_batch=threads,
                           pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, verbose=False)
     llm.embed(texts, normalize=True)

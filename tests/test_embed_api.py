@@ -177,3 +177,14 @@ def test_embeddings_leave_no_blocks(shared_daemon, ol):  # noqa: F811
     ol.embed(model=MODEL, input=TEXTS * 4)
     m = wait_idle(shared_daemon, baseline_used=0)
     assert m["running"] == 0
+
+
+def test_embeddings_count_in_metrics(shared_daemon, ol):  # noqa: F811
+    def prompt_tokens() -> float:
+        for line in shared_daemon.get("/metrics").text.splitlines():
+            if line.startswith("edgeinfer_prompt_tokens_total") and MODEL in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+    before = prompt_tokens()
+    r = ol.embed(model=MODEL, input=TEXTS)
+    assert prompt_tokens() - before == r.prompt_eval_count

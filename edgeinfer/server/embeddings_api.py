@@ -113,6 +113,7 @@ class _Held:
 
     def __init__(self, request: Request, lm, load_duration: float):
         self.manager = request.app.state.manager
+        self.metrics = getattr(request.app.state, "metrics", None)
         self.lm, self.load_duration = lm, load_duration
         self.engine = lm.engine
         self._released = False
@@ -187,6 +188,10 @@ async def _run(held: _Held, prompts: list[list[int]], pooling: str | None = None
                     raise ClientGone() from None
                 continue
             results[out.request_id] = out
+            if held.metrics is not None:     # prompt tokens and finish reasons in /metrics
+                held.metrics.on_finish(held.lm.name, out.finish_reason or "stop",
+                                       out.num_prompt_tokens, 0, 0, out.arrival_time, None,
+                                       out.finish_time)
             if out.finish_reason != "stop" or out.embedding is None:
                 raise APIError(500, f"embedding failed: {out.error or out.finish_reason}",
                                code="engine_error")
