@@ -95,5 +95,6 @@ class Ops(Protocol):
     # encoder models (BERT)
     def layer_norm(self, x: Any, w: Any, b: Any, eps: float) -> Any: ...
     def gelu(self, x: Any) -> Any: ...                        # in place on x (tanh approx.)
+    def contiguous(self, x: Any) -> Any: ...                  # x, or a dense copy of a view
     def encoder_attention(self, q: Any, k: Any, v: Any, batch: ForwardBatch,
                           scale: float) -> Any: ...          # non-causal, within a sequence

@@ -2,6 +2,9 @@
 embeddings (type 0 for every token, as llama.cpp), layer norm with bias after each residual
 (post-norm), GELU feed-forward, and non-causal attention within each sequence.
 
+nomic-bert (nomic-embed-text) is the same block with rotary positions (NeoX, full head) in
+place of position embeddings, a fused attn_qkv matrix, and a SwiGLU feed-forward.
+
 It is embedding-only: the forward pass leaves the last layer's hidden states of the requested
 rows in batch.hidden and computes no logits. The runner computes a prompt only once all of it
 is scheduled (`non_causal`), because every token attends to the tokens after it too. A
@@ -34,6 +37,7 @@ class BertLayer:
     attn_norm_b: Any
     w_up: Any
     b_up: Any
+    w_gate: Any
     w_down: Any
     b_down: Any
     out_norm_w: Any
@@ -64,8 +68,12 @@ class BertModel:
 
         def opt(name):
             return ops.vector(gf, name) if name in gf.tensors else None
+        self.nomic = cfg.arch == "nomic-bert"
         self.tok_embd = ops.matrix(gf, "token_embd.weight")
-        self.pos_embd = ops.matrix(gf, "position_embd.weight")
+        self.pos_embd = None if self.nomic else ops.matrix(gf, "position_embd.weight")
+
+        def mat(name):
+            return ops.matrix(gf, name) if name in gf.tensors else None
         types = opt("token_types.weight")
         self.type0 = types[:cfg.n_embd] if types is not None else None    # "sentence A"
         self.norm_w = ops.vector(gf, "token_embd_norm.weight")
@@ -73,14 +81,20 @@ class BertModel:
         self.layers = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
+            fused = cfg.fused_qkv
             self.layers.append(BertLayer(
-                wq=ops.matrix(gf, p + "attn_q.weight"), wk=ops.matrix(gf, p + "attn_k.weight"),
-                wv=ops.matrix(gf, p + "attn_v.weight"), wo=ops.matrix(gf, p + "attn_output.weight"),
-                bq=opt(p + "attn_q.bias"), bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
+                # fused (nomic): wq holds attn_qkv, wk/wv are None
+                wq=ops.matrix(gf, p + ("attn_qkv.weight" if fused else "attn_q.weight")),
+                wk=None if fused else ops.matrix(gf, p + "attn_k.weight"),
+                wv=None if fused else ops.matrix(gf, p + "attn_v.weight"),
+                wo=ops.matrix(gf, p + "attn_output.weight"),
+                bq=opt(p + ("attn_qkv.bias" if fused else "attn_q.bias")),
+                bk=opt(p + "attn_k.bias"), bv=opt(p + "attn_v.bias"),
                 bo=opt(p + "attn_output.bias"),
                 attn_norm_w=ops.vector(gf, p + "attn_output_norm.weight"),
                 attn_norm_b=ops.vector(gf, p + "attn_output_norm.bias"),
                 w_up=ops.matrix(gf, p + "ffn_up.weight"), b_up=opt(p + "ffn_up.bias"),
+                w_gate=mat(p + "ffn_gate.weight"),
                 w_down=ops.matrix(gf, p + "ffn_down.weight"), b_down=opt(p + "ffn_down.bias"),
                 out_norm_w=ops.vector(gf, p + "layer_output_norm.weight"),
                 out_norm_b=ops.vector(gf, p + "layer_output_norm.bias")))
@@ -102,17 +116,32 @@ class BertModel:
         x = ops.embed(self.tok_embd, batch.token_ids)
         if self.type0 is not None:
             x = ops.add(x, self.type0)
-        x = ops.add(x, ops.embed(self.pos_embd, batch.positions))
+        if self.pos_embd is not None:
+            x = ops.add(x, ops.embed(self.pos_embd, batch.positions))
         x = ops.layer_norm(x, self.norm_w, self.norm_b, eps)
         scale = 1.0 / math.sqrt(cfg.head_dim)
+        H, KVH, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         for w in self.layers:
-            q = self._linear(x, w.wq, w.bq).reshape(T, cfg.n_head, cfg.head_dim)
-            k = self._linear(x, w.wk, w.bk).reshape(T, cfg.n_kv_head, cfg.head_dim)
-            v = self._linear(x, w.wv, w.bv).reshape(T, cfg.n_kv_head, cfg.head_dim)
+            if w.wk is None:        # fused q|k|v columns
+                qkv = self._linear(x, w.wq, w.bq)
+                q = ops.contiguous(qkv[:, :H * D]).reshape(T, H, D)
+                k = ops.contiguous(qkv[:, H * D:(H + KVH) * D]).reshape(T, KVH, D)
+                v = ops.contiguous(qkv[:, (H + KVH) * D:]).reshape(T, KVH, D)
+            else:
+                q = self._linear(x, w.wq, w.bq).reshape(T, H, D)
+                k = self._linear(x, w.wk, w.bk).reshape(T, KVH, D)
+                v = self._linear(x, w.wv, w.bv).reshape(T, KVH, D)
+            if self.nomic:
+                q = ops.rope(q, batch, cfg.rope_base, cfg.rope_scale, True)
+                k = ops.rope(k, batch, cfg.rope_base, cfg.rope_scale, True)
             a = ops.encoder_attention(q, k, v, batch, scale).reshape(T, cfg.q_dim)
             cur = ops.add(self._linear(a, w.wo, w.bo), x)
             cur = ops.layer_norm(cur, w.attn_norm_w, w.attn_norm_b, eps)
-            f = self._linear(ops.gelu(self._linear(cur, w.w_up, w.b_up)), w.w_down, w.b_down)
+            if w.w_gate is not None:        # SwiGLU (nomic): silu(gate) * up
+                h = ops.swiglu(ops.matmul(cur, w.w_gate), self._linear(cur, w.w_up, w.b_up))
+            else:
+                h = ops.gelu(self._linear(cur, w.w_up, w.b_up))
+            f = self._linear(h, w.w_down, w.b_down)
             x = ops.layer_norm(ops.add(f, cur), w.out_norm_w, w.out_norm_b, eps)
         if batch.hidden_indices is not None:
             batch.hidden = ops.to_numpy(ops.take_rows(x, batch.hidden_indices))

@@ -46,9 +46,12 @@ def bert_vocab() -> tuple[list[str], list[int]]:
 
 
 def write_bert(path: Path, pooling: str = "mean", seed: int = 0, reranker: bool = False,
-               n_cls_out: int = 1) -> Path:
+               n_cls_out: int = 1, arch: str = "bert") -> Path:
+    """arch "bert" (absolute positions, GELU, separate q/k/v with biases) or "nomic-bert"
+    (rotary positions, fused attn_qkv, SwiGLU, no biases in the matrices)."""
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "bert")
+    nomic = arch == "nomic-bert"
+    w = GGUFWriter(str(path), arch)
     w.add_name("synthetic-bert-reranker" if reranker else "synthetic-bert")
     w.add_context_length(N_CTX)
     w.add_embedding_length(N_EMBD)
@@ -57,7 +60,9 @@ def write_bert(path: Path, pooling: str = "mean", seed: int = 0, reranker: bool 
     w.add_head_count(N_HEAD)
     w.add_layer_norm_eps(1e-12)
     w.add_causal_attention(False)
-    w.add_uint32("bert.pooling_type", POOLING["rank" if reranker else pooling])
+    w.add_uint32(f"{arch}.pooling_type", POOLING["rank" if reranker else pooling])
+    if nomic:
+        w.add_rope_freq_base(1000.0)
     w.add_file_type(0)
     tokens, types = bert_vocab()
     w.add_tokenizer_model("bert")
@@ -81,22 +86,32 @@ def write_bert(path: Path, pooling: str = "mean", seed: int = 0, reranker: bool 
 
     w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, N_EMBD)) * 0.5).astype(np.float32))
     w.add_tensor("token_types.weight", (rng.standard_normal((2, N_EMBD)) * 0.1).astype(np.float32))
-    w.add_tensor("position_embd.weight", (rng.standard_normal((N_CTX, N_EMBD)) * 0.3).astype(np.float32))
+    if not nomic:
+        w.add_tensor("position_embd.weight",
+                     (rng.standard_normal((N_CTX, N_EMBD)) * 0.3).astype(np.float32))
     w.add_tensor("token_embd_norm.weight", vec(N_EMBD, 1.0))
     w.add_tensor("token_embd_norm.bias", vec(N_EMBD))
     for i in range(N_LAYERS):
         p = f"blk.{i}."
-        for n in ("attn_q", "attn_k", "attn_v"):
-            w.add_tensor(p + n + ".weight", mat(N_EMBD, N_EMBD, 0.8))
-            w.add_tensor(p + n + ".bias", vec(N_EMBD))
+        if nomic:
+            w.add_tensor(p + "attn_qkv.weight", mat(3 * N_EMBD, N_EMBD, 0.8))
+        else:
+            for n in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(p + n + ".weight", mat(N_EMBD, N_EMBD, 0.8))
+                w.add_tensor(p + n + ".bias", vec(N_EMBD))
         w.add_tensor(p + "attn_output.weight", mat(N_EMBD, N_EMBD, 0.5))
-        w.add_tensor(p + "attn_output.bias", vec(N_EMBD))
+        if not nomic:
+            w.add_tensor(p + "attn_output.bias", vec(N_EMBD))
         w.add_tensor(p + "attn_output_norm.weight", vec(N_EMBD, 1.0))
         w.add_tensor(p + "attn_output_norm.bias", vec(N_EMBD))
         w.add_tensor(p + "ffn_up.weight", mat(N_FF, N_EMBD))
-        w.add_tensor(p + "ffn_up.bias", vec(N_FF))
+        if nomic:
+            w.add_tensor(p + "ffn_gate.weight", mat(N_FF, N_EMBD))
+        else:
+            w.add_tensor(p + "ffn_up.bias", vec(N_FF))
         w.add_tensor(p + "ffn_down.weight", mat(N_EMBD, N_FF, 0.5))
-        w.add_tensor(p + "ffn_down.bias", vec(N_EMBD))
+        if not nomic:
+            w.add_tensor(p + "ffn_down.bias", vec(N_EMBD))
         w.add_tensor(p + "layer_output_norm.weight", vec(N_EMBD, 1.0))
         w.add_tensor(p + "layer_output_norm.bias", vec(N_EMBD))
     if reranker:

@@ -154,3 +154,26 @@ def test_torch_backend_agrees(files, kind, pooling):
     finally:
         a.close()
         b.close()
+
+
+@pytest.fixture(scope="module")
+def nomic_files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("nomic")
+    f32 = write_bert(d / "nomic-F32.gguf", "mean", seed=5, arch="nomic-bert")
+    return {"F32": f32, "Q8_0": quantize(f32, d / "nomic-Q8_0.gguf", "Q8_0")}
+
+
+@pytest.mark.parametrize("ftype,floor", [("F32", 0.9999), ("Q8_0", 0.999)])
+def test_nomic_bert_matches_llamacpp(nomic_files, ftype, floor):
+    """nomic-bert: rotary positions, fused attn_qkv, SwiGLU; mean pooling."""
+    llm = _llama(nomic_files[ftype], 1)
+    eng = _engine(nomic_files[ftype])
+    try:
+        assert eng.cfg.arch == "nomic-bert" and eng.cfg.fused_qkv
+        ids = [eng.encode_raw(t) for t in TEXTS]
+        assert ids == [llm.tokenize(t.encode()) for t in TEXTS]
+        for t, o in zip(TEXTS, embed_all(eng, ids)):
+            assert float(unit(o.embedding) @ unit(llm.embed(t, normalize=True))) > floor, t
+    finally:
+        eng.close()
+        llm.close()

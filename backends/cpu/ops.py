@@ -229,6 +229,9 @@ class CpuOps:
         flat = x.reshape(-1, x.shape[-1])
         return layer_norm(flat, w, b, eps, np.empty_like(flat), _par(flat.size)).reshape(x.shape)
 
+    def contiguous(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x)
+
     def gelu(self, x: np.ndarray) -> np.ndarray:
         """GELU (tanh approximation) in place; ggml numerics through its f16 table."""
         ones = np.ones_like(x)

@@ -147,6 +147,9 @@ class TorchOps:
         y = F.layer_norm(x.float(), (x.shape[-1],), w.float(), b.float(), eps)
         return y.to(x.dtype)
 
+    def contiguous(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous()
+
     def gelu(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
 

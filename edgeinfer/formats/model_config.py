@@ -9,7 +9,7 @@ from gguf import LlamaFileType
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert")
 
 
 class UnsupportedArchitecture(GGUFError):
@@ -45,6 +45,7 @@ class ModelConfig:
     causal: bool = True          # False: encoders (bert), every token sees its whole sequence
     n_token_types: int = 0       # bert: rows of token_types.weight
     n_cls_out: int = 0           # bert rerankers: classification head outputs (0 = no head)
+    fused_qkv: bool = False      # nomic-bert: one attn_qkv matrix (q, k, v rows in order)
 
     @property
     def q_dim(self) -> int:
@@ -105,8 +106,9 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
     if v_dim != head_dim:
         raise GGUFError(f"has different key ({head_dim}) and value ({v_dim}) head sizes")
     ctx = _positive("context length", _meta(f, arch, "context_length", 2048), 1 << 24)
-    eps = _meta(f, arch, "attention.layer_norm_epsilon" if arch == "bert" else
-                "attention.layer_norm_rms_epsilon", 1e-12 if arch == "bert" else 1e-5, float)
+    encoder = arch in ("bert", "nomic-bert")
+    eps = _meta(f, arch, "attention.layer_norm_epsilon" if encoder else
+                "attention.layer_norm_rms_epsilon", 1e-12 if encoder else 1e-5, float)
     tokens = f.metadata.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise GGUFError("has no tokenizer vocabulary (tokenizer.ggml.tokens)")
@@ -134,10 +136,13 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
                           sliding_window=_meta(f, arch, "attention.sliding_window", 0),
                           swa_pattern=6, qk_norm=True, embed_scale=math.sqrt(n_embd),
                           post_norms=True, activation="gelu_tanh")
-    elif arch == "bert":
+    elif encoder:
         types = f.tensors.get("token_types.weight")
         cls_out = f.tensors.get("cls.output.weight")
-        cfg = ModelConfig(**common, rope_neox=False, activation="gelu", causal=False,
+        # nomic-bert: rotary positions (NeoX), SwiGLU; bert: absolute positions, GELU
+        cfg = ModelConfig(**common, rope_neox=arch == "nomic-bert",
+                          fused_qkv="blk.0.attn_qkv.weight" in f.tensors,
+                          activation="silu" if arch == "nomic-bert" else "gelu", causal=False,
                           n_token_types=int(types.shape[1]) if types is not None and
                           len(types.shape) == 2 else 0,
                           n_cls_out=int(cls_out.shape[1]) if cls_out is not None and
@@ -154,7 +159,7 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the forward pass reads, with its ggml shape."""
-    if cfg.arch == "bert":
+    if cfg.arch in ("bert", "nomic-bert"):
         return _bert_tensors(cfg)
     e, q, kv, ff = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff
     shapes: dict[str, tuple[int, ...]] = {
@@ -188,18 +193,27 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _bert_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     e, ff = cfg.n_embd, cfg.n_ff
+    nomic = cfg.arch == "nomic-bert"
     shapes: dict[str, tuple[int, ...]] = {
-        "token_embd.weight": (e, cfg.vocab_size), "position_embd.weight": (e, cfg.context_length),
+        "token_embd.weight": (e, cfg.vocab_size),
         "token_embd_norm.weight": (e,), "token_embd_norm.bias": (e,)}
+    if not nomic:
+        shapes["position_embd.weight"] = (e, cfg.context_length)
     if cfg.n_token_types:
         shapes["token_types.weight"] = (e, cfg.n_token_types)
     if cfg.n_cls_out:
         shapes["cls.output.weight"] = (e, cfg.n_cls_out)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        for n, shape in (("attn_q", (e, cfg.q_dim)), ("attn_k", (e, cfg.kv_dim)),
-                         ("attn_v", (e, cfg.kv_dim)), ("attn_output", (cfg.q_dim, e)),
-                         ("ffn_up", (e, ff)), ("ffn_down", (ff, e))):
+        mats = [("attn_output", (cfg.q_dim, e)), ("ffn_up", (e, ff)), ("ffn_down", (ff, e))]
+        if nomic:
+            mats.append(("ffn_gate", (e, ff)))
+        if cfg.fused_qkv:
+            mats.append(("attn_qkv", (e, cfg.q_dim + 2 * cfg.kv_dim)))
+        else:
+            mats += [("attn_q", (e, cfg.q_dim)), ("attn_k", (e, cfg.kv_dim)),
+                     ("attn_v", (e, cfg.kv_dim))]
+        for n, shape in mats:
             shapes[p + n + ".weight"] = shape
         for n in ("attn_output_norm", "layer_output_norm"):
             shapes[p + n + ".weight"] = (e,)
