@@ -152,3 +152,19 @@ def test_llama_tokenizer_fallback_agrees(engine):
         assert theirs.encode(text, add_special=True, parse_special=special) == ids
     assert theirs.decode(ids) == ours.decode(ids)
     assert theirs.bos_id == ours.bos_id and theirs.eot_ids == ours.eot_ids
+
+
+def test_llamacpp_takes_its_threads_from_the_process_governor(gemma3_path):
+    """One CPU budget per process: the llama.cpp runner asks the shared governor before each
+    step, as the native CPU backend does, instead of fixing its count at load."""
+    from edgeinfer.backends.cpu.threads import ThreadGovernor
+    gov = ThreadGovernor(fixed=1)
+    e = Engine(str(gemma3_path), EngineConfig(backend="llamacpp", kv_budget_bytes=8 << 20,
+                                              max_model_len=256, governor=gov))
+    try:
+        assert e.runner.ctx.n_threads != 1 or os.cpu_count() == 1
+        out = e.generate(e.encode_raw("The sky is"), greedy(4))
+        assert out.num_output_tokens == 4
+        assert e.runner.ctx.n_threads == 1
+    finally:
+        e.close()

@@ -16,12 +16,10 @@ def load_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
     backend = resolve_for_file(path, backend)
     if backend == "llamacpp":
         from edgeinfer.runners.llamacpp.runner import LlamaCppRunner
-        if n_threads is None and governor is not None:
-            n_threads = governor.update()
         return LlamaCppRunner.load(path, kv_budget_bytes, block_size, min_kv_tokens,
                                    max_running_seqs=max_running_seqs,
                                    max_tokens_per_step=max_tokens_per_step,
-                                   n_threads=n_threads)
+                                   n_threads=n_threads, governor=governor)
     from edgeinfer.runners.native import ModelRunner
     return ModelRunner.load(path, backend, kv_budget_bytes=kv_budget_bytes,
                             block_size=block_size, min_kv_tokens=min_kv_tokens,

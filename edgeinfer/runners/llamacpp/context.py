@@ -62,6 +62,7 @@ class LlamaContext:
         self.mem = L.llama_get_memory(self.ctx)
         self.n_ctx = int(L.llama_n_ctx(self.ctx))
         self.n_batch = n_batch
+        self.n_threads = threads
         self._batch = L.llama_batch_init(n_batch, 0, 1)
 
     # -- model facts -----------------------------------------------------------------------
@@ -79,6 +80,12 @@ class LlamaContext:
         return int(self.L.llama_memory_seq_pos_max(self.mem, seq))
 
     # -- compute ---------------------------------------------------------------------------
+    def set_threads(self, n: int) -> None:
+        """Threads for the next decodes (the process's governor hands out its share)."""
+        if n != self.n_threads:
+            self.L.llama_set_n_threads(self.ctx, n, n)
+            self.n_threads = n
+
     def decode(self, tokens: list[int], positions: list[int], seqs: list[int],
                want: list[bool]) -> int:
         """One llama_decode of at most n_batch rows; returns llama.cpp's status (0 = ok)."""

@@ -75,7 +75,7 @@ class LlamaCppRunner:
 
     def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
                  min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,
-                 n_threads: int | None = None):
+                 n_threads: int | None = None, governor=None):
         self.gf = read_gguf(path)
         meta = summarize(self.gf)
         per_token = meta.kv_bytes_per_token_f16 or 1
@@ -94,6 +94,9 @@ class LlamaCppRunner:
         self._prompts: dict[int, tuple[int, ...]] = {}    # prompt logprobs' targets
         self._clock = itertools.count(1)
         self.tokens_decoded = 0   # rows llama.cpp computed; less than scheduled when reused
+        # the process's CPU budget: asked before each step, like the native CPU backend, so
+        # llama.cpp and native engines loaded together share the cores
+        self.governor = governor
         self.tokenizer = self._tokenizer()
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
         # request id -> its tokens so far (prompt + sampled): what a slot must hold
@@ -162,6 +165,8 @@ class LlamaCppRunner:
     # -- one step --------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: bind slots, decode what they lack, sample."""
+        if self.governor is not None:
+            self.ctx.set_threads(self.governor.share())
         self.sampling.begin(plan)
         for rid in plan.finished:
             self._history.pop(rid, None)
