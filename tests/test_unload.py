@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from daemon_fixture import register_gemma, start_daemon
+from daemon_fixture import API_BACKENDS, register_gemma, start_daemon
 
 MB = 1 << 20
 TOLERANCE = 50 * MB           # issue 12: "within 50 MB of its pre-load figure"
@@ -30,11 +30,12 @@ TOLERANCE = 50 * MB           # issue 12: "within 50 MB of its pre-load figure"
 KERNEL_CODE_ALLOWANCE = 150 * MB
 
 
-@pytest.fixture()
-def daemon(tmp_path, gemma3_path):
+@pytest.fixture(params=API_BACKENDS)
+def daemon(request, tmp_path, gemma3_path):
+    """A fresh daemon (nothing loaded yet) on the native runner, and on llama.cpp's."""
     home = tmp_path / "home"
     register_gemma(home, gemma3_path)
-    d = start_daemon(home)
+    d = start_daemon(home, EDGEINFER_BACKEND=request.param)
     try:
         yield d
     finally:
