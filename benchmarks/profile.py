@@ -1,0 +1,151 @@
+"""Where a step's time goes: prefill of 512 and 2,048 tokens, decode at 0, 2K and 8K context.
+
+    .venv/bin/python benchmarks/profile.py [--model PATH] [--threads 2] [--repeats 3]
+        [--scenarios prefill512,prefill2048,decode0,decode2k,decode8k] [--markdown FILE]
+
+Each op of the CPU backend is timed on its own (a wrapper on the ops object; the int8 path's
+activation quantization and tile matmul are timed apart), and so is sampling. "Python between
+kernels" is the step's wall time minus all of them: batch building, the scheduler, the
+engine's bookkeeping and the interpreter between calls. Shares are of the median step of
+`--repeats` measured steps; the machine drifts, so read the shares, not the milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import model_path, setup_env, table  # noqa: E402
+
+GROUPS = {
+    "matmul": ("matmul",),
+    "attention": ("attention",),
+    "norms / rope / activations": ("rms_norm", "rope", "geglu", "swiglu", "add", "scale",
+                                   "embed", "take_rows", "add_bias"),
+}
+COLUMNS = ["matmul (int8 tiles)", "activation quantization", "attention",
+           "norms / rope / activations", "sampling", "Python between kernels"]
+
+
+class Timers:
+    def __init__(self):
+        self.t: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.t[name] += time.perf_counter() - t0
+        return timed
+
+
+def instrument(engine, timers: Timers) -> None:
+    import edgeinfer.backends.cpu._int8 as i8
+    ops = engine.runner.ops
+    for group, names in GROUPS.items():
+        for n in names:
+            if hasattr(ops, n):
+                setattr(ops, n, timers.wrap(group, getattr(ops, n)))
+    # inside ops.matmul on the int8 path: quantizing activations, then the tile kernel
+    i8.quantize_rows = timers.wrap("quantize", i8.quantize_rows)
+    i8.int8_matmul = timers.wrap("int8", i8.int8_matmul)
+    stage = engine.runner.sampling
+    stage.sample = timers.wrap("sampling", stage.sample)
+
+
+def one_step(engine, timers: Timers) -> dict[str, float]:
+    timers.t.clear()
+    t0 = time.perf_counter()
+    engine.step()
+    wall = time.perf_counter() - t0
+    t = dict(timers.t)
+    matmul_total = t.get("matmul", 0.0)
+    quant = t.get("quantize", 0.0)
+    row = {"wall": wall,
+           "matmul (int8 tiles)": matmul_total - quant,
+           "activation quantization": quant,
+           "attention": t.get("attention", 0.0),
+           "norms / rope / activations": t.get("norms / rope / activations", 0.0),
+           "sampling": t.get("sampling", 0.0)}
+    row["Python between kernels"] = wall - sum(row[c] for c in COLUMNS[:-1])
+    return row
+
+
+def prompt_of(engine, n: int, salt: int) -> list[int]:
+    import numpy as np
+    rng = np.random.default_rng(salt)
+    return [2] + [int(x) for x in rng.integers(1000, 100_000, n - 1)]
+
+
+def scenario(engine, timers: Timers, name: str, repeats: int) -> dict[str, float]:
+    from edgeinfer.engine.sampling import SamplingParams
+    rows = []
+    for r in range(repeats):
+        if name.startswith("prefill"):
+            n = int(name[len("prefill"):])
+            engine.submit(prompt_of(engine, n, 100 + r), SamplingParams(temperature=0, max_tokens=1),
+                          lambda o: None)
+            engine._drain_commands()
+            rows.append(one_step(engine, timers))       # one step: the budget covers n tokens
+            while engine.scheduler.has_work():
+                engine.step()
+        else:
+            ctx = {"decode0": 1, "decode2k": 2048, "decode8k": 8192}[name]
+            rid = engine.submit(prompt_of(engine, ctx, 200 + r),
+                                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                lambda o: None)
+            engine._drain_commands()
+            while engine.scheduler.get(rid) is not None and \
+                    engine.scheduler.get(rid).is_prefilling:
+                engine.step()
+            engine.step()                                 # the first sampled token
+            rows.append(one_step(engine, timers))
+            engine.abort(rid)
+            engine._drain_commands()
+            while engine.scheduler.has_work():
+                engine.step()
+    walls = sorted(rows, key=lambda r: r["wall"])
+    return walls[len(walls) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scenarios", default="prefill512,prefill2048,decode0,decode2k,decode8k")
+    ap.add_argument("--markdown")
+    a = ap.parse_args()
+    setup_env(a.threads)
+    from edgeinfer.engine.core import Engine, EngineConfig
+    engine = Engine(model_path(a.model), EngineConfig(
+        kv_budget_bytes=1 << 30, max_model_len=8192 + 64, max_tokens_per_step=2048,
+        threads=a.threads, speculative=False))
+    timers = Timers()
+    instrument(engine, timers)
+    engine.generate(prompt_of(engine, 64, 1), __import__(
+        "edgeinfer.engine.sampling", fromlist=["SamplingParams"]).SamplingParams(
+        temperature=0, max_tokens=2))                     # warm-up
+    results = {}
+    for name in a.scenarios.split(","):
+        results[name] = scenario(engine, timers, name, a.repeats)
+        print(f"{name}: {results[name]['wall'] * 1e3:.1f} ms", flush=True)
+    header = ["step", "ms"] + [f"{c} %" for c in COLUMNS]
+    rows = [[name, r["wall"] * 1e3] + [100 * r[c] / r["wall"] for c in COLUMNS]
+            for name, r in results.items()]
+    text = table(f"Share of the median step ({a.threads} threads, median of {a.repeats})",
+                 header, rows)
+    print(text)
+    if a.markdown:
+        Path(a.markdown).write_text(text + "\n")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
