@@ -96,5 +96,6 @@ class Ops(Protocol):
     def layer_norm(self, x: Any, w: Any, b: Any, eps: float) -> Any: ...
     def gelu(self, x: Any) -> Any: ...                        # in place on x (tanh approx.)
     def contiguous(self, x: Any) -> Any: ...                  # x, or a dense copy of a view
-    def encoder_attention(self, q: Any, k: Any, v: Any, batch: ForwardBatch,
-                          scale: float) -> Any: ...          # non-causal, within a sequence
+    def encoder_attention(self, q: Any, k: Any, v: Any, batch: ForwardBatch, scale: float,
+                          window: int = 0) -> Any: ...
+    # ^ non-causal, within a sequence; window > 0: only |pos_i - pos_j| <= window // 2

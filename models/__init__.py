@@ -9,6 +9,9 @@ def build_model(cfg: ModelConfig, ops, gguf_file):
     if cfg.arch == "gemma3":
         from edgeinfer.models.gemma3 import Gemma3Model
         return Gemma3Model(cfg, ops, gguf_file)
+    if cfg.arch == "gemma-embedding":
+        from edgeinfer.models.gemma_embedding import GemmaEmbeddingModel
+        return GemmaEmbeddingModel(cfg, ops, gguf_file)
     if cfg.arch in ("bert", "nomic-bert"):
         from edgeinfer.models.bert import BertModel
         return BertModel(cfg, ops, gguf_file)

@@ -124,3 +124,77 @@ def write_bert(path: Path, pooling: str = "mean", seed: int = 0, reranker: bool 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_gemma_embedding(path: Path, seed: int = 0, dense: bool = True) -> Path:
+    """A random-weight `gemma-embedding` (EmbeddingGemma) model: tests/synth.py's gemma3
+    shapes and vocabulary, bidirectional, mean pooling, optional dense_2/dense_3 projections."""
+    import synth
+    rng = np.random.default_rng(seed)
+    arch = "gemma-embedding"
+    E, FF, H, KV, D, L = synth.N_EMBD, synth.N_FF, synth.N_HEAD, synth.N_KV, synth.HEAD_DIM, synth.N_LAYERS
+    w = GGUFWriter(str(path), arch)
+    w.add_name("synthetic-gemma-embedding")
+    w.add_context_length(2048)
+    w.add_embedding_length(E)
+    w.add_block_count(L)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_key_length(D)
+    w.add_value_length(D)
+    w.add_rope_freq_base(1000000.0)
+    w.add_float32(f"{arch}.rope.freq_base_swa", 10000.0)
+    w.add_sliding_window(synth.SLIDING_WINDOW)
+    w.add_causal_attention(False)
+    w.add_uint32(f"{arch}.pooling_type", POOLING["mean"])
+    w.add_file_type(0)
+    tokens, scores, types = synth._spm_vocab("gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+
+    def mat(n_out: int, n_in: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in)) * scale / np.sqrt(n_in)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", (rng.standard_normal((len(tokens), E)) * 0.5).astype(np.float32))
+    w.add_tensor("output_norm.weight", norm(E))
+    for i in range(L):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", norm(E))
+        w.add_tensor(p + "attn_q.weight", mat(H * D, E, 0.7))
+        w.add_tensor(p + "attn_k.weight", mat(KV * D, E, 0.7))
+        w.add_tensor(p + "attn_v.weight", mat(KV * D, E))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * D, 0.3))
+        w.add_tensor(p + "attn_q_norm.weight", norm(D))
+        w.add_tensor(p + "attn_k_norm.weight", norm(D))
+        w.add_tensor(p + "post_attention_norm.weight", norm(E))
+        w.add_tensor(p + "ffn_norm.weight", norm(E))
+        w.add_tensor(p + "ffn_gate.weight", mat(FF, E))
+        w.add_tensor(p + "ffn_up.weight", mat(FF, E))
+        w.add_tensor(p + "ffn_down.weight", mat(E, FF, 0.3))
+        w.add_tensor(p + "post_ffw_norm.weight", norm(E))
+    if dense:
+        w.add_uint32(f"{arch}.dense_2_feat_in", E)
+        w.add_uint32(f"{arch}.dense_2_feat_out", 2 * E)
+        w.add_uint32(f"{arch}.dense_3_feat_in", 2 * E)
+        w.add_uint32(f"{arch}.dense_3_feat_out", E)
+        w.add_tensor("dense_2.weight", mat(2 * E, E))
+        w.add_tensor("dense_3.weight", mat(E, 2 * E))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -177,3 +177,48 @@ def test_nomic_bert_matches_llamacpp(nomic_files, ftype, floor):
     finally:
         eng.close()
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def gemma_embedding_files(tmp_path_factory) -> dict[str, Path]:
+    from synth_bert import write_gemma_embedding
+    d = tmp_path_factory.mktemp("gemma-embedding")
+    plain = write_gemma_embedding(d / "ge-F32.gguf", seed=7, dense=False)
+    dense = write_gemma_embedding(d / "ge-dense-F32.gguf", seed=8, dense=True)
+    return {"F32": plain, "dense-F32": dense,
+            "dense-Q8_0": quantize(dense, d / "ge-dense-Q8_0.gguf", "Q8_0")}
+
+
+@pytest.mark.parametrize("kind,floor", [("F32", 0.9999), ("dense-F32", 0.9999),
+                                        ("dense-Q8_0", 0.999)])
+def test_embedding_gemma_matches_llamacpp(gemma_embedding_files, kind, floor):
+    """gemma-embedding: bidirectional gemma3 block, symmetric sliding window on local layers
+    (prompts longer than the window), mean pooling, then the dense_2/dense_3 projections."""
+    text = " ".join(TEXTS)             # ~90 tokens: past the synthetic model's 32-token window
+    llm = _llama(gemma_embedding_files[kind], 1)
+    eng = _engine(gemma_embedding_files[kind])
+    try:
+        assert eng.cfg.arch == "gemma-embedding" and not eng.cfg.causal
+        assert eng.runner.embedding_only
+        texts = [text, *TEXTS]
+        ids = [eng.encode_raw(t) for t in texts]
+        assert ids == [llm.tokenize(t.encode()) for t in texts]
+        assert len(ids[0]) > 64
+        for t, o in zip(texts, embed_all(eng, ids)):
+            assert float(unit(o.embedding) @ unit(llm.embed(t, normalize=True))) > floor, t
+    finally:
+        eng.close()
+        llm.close()
+
+
+def test_embedding_gemma_torch_backend_agrees(gemma_embedding_files):
+    pytest.importorskip("torch")
+    path = gemma_embedding_files["dense-F32"]
+    a, b = _engine(path), Engine(str(path), EngineConfig(backend="torch:cpu"))
+    try:
+        ids = [a.encode_raw(t) for t in [" ".join(TEXTS), *TEXTS]]
+        for x, y in zip(embed_all(a, ids), embed_all(b, ids)):
+            assert float(unit(x.embedding) @ unit(y.embedding)) > 0.99999
+    finally:
+        a.close()
+        b.close()

@@ -40,13 +40,16 @@ def layer_norm(x, w, b, eps, out, par):
 
 
 @njit(inline="always", nogil=True)
-def _attend(q, k, v, lo, hi, scale, out, t, h, group):
+def _attend(q, k, v, lo, hi, pos, half, scale, out, t, h, group):
     kh = h // group
     a, n = lo[t], hi[t] - lo[t]
     D = q.shape[2]
     scores = np.empty(n, np.float32)
     m = -np.inf
     for j in range(n):
+        if half > 0 and abs(pos[a + j] - pos[t]) > half:
+            scores[j] = -np.inf          # outside the symmetric sliding window
+            continue
         s = np.float32(0.0)
         for d in range(D):
             s += q[t, h, d] * k[a + j, kh, d]
@@ -56,7 +59,7 @@ def _attend(q, k, v, lo, hi, scale, out, t, h, group):
             m = s
     total = 0.0
     for j in range(n):
-        e = np.float32(math.exp(scores[j] - m))
+        e = np.float32(math.exp(scores[j] - m)) if scores[j] > -np.inf else np.float32(0.0)
         scores[j] = e
         total += e
     inv = np.float32(1.0 / total)
@@ -69,17 +72,18 @@ def _attend(q, k, v, lo, hi, scale, out, t, h, group):
 
 
 @njit(**_PJIT)
-def encoder_attention(q, k, v, lo, hi, scale, out, par):
+def encoder_attention(q, k, v, lo, hi, pos, half, scale, out, par):
     """Non-causal attention: token t attends to tokens lo[t]..hi[t]-1 of the flat batch (its
-    sequence). q [T, H, D], k/v [T, KVH, D]; softmax(q k^T * scale) v into out [T, H, D]."""
+    sequence), and when half > 0 only to those with |pos[j] - pos[t]| <= half (a symmetric
+    sliding window). q [T, H, D], k/v [T, KVH, D]; softmax(q k^T * scale) v into out."""
     T, H = q.shape[0], q.shape[1]
     group = H // k.shape[1]
     if par:
         for th in prange(T * H):
-            _attend(q, k, v, lo, hi, scale, out, th // H, th % H, group)
+            _attend(q, k, v, lo, hi, pos, half, scale, out, th // H, th % H, group)
     else:
         for th in range(T * H):
-            _attend(q, k, v, lo, hi, scale, out, th // H, th % H, group)
+            _attend(q, k, v, lo, hi, pos, half, scale, out, th // H, th % H, group)
     return out
 
 

@@ -240,15 +240,17 @@ class CpuOps:
         return K.gelu_tanh_mul(x, ones, x, _par(x.size))
 
     def encoder_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                          batch: ForwardBatch, scale: float) -> np.ndarray:
-        """Every token attends to every token of its own sequence in this batch."""
+                          batch: ForwardBatch, scale: float, window: int = 0) -> np.ndarray:
+        """Every token attends to every token of its own sequence in this batch (within
+        window // 2 positions either side when window > 0: EmbeddingGemma's local layers)."""
         from edgeinfer.backends.cpu.encoder import encoder_attention, sequence_bounds
         bounds = batch.cache.get("seq_bounds")
         if bounds is None:      # once per step, not per layer
             bounds = batch.cache["seq_bounds"] = sequence_bounds(batch.token_seq)
         T, H, D = q.shape
-        return encoder_attention(q, k, v, bounds[0], bounds[1], np.float32(scale),
-                                 np.empty_like(q), _par(T * H * D * 8))
+        return encoder_attention(q, k, v, bounds[0], bounds[1], batch.positions,
+                                 int(window) // 2, np.float32(scale), np.empty_like(q),
+                                 _par(T * H * D * 8))
 
     # -- paged KV cache --------------------------------------------------------------------
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,

@@ -153,12 +153,18 @@ class TorchOps:
     def gelu(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
 
-    def encoder_attention(self, q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """Every token attends to every token of its own sequence (a block-diagonal mask)."""
-        seq = batch.cache.get("torch_seq_mask")
+    def encoder_attention(self, q, k, v, batch: ForwardBatch, scale: float,
+                          window: int = 0) -> torch.Tensor:
+        """Every token attends to every token of its own sequence (a block-diagonal mask),
+        within window // 2 positions either side when window > 0."""
+        seq = batch.cache.get(("torch_seq_mask", window))
         if seq is None:
             ts = torch.from_numpy(batch.token_seq.astype(np.int64)).to(self.device)
-            seq = batch.cache["torch_seq_mask"] = ts[:, None] == ts[None, :]
+            seq = ts[:, None] == ts[None, :]
+            if window > 0:
+                p = torch.from_numpy(batch.positions.astype(np.int64)).to(self.device)
+                seq = seq & ((p[:, None] - p[None, :]).abs() <= window // 2)
+            batch.cache[("torch_seq_mask", window)] = seq
         group = q.shape[1] // k.shape[1]
         kf, vf = k.float(), v.float()
         if group > 1:

@@ -9,7 +9,7 @@ from gguf import LlamaFileType
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding")
 
 
 class UnsupportedArchitecture(GGUFError):
@@ -130,8 +130,10 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
                   n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_kv_head=n_kv, head_dim=head_dim,
                   vocab_size=vocab, context_length=ctx, rms_eps=eps, rope_base=rope_base,
                   rope_scale=rope_scale, tied_output=tied)
-    if arch == "gemma3":
-        cfg = ModelConfig(**common, rope_neox=True,
+    if arch in ("gemma3", "gemma-embedding"):
+        # gemma-embedding (EmbeddingGemma): the gemma3 block with bidirectional attention,
+        # its local layers over a symmetric window
+        cfg = ModelConfig(**common, rope_neox=True, causal=arch == "gemma3",
                           rope_base_local=_meta(f, arch, "rope.freq_base_swa", 10000.0, float),
                           sliding_window=_meta(f, arch, "attention.sliding_window", 0),
                           swa_pattern=6, qk_norm=True, embed_scale=math.sqrt(n_embd),

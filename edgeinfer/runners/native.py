@@ -183,7 +183,11 @@ class ModelRunner:
             if vec is not None:
                 if result.hidden is None:
                     result.hidden = {}
-                result.hidden[s.req_id] = self.rank(vec) if self.pooler.kind(s.req_id) == "rank" else vec
+                if self.pooler.kind(s.req_id) == "rank":
+                    vec = self.rank(vec)
+                elif getattr(self.model, "post_pool", None) is not None:
+                    vec = self.model.post_pool(vec)     # EmbeddingGemma's dense projections
+                result.hidden[s.req_id] = vec
         self.hidden = {}
         return result
 
