@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 
-import httpx
 import numpy as np
 import ollama
 import openai
