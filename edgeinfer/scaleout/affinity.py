@@ -33,7 +33,8 @@ class RoutingCounts:
 
 @dataclass
 class AffinityPolicy:
-    imbalance: int = 4                     # queue-length gap that counts as overloaded
+    imbalance: int = 0                     # queue-length gap that counts as overloaded
+    min_match: float = 0.1                 # matched share of the request's blocks to count
     capacity_blocks: int = 65536           # per replica: about its KV pool's block count
     rng: random.Random = field(default_factory=random.Random)
 
@@ -97,6 +98,8 @@ class AffinityPolicy:
         lowest = min(load.get(r, 0) for r in candidates)
         if keys:
             depth, holders = self.match(keys, candidates)
+            if holders and depth < self.min_match * len(keys):
+                holders = []            # a shared template preamble is no reason to pile up
             if holders:
                 best = min(holders, key=lambda r: (load.get(r, 0), self.rng.random()))
                 if load.get(best, 0) - lowest <= self.imbalance:

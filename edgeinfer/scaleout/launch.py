@@ -17,7 +17,7 @@ class ScaleOutError(Exception):
 
 
 def build_app(config, api_key: str | None, replicas: int, max_replicas: int | None,
-              routing: str = "affinity", imbalance: int = 4):
+              routing: str = "affinity", imbalance: int = 0):
     """The Serve application: Ingress in front of the EngineReplica deployment."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig

@@ -37,10 +37,12 @@ def keys_of(pending: Optional[PendingRequest]) -> list[int]:
 
 class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
-    def initialize_state(self, imbalance: int = 4, capacity_blocks: int = 65536,
-                         mode: str = "affinity", **_: Any) -> None:
-        """`mode`: "affinity" (default) or "pow2" (plain power of two, for comparison)."""
-        self.policy = AffinityPolicy(imbalance=imbalance, capacity_blocks=capacity_blocks)
+    def initialize_state(self, imbalance: int = 0, capacity_blocks: int = 65536,
+                         min_match: float = 0.1, mode: str = "affinity", **_: Any) -> None:
+        """`mode`: "affinity" (default) or "pow2" (plain power of two, for comparison);
+        the rest: AffinityPolicy's fields."""
+        self.policy = AffinityPolicy(imbalance=imbalance, capacity_blocks=capacity_blocks,
+                                     min_match=min_match)
         self.mode = mode
 
     async def _loads(self, replicas: List[RunningReplica]) -> dict:
