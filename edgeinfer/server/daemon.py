@@ -204,7 +204,6 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
     # the engine often waited for it (single-stream decode through the daemon, 2 cores: 55-60
     # tok/s at 5 ms, 60-70 at 0.5 ms).
     sys.setswitchinterval(0.001)
-    _limit_malloc_arenas()
     sock = _bind(host, port)
     app = create_app(config, api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
@@ -218,21 +217,6 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
         _remove_pid_file()
         sock.close()
     return 0
-
-
-def _limit_malloc_arenas(n: int = 2) -> None:
-    """glibc gives each thread that allocates its own arena (up to 8 per core): a model loaded
-    on one worker thread and unloaded on another leaves freed memory spread over arenas that
-    malloc_trim cannot always give back. Two arenas (the event loop and the engine thread)
-    keep the daemon's RSS back at its pre-load figure after an unload. Linux/glibc only;
-    MALLOC_ARENA_MAX in the environment wins."""
-    if sys.platform != "linux" or os.environ.get("MALLOC_ARENA_MAX"):
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").mallopt(-8, n)         # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
 
 
 # ----- background ------------------------------------------------------------------------------
