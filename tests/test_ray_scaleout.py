@@ -317,7 +317,6 @@ def _long_stream_openai(oc, tag: str):
 
 
 @needs_ray
-@pytest.mark.slow
 def test_ray_replica_killed_mid_stream(ray_daemon):
     """Kill the process of the replica serving an OpenAI stream: that stream ends with an
     error event (the client raises, no hang); a stream on the other replica finishes; new
@@ -382,7 +381,6 @@ def test_ray_replica_killed_mid_stream(ray_daemon):
 
 
 @needs_ray
-@pytest.mark.slow
 def test_ray_replica_killed_mid_stream_ollama(ray_daemon):
     """The same fault on an Ollama NDJSON stream: the client gets an error line."""
     import ollama
