@@ -3,6 +3,13 @@
 A store name runs through the daemon (started when none answers), as Ollama does, so the
 model stays loaded between commands; `--no-daemon`, or a path to a .gguf file, runs the engine
 in this process. Without PROMPT (and with a terminal) it is a chat that keeps the conversation.
+
+A base model (no chat template of its own, such as the bundled gemma3:270m) gets the server's
+base-model defaults unless the flags say otherwise: DRY at 0.8, at most 256 output tokens,
+and a stop (reason "repetition") when the output starts copying itself. A one-shot PROMPT to
+a base model (no --raw, no --system) is framed as a question, `Question: PROMPT\nAnswer:`,
+and the answer ends at a blank line or the next "Question:" (a base model was trained on text
+like that, not on chat turns; measured in README "The first run"). --raw sends PROMPT as it is.
 """
 from __future__ import annotations
 
@@ -37,10 +44,12 @@ class RunStats:
 def sampling_from_args(args: argparse.Namespace):
     from edgeinfer.engine.sampling import SamplingParams
     try:
+        dry = getattr(args, "dry_multiplier", None)
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                               max_tokens=args.max_tokens, seed=args.seed,
-                              stop=tuple(args.stop or ()))
+                              stop=tuple(args.stop or ()),
+                              dry_multiplier=0.0 if dry is None else dry)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -54,8 +63,31 @@ def load_engine(path: str, backend: str, num_ctx: int | None):
         raise UserError(f"{path}: {e}") from None
 
 
-def stream(engine, prompt_ids: list[int], params, out=None) -> tuple[str, RunStats]:
-    """Submit, print text as it arrives, return the text and timings. Ctrl-C aborts."""
+QA_PREFIX, QA_SUFFIX = "Question: ", "\nAnswer:"
+QA_STOPS = ("\nQuestion:", "\n\n")
+
+
+def qa_framed(prompt: str, params):
+    """A one-shot prompt for a base model: the Q/A framing and its stops."""
+    import dataclasses
+    text = QA_PREFIX + prompt.strip() + QA_SUFFIX
+    return text, dataclasses.replace(params, stop=tuple(params.stop) + QA_STOPS)
+
+
+def given_from_args(args: argparse.Namespace) -> set[str]:
+    """SamplingParams names the command line set (a base model's defaults fill the rest)."""
+    given = set()
+    if args.max_tokens is not None:
+        given.add("max_tokens")
+    if getattr(args, "dry_multiplier", None) is not None:
+        given.add("dry_multiplier")
+    return given
+
+
+def stream(engine, prompt_ids: list[int], params, out=None,
+           guard=None) -> tuple[str, RunStats]:
+    """Submit, print text as it arrives, return the text and timings. Ctrl-C aborts.
+    `guard` (a RepetitionGuard) ends the request with reason "repetition" when it fires."""
     out = out or sys.stdout
     from edgeinfer.engine.core import RequestError
     events: queue.SimpleQueue = queue.SimpleQueue()
@@ -78,6 +110,10 @@ def stream(engine, prompt_ids: list[int], params, out=None) -> tuple[str, RunSta
             last = now
             if ev.finished:
                 final = ev
+            elif guard is not None and guard.feed(ev.token_ids):
+                import dataclasses
+                engine.abort(rid)
+                final = dataclasses.replace(ev, finished=True, finish_reason="repetition")
     except KeyboardInterrupt:
         engine.abort(rid)
         raise
@@ -92,22 +128,37 @@ def stream(engine, prompt_ids: list[int], params, out=None) -> tuple[str, RunSta
 class LocalSession:
     """The engine in this process."""
 
-    def __init__(self, path: str, backend: str, num_ctx: int | None, params):
+    def __init__(self, path: str, backend: str, num_ctx: int | None, params,
+                 given: set[str] = frozenset(), repetition_stop: bool | None = None):
+        from edgeinfer.server.generation import base_model_params, is_base_model
         t = time.monotonic()
         self.engine = load_engine(path, backend, num_ctx)
         self.load_s = time.monotonic() - t
-        self.backend, self.params = backend, params
+        base = is_base_model(self.engine)
+        self.backend = backend
+        self.base_model = base
+        self.params = base_model_params(params, given) if base else params
+        self.repetition_stop = base if repetition_stop is None else repetition_stop
 
     def generate(self, messages: list[dict] | None, prompt: str | None,
-                 raw: bool) -> tuple[str, RunStats]:
-        """Stream the reply to stdout; return its text and timings."""
+                 raw: bool, qa: bool = False) -> tuple[str, RunStats]:
+        """Stream the reply to stdout; return its text and timings. `qa`: frame `prompt`
+        as a question for a base model (see the module docstring)."""
+        params = self.params
+        if qa:
+            prompt, params = qa_framed(prompt, params)
+            messages, raw = None, True
         if messages is not None:
             ids = self.engine.encode_chat(messages)
         elif raw:
             ids = self.engine.encode_raw(prompt)
         else:
             ids = self.engine.encode_chat([{"role": "user", "content": prompt}])
-        return stream(self.engine, ids, self.params)
+        from edgeinfer.engine.repetition import RepetitionGuard
+        from edgeinfer.engine.sampling import with_vocabulary
+        guard = RepetitionGuard() if self.repetition_stop else None
+        return stream(self.engine, ids, with_vocabulary(params, self.engine.tokenizer),
+                      guard=guard)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -117,7 +168,8 @@ class DaemonSession:
     """Generation through the daemon's Ollama API; the model stays loaded after we exit."""
 
     def __init__(self, model: str, backend: str, num_ctx: int | None, params,
-                 device: str | None = None):
+                 device: str | None = None, given: set[str] = frozenset(),
+                 repetition_stop: bool | None = None):
         from edgeinfer.cli.client import ClientError, connect
         try:
             self.client = connect(autostart=True)
@@ -126,8 +178,14 @@ class DaemonSession:
         self.model, self.load_s = model, 0.0
         self.backend = backend + (f" (device {device})" if device else "")
         opts = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-                "min_p": params.min_p, "repeat_penalty": params.repeat_penalty,
-                "num_predict": params.max_tokens if params.max_tokens is not None else -1}
+                "min_p": params.min_p, "repeat_penalty": params.repeat_penalty}
+        # unset: the daemon applies the model's defaults (a cap and DRY for base models)
+        if "max_tokens" in given:
+            opts["num_predict"] = params.max_tokens
+        if "dry_multiplier" in given:
+            opts["dry_multiplier"] = params.dry_multiplier
+        if repetition_stop is not None:
+            opts["stop_on_repetition"] = repetition_stop
         if params.seed is not None:
             opts["seed"] = params.seed
         if params.stop:
@@ -139,17 +197,36 @@ class DaemonSession:
         if device:
             opts["device"] = device
         self.options = opts
+        self.params = params
+        self._base: bool | None = None
+
+    @property
+    def base_model(self) -> bool:
+        """The daemon's /api/show says the model has no chat template of its own."""
+        if self._base is None:
+            from edgeinfer.cli.client import ClientError
+            try:
+                info = self.client.request("POST", "/api/show", {"model": self.model})
+                self._base = bool(isinstance(info, dict) and info.get("base_model"))
+            except ClientError:
+                self._base = False      # generate reports a missing model in its own words
+        return self._base
 
     def generate(self, messages: list[dict] | None, prompt: str | None,
-                 raw: bool) -> tuple[str, RunStats]:
+                 raw: bool, qa: bool = False) -> tuple[str, RunStats]:
         from edgeinfer.cli.client import ClientError, GenerationStats, stream_generate
+        options = self.options
+        if qa:
+            prompt, params = qa_framed(prompt, self.params)
+            messages, raw = None, True
+            options = {**options, "stop": list(params.stop)}
         kw = dict(messages=messages) if messages is not None else dict(prompt=prompt, raw=raw)
         t0 = time.monotonic()
         first = None
         final = None
         text: list[str] = []
         try:
-            for item in stream_generate(self.model, options=self.options, client=self.client, **kw):
+            for item in stream_generate(self.model, options=options, client=self.client, **kw):
                 if isinstance(item, GenerationStats):
                     final = item
                 else:
@@ -234,9 +311,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.no_daemon or args.model.endswith(".gguf") or os.path.exists(args.model):
         path = resolve_model_file(args.model)
         session = LocalSession(path, local_backend(path, args.backend, device), args.num_ctx,
-                               params)
+                               params, given_from_args(args), args.repetition_stop)
     else:
-        session = DaemonSession(args.model, args.backend, args.num_ctx, params, device)
+        session = DaemonSession(args.model, args.backend, args.num_ctx, params, device,
+                                given_from_args(args), args.repetition_stop)
     try:
         if prompt is None:
             return chat_loop(session, args.system, args.verbose)
@@ -244,7 +322,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.raw:
             msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
                 [{"role": "user", "content": prompt}]
-        _, stats = session.generate(msgs, prompt, args.raw)
+        qa = not args.raw and not args.system and session.base_model
+        _, stats = session.generate(msgs, prompt, args.raw, qa=qa)
         print()
         if args.verbose:
             print(f"backend: {session.backend}, model load {session.load_s * 1000:.0f} ms",
@@ -261,7 +340,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.9, help="1 disables (default 0.9)")
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repeat-penalty", type=float, default=1.1)
-    p.add_argument("--max-tokens", type=int, default=None, help="default: until the context is full")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default: until the context is full (256 for base models)")
+    p.add_argument("--dry-multiplier", type=float, default=None,
+                   help="DRY repetition penalty strength; 0 disables (default: 0.8 for base "
+                        "models, else off)")
+    p.add_argument("--repetition-stop", action=argparse.BooleanOptionalAction, default=None,
+                   help="end the output (reason: repetition) once it repeats itself verbatim "
+                        "(default: on for base models)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
 

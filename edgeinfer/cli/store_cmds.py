@@ -125,7 +125,8 @@ def format_list(refs: list[ModelRef], now: float | None = None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    print(format_list(Store().list()))
+    from edgeinfer.store.bundled_listing import list_models
+    print(format_list(list_models(Store())))
     return 0
 
 

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
 
-from . import embeddings_api, ollama_api, openai_api
+from . import anthropic_api, embeddings_api, ollama_api, openai_api, responses_api
 from .errors import APIError
 from .generation import ClientGone
 from .metrics import Metrics
@@ -33,6 +33,8 @@ def _is_openai(request: Request) -> bool:
 
 def error_response(request: Request, err: APIError) -> JSONResponse:
     body = err.openai_body() if _is_openai(request) else err.ollama_body()
+    if anthropic_api.is_anthropic_path(request.url.path):
+        body = anthropic_api.error_body(err)
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(body, status_code=err.status, headers=headers)
 
@@ -131,6 +133,8 @@ def create_app(config: ServerConfig | None = None, api_key: str | None = None,
     app.include_router(openai_api.router)
     app.include_router(ollama_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

@@ -9,15 +9,18 @@ engine, so its KV blocks are freed on the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi.responses import StreamingResponse
 
 from edgeinfer.engine.core import RequestError, RequestOutput
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.engine import repetition
+from edgeinfer.engine.sampling import SamplingParams, with_vocabulary
 
 from .errors import APIError
 from .metrics import Metrics
@@ -43,6 +46,33 @@ class Usage:
     finish_reasons: dict[int, str] = field(default_factory=dict)
 
 
+# Defaults for base models (no chat template of their own: never trained to stop), for what
+# a request leaves unset. README "The first run" has the measurements behind them.
+BASE_DRY_MULTIPLIER = 0.8        # llama-server's suggested DRY strength (base 1.75, length 2)
+BASE_MAX_TOKENS = 256            # an output cap where the request sets none
+
+
+def is_base_model(engine) -> bool:
+    """The GGUF has no chat template of its own (the engine then uses a built-in one)."""
+    gf = getattr(getattr(engine, "runner", None), "gf", None)
+    md = getattr(gf, "metadata", None)
+    if not isinstance(md, dict):
+        return False
+    own = md.get("tokenizer.chat_template")
+    return not (isinstance(own, str) and own.strip())
+
+
+def base_model_params(params: SamplingParams, given: Collection[str] = ()) -> SamplingParams:
+    """A base model's defaults (DRY on, an output cap) for what `given` does not name."""
+    kw: dict = {}
+    if "dry_multiplier" not in given:
+        kw["dry_multiplier"] = BASE_DRY_MULTIPLIER
+    if "max_tokens" not in given and (params.max_tokens is None
+                                      or params.max_tokens > BASE_MAX_TOKENS):
+        kw["max_tokens"] = BASE_MAX_TOKENS
+    return dataclasses.replace(params, **kw) if kw else params
+
+
 def params_or_400(**kw) -> SamplingParams:
     try:
         return SamplingParams(**kw)
@@ -65,6 +95,17 @@ class Generation:
         self._ids: list[int] = []
         self._done: set[int] = set()
         self._q: asyncio.Queue = asyncio.Queue()
+        self.stop_on_repetition = False
+        self._guards: list[repetition.RepetitionGuard] = []
+
+    def adapt(self, params: SamplingParams, given: Collection[str] = (),
+              stop_on_repetition: bool | None = None) -> SamplingParams:
+        """The model's defaults for what the request did not set (`given`: SamplingParams
+        names it set). A base model gets DRY and an output cap, and its output stops with
+        reason "repetition" once it copies itself (unless stop_on_repetition says)."""
+        base = is_base_model(self.lm.engine)
+        self.stop_on_repetition = base if stop_on_repetition is None else stop_on_repetition
+        return base_model_params(params, given) if base else params
 
     def release(self) -> None:
         if self._released:
@@ -93,6 +134,9 @@ class Generation:
             raise APIError(501, "structured output and forced tool calls need the engine's "
                            "constraint hook, which this build does not have",
                            code="not_implemented")
+        params = with_vocabulary(params, engine.tokenizer)     # DRY's sequence breakers
+        self._guards = [repetition.RepetitionGuard() for _ in range(self.n)] \
+            if self.stop_on_repetition else []
         try:
             params.validate(engine.cfg.vocab_size)   # token ids in logit_bias and friends
         except ValueError as e:
@@ -131,8 +175,14 @@ class Generation:
                     checked = time.monotonic()
                     if await disconnected():
                         raise ClientGone()
-                if out is None:
+                if out is None or i in done:     # (the abort after a repetition stop)
                     continue
+                if self._guards and not out.finished and self._guards[i].feed(out.token_ids):
+                    # degenerate repetition: finish this choice here, free it in the engine
+                    self.lm.engine.abort(self._ids[i])
+                    out = dataclasses.replace(out, finished=True,
+                                              finish_reason=repetition.REASON,
+                                              finish_time=time.monotonic())
                 self.metrics.on_tokens(len(out.token_ids))
                 if out.first_token_time is not None and (
                         u.first_token is None or out.first_token_time < u.first_token):

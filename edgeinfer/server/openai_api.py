@@ -16,10 +16,12 @@ from edgeinfer.engine.core import RequestOutput
 
 from edgeinfer.engine.grammar import GrammarSpec, any_json_object, json_schema
 
+from edgeinfer.store.bundled_listing import list_models as list_store_models
+
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
-from .schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from .schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling, sampler_kwargs
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -43,11 +45,19 @@ def _sampling(body: _OpenAISampling, max_tokens: int | None, logprobs: int | Non
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0, min_p=body.min_p or 0.0,
-        repeat_penalty=body.repetition_penalty or 1.0,
+        repeat_penalty=body.repetition_penalty or body.repeat_penalty or 1.0,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=bias, seed=body.seed, max_tokens=max_tokens, stop=stop,
-        logprobs=logprobs, ignore_eos=body.ignore_eos)
+        logprobs=logprobs, ignore_eos=body.ignore_eos, **sampler_kwargs(body))
+
+
+def _given(body: _OpenAISampling) -> set[str]:
+    """SamplingParams names the request set (the rest may take the model's defaults)."""
+    given = set(body.model_fields_set)
+    if given & {"max_tokens", "max_completion_tokens"}:
+        given.add("max_tokens")
+    return given
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -214,7 +224,7 @@ def _sse(obj: Any) -> bytes:
 @router.get("/models")
 async def list_models(request: Request):
     manager, _ = _state(request)
-    refs = manager.store.list()
+    refs = await asyncio.to_thread(list_store_models, manager.store)
     data = [{"id": r.full_name, "object": "model", "created": int(r.modified_at),
              "owned_by": "edgeinfer"} for r in refs]
     return {"object": "list", "data": data}
@@ -249,6 +259,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                  device=body.device)
     try:
         engine = gen.lm.engine
+        params = gen.adapt(params, _given(body), body.stop_on_repetition)
         msgs, extra = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
                                       engine.chat_template)
         if spec is None and choice.mode == "auto" and tl.auto_grammar_fits(engine.chat_template):
@@ -364,6 +375,7 @@ async def completions(body: _CompletionBody, request: Request):
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
                                  device=body.device)
     try:
+        params = gen.adapt(params, _given(body) | {"max_tokens"}, body.stop_on_repetition)
         prompts = await gen.encode(lambda e: _prompts(body, e))
         if spec is not None and len(prompts) > 1:
             raise bad_param(spec_param, f"{spec_param} supports one prompt per request")
@@ -389,6 +401,7 @@ async def completions(body: _CompletionBody, request: Request):
                 gens.append(await generation.start(manager, metrics, body.model, body.n,
                                                    body.backend, device=body.device))
             for g, ids in zip(gens, prompts):
+                g.stop_on_repetition = gen.stop_on_repetition
                 g.submit(ids, params, "prompt", constraints=constraints, **scoring)
 
             async def collect(pi: int, g) -> list[dict]:

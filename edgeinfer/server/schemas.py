@@ -22,6 +22,39 @@ class _Loose(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class _LlamaSamplers(_Loose):
+    """llama.cpp's samplers under llama-server's names (Ollama's options use the same ones
+    for typical_p, mirostat*, repeat_last_n), and edgeinfer's repetition stop. None = the
+    default (off, or the model's default: see generation.Generation.adapt)."""
+    typical_p: float | None = None
+    repeat_last_n: int | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    # edgeinfer: finish with reason "repetition" once the output copies itself verbatim
+    stop_on_repetition: bool | None = None
+
+
+SAMPLER_FIELDS = ("typical_p", "repeat_last_n", "xtc_probability", "xtc_threshold",
+                  "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                  "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta")
+
+
+def sampler_kwargs(obj, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The llama.cpp sampler fields `obj` sets, as SamplingParams keywords."""
+    if obj is None:
+        return {}
+    return {k: getattr(obj, k) for k in SAMPLER_FIELDS
+            if k not in skip and getattr(obj, k, None) is not None}
+
+
 class ContentPart(_Loose):
     type: str
     text: str | None = None
@@ -50,7 +83,7 @@ class StreamOptions(_Loose):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Loose):
+class _OpenAISampling(_LlamaSamplers):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -68,6 +101,7 @@ class _OpenAISampling(_Loose):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    repeat_penalty: float | None = None         # llama-server's name for it
     ignore_eos: bool = False
     # edgeinfer extensions (the Ollama API's options.backend / options.device): which backend
     # loads the model and on which device torch runs it
@@ -101,14 +135,14 @@ class CompletionRequest(_OpenAISampling):
 # ----- Ollama ------------------------------------------------------------------------------
 
 OLLAMA_IGNORED = ("template", "context", "suffix", "images",
-                  "options.num_keep", "options.typical_p", "options.tfs_z",
-                  "options.mirostat*", "options.penalize_newline", "options.num_batch",
+                  "options.num_keep", "options.tfs_z",
+                  "options.penalize_newline", "options.num_batch",
                   "options.num_gpu", "options.main_gpu", "options.num_thread",
                   "options.use_mmap", "options.use_mlock", "options.numa",
                   "options.low_vram", "options.f16_kv", "options.vocab_only")
 
 
-class OllamaOptions(_Loose):
+class OllamaOptions(_LlamaSamplers):
     num_predict: int | None = None
     num_ctx: int | None = Field(default=None, ge=1)
     temperature: float | None = None
