@@ -174,73 +174,78 @@ def kv_write(k_cache, v_cache, k, v, slots):
 
 
 @njit(inline="always", nogil=True)
-def _attend_one(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                ggml_rounding, out, th):
-    """Attention of one query token and head (th = t * H + h)."""
+def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                  ggml_rounding, out, t, h0, nh):
+    """Attention of query token t for heads h0..h0+nh-1, which share one KV head: each K and
+    V row is read once for all of them instead of once per head (grouped-query attention
+    moves `group` times less cache memory this way). Each head's numbers come from the same
+    operations in the same order whichever heads share its item (16 partial sums over d and
+    a fixed tree for q.k; float64 softmax sum; V rows added in position order), so the
+    results are the same bits however heads are grouped, and whatever the batch."""
     T, H, D = q.shape
     bs = k_cache.shape[1]
     KVH = k_cache.shape[2]
-    group = H // KVH
-    t = th // H
-    h = th % H
-    kvh = h // group
+    kvh = h0 // (H // KVH)
     s = token_seq[t]
     pos = positions[t]
     start = 0
     if window > 0 and pos - window + 1 > 0:
         start = pos - window + 1
     n = pos - start + 1
-    scores = np.empty(n, np.float32)
-    qv = np.empty(D, np.float32)
-    for d in range(D):
-        qv[d] = round_f16(q[t, h, d]) if ggml_rounding else q[t, h, d]
-    m = -np.inf
+    scores = np.empty((nh, n), np.float32)
+    qv = np.empty((nh, D), np.float32)
+    for i in range(nh):
+        for d in range(D):
+            qv[i, d] = round_f16(q[t, h0 + i, d]) if ggml_rounding else q[t, h0 + i, d]
+    m = np.full(nh, -np.inf)        # float64, as the single-head kernel kept its max
     for j in range(n):
         p = start + j
         blk = block_tables[s, p // bs]
-        if D % 16 == 0:
-            # 16 partial sums, then a fixed tree: vectorized, and the same order for a
-            # token whatever else is in the batch
-            kbase = ((blk * bs + p % bs) * KVH + kvh) * D
-            accv = vzero()
-            for d in range(0, D, 16):
-                accv = vfma(vload(qv, d), vload(k_cache, kbase + d), accv)
-            acc = vhsum(accv)
-        else:
-            kv = k_cache[blk, p % bs, kvh]
-            acc = np.float32(0.0)
-            for d in range(D):
-                acc += qv[d] * kv[d]
-        acc *= scale
-        scores[j] = acc
-        if acc > m:
-            m = acc
-    total = 0.0  # float64, as ggml's softmax sums
-    for j in range(n):
-        e = np.exp(scores[j] - m)
-        scores[j] = e
-        total += e
-    inv = np.float32(1.0 / total)
-    for j in range(n):
-        w = scores[j] * inv
-        scores[j] = round_f16(w) if ggml_rounding else w
-    o = out[t, h]
-    for d in range(D):
-        o[d] = 0.0
+        for i in range(nh):
+            if D % 16 == 0:
+                kbase = ((blk * bs + p % bs) * KVH + kvh) * D
+                accv = vzero()
+                for d in range(0, D, 16):
+                    accv = vfma(vload(qv[i], d), vload(k_cache, kbase + d), accv)
+                acc = vhsum(accv)
+            else:
+                kv = k_cache[blk, p % bs, kvh]
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += qv[i, d] * kv[d]
+            acc *= scale
+            scores[i, j] = acc
+            if acc > m[i]:
+                m[i] = acc
+    for i in range(nh):
+        total = 0.0  # float64, as ggml's softmax sums
+        for j in range(n):
+            e = np.exp(scores[i, j] - m[i])
+            scores[i, j] = e
+            total += e
+        inv = np.float32(1.0 / total)
+        for j in range(n):
+            w = scores[i, j] * inv
+            scores[i, j] = round_f16(w) if ggml_rounding else w
+        o = out[t, h0 + i]
+        for d in range(D):
+            o[d] = 0.0
     for j in range(n):
         p = start + j
         blk = block_tables[s, p // bs]
         vv = v_cache[blk, p % bs, kvh]
-        w = scores[j]
-        for d in range(D):
-            o[d] += w * vv[d]
+        for i in range(nh):
+            o = out[t, h0 + i]
+            w = scores[i, j]
+            for d in range(D):
+                o[d] += w * vv[d]
 
 
 # No fastmath: with reassociation LLVM may order a sum differently in the parallel and the
 # serial copy of the loop, and a token's result would depend on its batch's size.
 @njit(**_PJIT)
 def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                    ggml_rounding, out, par):
+                    ggml_rounding, out, par, heads_per_item=1):
     """Causal attention for a flat batch of query tokens, reading K/V through block tables.
 
     q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
@@ -248,17 +253,36 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
     that sequence's positions [pos - window + 1, pos] (window <= 0: all of [0, pos]).
     Mixed prefill chunks and decode tokens of many sequences go in one call.
     ggml_rounding: round q and the softmax weights to f16 as llama.cpp's f16-cache matmuls do.
+    heads_per_item: query heads of one KV head handled together (a divisor of H / KVH): more
+    reads each K/V row once for more heads, fewer leaves more work items for the threads.
+    The result is the same bits for any value (see _attend_heads).
     """
     T, H = q.shape[0], q.shape[1]
+    nh = heads_per_item
+    items = T * (H // nh)
     if par:
-        for th in prange(T * H):
-            _attend_one(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                        ggml_rounding, out, th)
+        for it in prange(items):
+            t = it // (H // nh)
+            h0 = (it % (H // nh)) * nh
+            _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
+                          scale, ggml_rounding, out, t, h0, nh)
     else:
-        for th in range(T * H):
-            _attend_one(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                        ggml_rounding, out, th)
+        for it in range(items):
+            t = it // (H // nh)
+            h0 = (it % (H // nh)) * nh
+            _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
+                          scale, ggml_rounding, out, t, h0, nh)
     return out
+
+
+def heads_per_item(T: int, H: int, KVH: int, threads: int) -> int:
+    """The most heads of a group per work item that still leaves an item for every thread
+    (the whole group on one thread when it runs serially)."""
+    group = H // KVH
+    nh = group
+    while nh > 1 and T * (H // nh) < threads and group % (nh // 2) == 0:
+        nh //= 2
+    return nh
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, base: float, scale: float = 1.0,

@@ -272,6 +272,9 @@ class CpuOps:
         if longest is None:     # once per step, not per layer
             longest = batch.cache["longest"] = int(batch.positions.max()) + 1 if T else 0
         keys = min(longest, window) if window > 0 else longest
+        par = _par(T * H * keys * D // 16)
+        KVH = cache.k[layer].shape[2]
+        nh = K.heads_per_item(T, H, KVH, numba.get_num_threads() if par else 1)
         return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                  batch.token_seq, batch.positions, window, np.float32(scale),
-                                 self.numerics == "ggml", out, _par(T * H * keys * D // 16))
+                                 self.numerics == "ggml", out, par, nh)
