@@ -31,7 +31,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 
 extras="torch,bundled"
-[ "$dev" = 1 ] && extras="$extras,test"
+[ "$dev" = 1 ] && extras="$extras,test,ray"
 stamp=".venv/.edgeinfer-install-$extras"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
