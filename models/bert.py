@@ -44,6 +44,40 @@ class BertLayer:
     out_norm_b: Any
 
 
+_LEGACY = {2, 3, 6, 7, 8, 9}        # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1: Q8_0 activations
+_KQUANT = {10, 11, 12, 13, 14}      # Q2_K .. Q6_K: Q8_K activations
+
+
+def act_round(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """The activation rounding ggml's CPU matmul applies before a dot with a weight of this
+    type (8-bit blocks of 32 or 256, or f16), so a small head computed here in numpy gives
+    llama.cpp's numbers, not float32 ones."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    if ggml_type == 1:
+        return x.astype(np.float16).astype(np.float32)
+    A = 32 if ggml_type in _LEGACY else 256 if ggml_type in _KQUANT else 0
+    if not A or x.size % A:
+        return x
+    b = x.reshape(-1, A)
+    if A == 32:
+        amax = np.abs(b).max(axis=1, keepdims=True)
+        safe = np.where(amax > 0, amax, 1)
+        q = np.rint(b * (np.float32(127) / safe))
+        d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+        return (q * d).astype(np.float32).reshape(-1)
+    idx = np.abs(b).argmax(axis=1)
+    mx = b[np.arange(len(b)), idx][:, None]
+    safe = np.where(mx != 0, mx, 1)
+    iscale = np.float32(-127) / safe
+    q = np.minimum(np.rint(iscale * b), 127)
+    return np.where(mx != 0, q / iscale, 0).astype(np.float32).reshape(-1)
+
+
+def _type(gf, name: str) -> int:
+    t = gf.tensors.get(name)
+    return int(t.ggml_type) if t is not None else 0
+
+
 def _dense(gf, name: str) -> np.ndarray | None:
     """A small tensor (the classification head) as float32 numpy, ggml shape reversed."""
     t = gf.tensors.get(name)
@@ -101,6 +135,7 @@ class BertModel:
         # reranker head: small, kept as float32 numpy
         self.cls_w, self.cls_b = _dense(gf, "cls.weight"), _dense(gf, "cls.bias")
         self.cls_out_w, self.cls_out_b = _dense(gf, "cls.output.weight"), _dense(gf, "cls.output.bias")
+        self.cls_types = (_type(gf, "cls.weight"), _type(gf, "cls.output.weight"))
 
     @property
     def has_rank_head(self) -> bool:
@@ -154,12 +189,12 @@ class BertModel:
                                "cls.output.weight) for rank pooling")
         y = np.asarray(h, np.float32).reshape(-1)
         if self.cls_w is not None:
-            y = self.cls_w @ y
+            y = self.cls_w @ act_round(y, self.cls_types[0])
             if self.cls_b is not None:
                 y = y + self.cls_b.reshape(-1)
             y = np.tanh(y)
         if self.cls_out_w is not None:
-            y = self.cls_out_w @ y
+            y = self.cls_out_w.reshape(-1, y.shape[0]) @ act_round(y, self.cls_types[1])
             if self.cls_out_b is not None:
                 y = y + self.cls_out_b.reshape(-1)
         return y.astype(np.float32).reshape(-1)
