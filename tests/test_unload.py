@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -105,3 +106,29 @@ def test_unload_returns_memory(daemon):
     # and nothing accumulates: the last idle figure is where the first unload left it
     assert figures[-1][2] - figures[0][2] < TOLERANCE, figures
     assert "still referenced" not in daemon.log_text()
+
+
+def test_failed_load_keeps_nothing(daemon, tmp_path):
+    """A model whose file broke after it was registered (truncated blob): the load fails with
+    one sentence, nothing stays loaded or allocated, and the daemon loads the next model."""
+    from synth import write_model
+
+    from edgeinfer.store.model_store import Store
+    src = write_model(tmp_path / "tiny.gguf", "llama")
+    ref = Store(daemon.home).register_file(src, "tiny:broken")
+    blob = Path(ref.path)
+    size = blob.stat().st_size
+    with open(blob, "r+b") as f:             # the tensor data runs past the end of the file now
+        f.truncate(size // 2)
+    proc = psutil.Process(daemon.proc.pid)
+    before = _rss(proc)
+    r = daemon.post("/api/generate", {"model": "tiny:broken", "prompt": "Hi", "stream": False})
+    assert r.status_code == 500, r.text
+    msg = r.json()["error"]
+    assert msg.startswith("cannot load tiny:broken") and "Traceback" not in msg, msg
+    assert _models(daemon) == []
+    assert _rss(proc) - before < TOLERANCE
+    # the daemon is fine: the real model loads and answers
+    r = daemon.post("/api/generate", {"model": "gemma3:270m", "prompt": "Hi", "stream": False,
+                                      "options": {"temperature": 0, "num_predict": 4}})
+    assert r.status_code == 200 and r.json()["done"], r.text

@@ -302,7 +302,12 @@ class ModelManager:
         cfg = self.config
         # what the backend will really hold: repacked tiles on the CPU, dense tensors in
         # torch's dtype; the KV pool never grows past its budget
-        est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path))
+        try:
+            est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path))
+        except (APIError, MemoryError):
+            raise
+        except Exception as e:  # the file broke after it was stored: one sentence, as a load
+            raise APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed") from None
         weights = est.weights_bytes
         need = weights + cfg.kv_budget_bytes
         async with self._global:
@@ -334,16 +339,19 @@ class ModelManager:
                                code="insufficient_memory")
             ecfg = cfg.engine_config(key[1], governor=self.governor)
             t0 = time.monotonic()
+            failure: BaseException | None = None
             try:
                 engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg)
-            except BaseException as e:
-                # whatever the half-built engine allocated is garbage now: collect and trim
+            except (APIError, MemoryError) as e:
+                failure = e
+            except Exception as e:      # a broken file or unsupported arch: one sentence
+                failure = APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed")
+            if failure is not None:
+                # The half-built engine is garbage once no traceback holds its frames: drop
+                # them, collect and trim, then report.
+                failure.__traceback__ = failure.__context__ = failure.__cause__ = None
                 await asyncio.to_thread(release_memory)
-                if isinstance(e, (APIError, MemoryError)) or not isinstance(e, Exception):
-                    raise
-                # a broken file or unsupported arch: one sentence
-                raise APIError(500, f"cannot load {ref.full_name}: {e}",
-                               code="load_failed") from None
+                raise failure
             try:
                 runner = engine.runner
                 lm = LoadedModel(
