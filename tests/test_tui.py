@@ -128,6 +128,11 @@ async def test_chat_streams_reply_with_figures_and_keeps_history(fake):
         assert status.ttft is not None and status.ttft > 0
         assert status.tokens_per_s is not None and status.tokens_per_s > 0
         assert status.prompt_tokens == 7
+        # the daemon's memory on the status line: RSS and KV blocks in use (fake: 900 MiB,
+        # 120 of 512 blocks once a model is loaded)
+        await wait_for(pilot, lambda: status.rss == 900 * 2**20, what="RSS on the status line")
+        line = str(status.render())
+        assert "RSS 900" in line
         body = fake.state.chats[-1]
         assert body["model"] == "gemma3:270m" and body["stream"] is True
         assert body["options"]["temperature"] == pytest.approx(0.3)

@@ -1,4 +1,5 @@
-"""Chat: pick a model, type, watch the reply stream in with TTFT, tokens and tokens/s."""
+"""Chat: pick a model, type, watch the reply stream in with TTFT, tokens and tokens/s, and
+the daemon's memory (RSS, KV blocks in use) on the status line."""
 from __future__ import annotations
 
 import asyncio
@@ -57,6 +58,13 @@ class ChatScreen(Screen):
         self.query_one("#temperature", Input).border_title = "temp"
         self.query_one("#prompt", Input).focus()
         self.watch(self.app, "models_version", self._models_changed, init=True)
+        self.watch(self.app, "stats", self._on_stats, init=True)
+
+    def _on_stats(self, sample) -> None:
+        if sample is None:
+            return
+        status = self.query_one(StreamStatus)
+        status.rss, status.kv_used, status.kv_total = sample.rss, sample.kv_used, sample.kv_total
 
     # ----- model list ---------------------------------------------------------------------
     def _models_changed(self, _version: int) -> None:

@@ -1,10 +1,12 @@
-"""The chat's status line: TTFT, tokens and tokens/s of the current reply, live."""
+"""The chat's status line: TTFT, tokens and tokens/s of the current reply, live, and the
+daemon's memory (process RSS, KV blocks in use) from the app's stats samples."""
 from __future__ import annotations
 
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from ..api import fmt_bytes
 from . import load_css
 
 STATE_STYLE = {
@@ -24,6 +26,10 @@ class StreamStatus(Widget):
     tokens_per_s: reactive[float | None] = reactive(None)
     prompt_tokens: reactive[int | None] = reactive(None)
     detail: reactive[str] = reactive("")
+    # the daemon's memory, from the app's stats stream (kept across replies)
+    rss: reactive[int | None] = reactive(None)
+    kv_used: reactive[int | None] = reactive(None)
+    kv_total: reactive[int | None] = reactive(None)
 
     def reset(self) -> None:
         self.state, self.ttft, self.tokens = "idle", None, 0
@@ -45,4 +51,11 @@ class StreamStatus(Widget):
             t.append(str(self.prompt_tokens), style="bold")
         if self.detail:
             t.append(f"  {self.detail}", style="dim")
+        if self.rss is not None:
+            t.append("  RSS ", style="dim")
+            t.append(fmt_bytes(self.rss), style="bold")
+        if self.kv_total:
+            t.append("  KV ", style="dim")
+            t.append(f"{self.kv_used or 0}/{self.kv_total}", style="bold")
+            t.append(" blocks", style="dim")
         return t
