@@ -163,11 +163,11 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, replicas: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [r["policy"] for r in results]
+    names = [r["policy"].replace(" (", "\n(") for r in results]
     colors = ["#888888", "#4c72b0", "#dd8452", "#55a868", "#c44e52"][:len(names)]
     fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
     ax[0].bar(names, [r["prefix_hit_rate"] * 100 for r in results], color=colors)
@@ -184,7 +184,7 @@ def plot(results: list[dict], path: Path) -> None:
     ax[2].set_title("TTFT ms (p50 solid, p99 light)")
     for a in ax:
         a.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"{results[0]['requests']} requests, 32 replicas, shared system prompts + "
+    fig.suptitle(f"{results[0]['requests']} requests, {replicas} replicas, shared system prompts + "
                  "multi-turn chats (simulated)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
         if "routing" in r:
             print(f"{r['policy']} decisions: {r['routing']}")
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, args.replicas)
         print(f"plot: {args.plot}")
     return 0
 

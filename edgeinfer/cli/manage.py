@@ -155,6 +155,13 @@ def format_ps(models: list[dict]) -> str:
                      proc, backend, m.get("weights_format") or "-",
                      str(m.get("context_length", "")),
                      "busy" if m.get("active_requests") else _until(m.get("expires_at"))))
+    if any("replica" in m for m in models):       # serve --ray: one row per replica's copy
+        rows[0] += ("REPLICA", "NODE", "RUN/QUEUE", "KV BLOCKS", "PREFIX HITS")
+        for i, m in enumerate(models, 1):
+            rows[i] += (str(m.get("replica", "-")), str(m.get("node", "-")),
+                        f"{m.get('running', 0)}/{m.get('queued', 0)}",
+                        f"{m.get('kv_blocks_used', 0)}/{m.get('kv_blocks_total', 0)}",
+                        f"{100 * float(m.get('prefix_hit_rate', 0.0)):.0f}%")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("    ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
