@@ -311,9 +311,11 @@ def _wait_two_replicas_without(d: Daemon, dead_pid: int, limit: float = 180) -> 
 
 
 def _long_stream_openai(oc, tag: str):
-    return oc.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": tag}], max_tokens=1200,
-        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    """1,200 tokens, streamed: a raw completion (no chat template, so no template stop
+    strings) with end of text banned."""
+    return oc.completions.with_raw_response.create(
+        model=MODEL, prompt=tag, max_tokens=1200, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "stop_on_repetition": False})
 
 
 @needs_ray
@@ -340,7 +342,8 @@ def test_ray_replica_killed_mid_stream(ray_daemon):
         try:
             chunks = list(other_raw.parse())
             other_result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-            other_result["n"] = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+            other_result["end"] = time.monotonic()
+            other_result["n"] = sum(1 for c in chunks if c.choices and c.choices[0].text)
         except Exception as e:          # noqa: BLE001 - reported by the assertion below
             other_result["error"] = repr(e)
     reader = threading.Thread(target=read_other)
@@ -355,6 +358,7 @@ def test_ray_replica_killed_mid_stream(ray_daemon):
             got += 1
             if got == 3:
                 os.kill(pid, signal.SIGKILL)
+                t_kill = time.monotonic()
     assert time.monotonic() - t0 < 30
     assert "replica" in str(err.value.message), err.value
     assert got >= 3
@@ -367,6 +371,7 @@ def test_ray_replica_killed_mid_stream(ray_daemon):
     assert not reader.is_alive()
     assert other_result.get("finish") == "length", other_result
     assert other_result["n"] > 100
+    assert other_result["end"] - t_kill > 0.2, "the bystander ended before the kill"
 
     reps = _wait_two_replicas_without(d, pid)
     new = next(r["replica"] for r in reps if r["replica"] != other_raw.headers[
@@ -392,7 +397,8 @@ def test_ray_replica_killed_mid_stream_ollama(ray_daemon):
     for k in range(12):
         prompt = f"{k} ollama victim " * 20
         body = {"model": MODEL, "prompt": prompt, "stream": False,
-                "options": {"num_predict": 400, "temperature": 0}}
+                "options": {"num_predict": 400, "temperature": 0,
+                            "stop_on_repetition": False}}
         r = d.post("/api/generate", body)
         assert r.status_code == 200, r.text
         if r.json()["eval_count"] == 400:
@@ -404,7 +410,8 @@ def test_ray_replica_killed_mid_stream_ollama(ray_daemon):
     t0 = time.monotonic()
     with pytest.raises(ollama.ResponseError) as err:
         for part in olc.generate(model=MODEL, prompt=prompt, stream=True,
-                                 options={"num_predict": 400, "temperature": 0}):
+                                 options={"num_predict": 400, "temperature": 0,
+                                          "stop_on_repetition": False}):
             parts.append(part)
             if len(parts) == 3:
                 os.kill(pid, signal.SIGKILL)
@@ -414,3 +421,40 @@ def test_ray_replica_killed_mid_stream_ollama(ray_daemon):
     _wait_two_replicas_without(d, pid)
     got = olc.generate(model=MODEL, prompt="after the fault", options={"num_predict": 3})
     assert got.done
+
+
+@needs_ray
+def test_ray_replica_killed_before_answering_is_retried(ray_daemon):
+    """A non-streaming request whose replica dies before it answered is sent again to
+    another replica: the client sees a normal 200 from the survivor."""
+    d = ray_daemon
+    _wait_two_replicas_without(d, -1)
+    content = f"{random.random()} retried elsewhere " * 3
+    body = {"model": MODEL, "prompt": content, "temperature": 0}
+    first = d.post("/v1/completions", {**body, "max_tokens": 2})   # its blocks live there now
+    assert first.status_code == 200, first.text
+    victim = first.headers["x-edgeinfer-replica"]
+    pid = _pid_of(d, victim)
+    result: dict = {}
+
+    def long_request():
+        r = d.post("/v1/completions", {**body, "max_tokens": 1500, "ignore_eos": True,
+                                         "stop_on_repetition": False})
+        result.update(status=r.status_code, replica=r.headers.get("x-edgeinfer-replica"),
+                      body=r.json())
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30           # until the victim holds it, then kill
+    while time.monotonic() < deadline:
+        busy = [r for r in _replicas(d) if r["replica"] == victim and r["active_requests"]]
+        if busy:
+            break
+        time.sleep(0.2)
+    assert busy, "the long request never reached its affine replica"
+    os.kill(pid, signal.SIGKILL)
+    t.join(180)
+    assert not t.is_alive()
+    assert result["status"] == 200, result
+    assert result["replica"] != victim
+    assert result["body"]["usage"]["completion_tokens"] == 1500
+    _wait_two_replicas_without(d, pid)
