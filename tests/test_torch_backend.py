@@ -42,6 +42,9 @@ def exact_cpu(runner):
     from edgeinfer.models import build_model
     runner.ops = CpuOps(numerics="f32")
     runner.model = build_model(runner.cfg, runner.ops, runner.gf)   # float weights' layout
+    plan, cfg = runner.kv_plan, runner.cfg                          # and a float32 KV pool
+    runner.kv = runner.ops.new_kv_cache(cfg.n_layers, plan.num_blocks, plan.block_size,
+                                        cfg.n_kv_head, cfg.head_dim)
     return runner
 
 

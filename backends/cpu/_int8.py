@@ -32,7 +32,7 @@ from . import _stamp
 from .kernels import quantize_act_block
 
 _DEPS = ("kernels.py", "_simd.py")     # inlined here (quantize_act_block and its deps)
-_DEPS_HASH = "91ba03be875e3b92"
+_DEPS_HASH = "dcf4aec5825284f4"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)

@@ -11,10 +11,10 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import _stamp
-from ._simd import vfma, vhsum, vload, vzero
+from ._simd import bload_f16, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
 
 _DEPS = ("_simd.py",)        # inlined here: see _stamp.py
 _DEPS_HASH = "87956b1a768fad6f"
@@ -46,6 +46,17 @@ def _f16_bits(typingctx, x):
     def codegen(context, builder, sig, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
     return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _f16_from_bits(typingctx, x):
+    """The float16 whose bit pattern is x (uint16), widened exactly to float32."""
+    if x != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
 
 
 @njit(inline="always", nogil=True)
@@ -159,6 +170,45 @@ def silu_mul(gate, up, out, par):
     return out
 
 
+def kv_vec(arr, i):
+    """16 K/V values from flat element offset i of a cache, as float32: the f16 pool holds
+    IEEE half bit patterns (uint16), widened exactly; the f32 pool is read as it is."""
+
+
+@overload(kv_vec, inline="always")
+def _kv_vec(arr, i):
+    if arr.dtype == types.uint16:
+        return lambda arr, i: bload_f16(arr, i * 2)
+    return lambda arr, i: vload(arr, i)
+
+
+def kv_scalar(arr, idx):
+    """One K/V value of a cache as float32 (the f16 pool widens its half exactly)."""
+
+
+@overload(kv_scalar, inline="always")
+def _kv_scalar(arr, idx):
+    if arr.dtype == types.uint16:
+        return lambda arr, idx: _f16_from_bits(arr[idx])
+    return lambda arr, idx: arr[idx]
+
+
+def kv_store(arr, idx, x):
+    """Store one float32 into a K/V cache: as f16 bits in the f16 pool."""
+
+
+@overload(kv_store, inline="always")
+def _kv_store(arr, idx, x):
+    if arr.dtype == types.uint16:
+        def f16(arr, idx, x):
+            arr[idx] = _f16_bits(np.float32(x))
+        return f16
+
+    def f32(arr, idx, x):
+        arr[idx] = x
+    return f32
+
+
 @njit(**_JIT)
 def kv_write(k_cache, v_cache, k, v, slots):
     """Store K/V rows [T, KVH, D] at flat slots (block * block_size + offset)."""
@@ -169,8 +219,8 @@ def kv_write(k_cache, v_cache, k, v, slots):
         off = slots[t] % bs
         for h in range(k.shape[1]):
             for d in range(k.shape[2]):
-                k_cache[blk, off, h, d] = k[t, h, d]
-                v_cache[blk, off, h, d] = v[t, h, d]
+                kv_store(k_cache, (blk, off, h, d), k[t, h, d])
+                kv_store(v_cache, (blk, off, h, d), v[t, h, d])
 
 
 @njit(inline="always", nogil=True)
@@ -206,13 +256,12 @@ def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, windo
                 kbase = ((blk * bs + p % bs) * KVH + kvh) * D
                 accv = vzero()
                 for d in range(0, D, 16):
-                    accv = vfma(vload(qv[i], d), vload(k_cache, kbase + d), accv)
+                    accv = vfma(vload(qv[i], d), kv_vec(k_cache, kbase + d), accv)
                 acc = vhsum(accv)
             else:
-                kv = k_cache[blk, p % bs, kvh]
                 acc = np.float32(0.0)
                 for d in range(D):
-                    acc += qv[i, d] * kv[d]
+                    acc += qv[i, d] * kv_scalar(k_cache, (blk, p % bs, kvh, d))
             acc *= scale
             scores[i, j] = acc
             if acc > m[i]:
@@ -233,12 +282,20 @@ def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, windo
     for j in range(n):
         p = start + j
         blk = block_tables[s, p // bs]
-        vv = v_cache[blk, p % bs, kvh]
-        for i in range(nh):
-            o = out[t, h0 + i]
-            w = scores[i, j]
-            for d in range(D):
-                o[d] += w * vv[d]
+        if D % 16 == 0:
+            # a multiply and an add per lane: the same two roundings as the scalar loop
+            vbase = ((blk * bs + p % bs) * KVH + kvh) * D
+            for i in range(nh):
+                o = out[t, h0 + i]
+                wv = vsplat(scores[i, j])
+                for d in range(0, D, 16):
+                    vstore(o, d, vadd(vload(o, d), vmul(wv, kv_vec(v_cache, vbase + d))))
+        else:
+            for i in range(nh):
+                o = out[t, h0 + i]
+                w = scores[i, j]
+                for d in range(D):
+                    o[d] += w * kv_scalar(v_cache, (blk, p % bs, kvh, d))
 
 
 # No fastmath: with reassociation LLVM may order a sum differently in the parallel and the

@@ -38,7 +38,8 @@ def _par(elements: int) -> bool:
 
 @dataclass
 class CpuKVCache:
-    """Per layer K and V pools [num_blocks, block_size, KVH, D], float32."""
+    """Per layer K and V pools [num_blocks, block_size, KVH, D]: IEEE half bit patterns
+    (uint16) in the f16 pool, float32 otherwise."""
     k: list[np.ndarray]
     v: list[np.ndarray]
     block_size: int
@@ -71,7 +72,7 @@ def _ram_bytes() -> int:
 
 class CpuOps:
     name = "cpu"
-    kv_bytes_per_value = 4
+    kv_bytes_per_value = 4          # per instance: 2 with the f16 pool (ggml numerics)
 
     def __init__(self, numerics: str = "ggml", batch_invariant: bool = False,
                  repack: bool | None = None, governor: ThreadGovernor | None = None):
@@ -93,7 +94,10 @@ class CpuOps:
         # not depend on what it was batched with (see matmul's batch_invariant). Packed
         # weights are batch-invariant by construction; this applies to the others.
         self.batch_invariant = batch_invariant
-        self.kv_f16_rounding = numerics == "ggml"
+        # ggml numerics keep K/V in f16, as llama.cpp's default cache does: the pool stores
+        # the halves themselves (half the memory and attention bandwidth of float32)
+        self.kv_f16 = numerics == "ggml"
+        self.kv_bytes_per_value = 2 if self.kv_f16 else 4
         if repack and numerics != "ggml":
             raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
         self._repack_setting = repack
@@ -256,15 +260,13 @@ class CpuOps:
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
                      head_dim: int) -> CpuKVCache:
         shape = (num_blocks, block_size, n_kv_head, head_dim)
-        return CpuKVCache([np.zeros(shape, np.float32) for _ in range(n_layers)],
-                          [np.zeros(shape, np.float32) for _ in range(n_layers)], block_size)
+        dtype = np.uint16 if self.kv_f16 else np.float32
+        return CpuKVCache([np.zeros(shape, dtype) for _ in range(n_layers)],
+                          [np.zeros(shape, dtype) for _ in range(n_layers)], block_size)
 
     def attention(self, q, k, v, cache: CpuKVCache, layer: int, batch: ForwardBatch,
                   scale: float, window: int) -> np.ndarray:
         """Write this step's K/V into the cache, then attend through the block tables."""
-        if self.kv_f16_rounding:
-            k = k.astype(np.float16).astype(np.float32)
-            v = v.astype(np.float16).astype(np.float32)
         K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slot_mapping)
         out = np.empty_like(q)
         T, H, D = q.shape
