@@ -56,10 +56,9 @@ class Sequence:
         if not prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.seq_id = seq_id
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        # prompt + output, kept as its own list so readers never pay for a concatenation
+        # the request's one token history: prompt, then output (the views below slice it)
         self.token_ids: list[int] = list(prompt_token_ids)
+        self._num_prompt = len(self.token_ids)
         self.params = params  # duck-typed SamplingParams: needs .max_tokens
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -81,12 +80,20 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self._num_prompt]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self._num_prompt:]
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.token_ids) - self._num_prompt
 
     @property
     def max_tokens(self) -> int:
@@ -102,7 +109,6 @@ class Sequence:
         return self.num_computed_tokens < self.num_tokens - 1
 
     def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
