@@ -72,10 +72,14 @@ def test_base_model_stops_on_repetition_with_its_own_done_reason(shared_daemon):
 def test_base_model_output_cap_and_dry_default(shared_daemon):  # noqa: F811
     r = gen(shared_daemon, LOOP, temperature=0, stop_on_repetition=False)
     assert r["eval_count"] <= BASE_MAX_TOKENS
-    # DRY on by default: the loop is broken, unlike with dry_multiplier 0
-    plain = gen(shared_daemon, LOOP, temperature=0, dry_multiplier=0,
-                stop_on_repetition=False, num_predict=60)
-    dry = gen(shared_daemon, LOOP, temperature=0, stop_on_repetition=False, num_predict=60)
+    # DRY on by default when sampling (greedy keeps the model's argmax): the loop is
+    # broken, unlike with dry_multiplier 0 (near-greedy: temperature 0.05, one seed)
+    near = dict(temperature=0.05, seed=1, stop_on_repetition=False, num_predict=60)
+    plain = gen(shared_daemon, LOOP, dry_multiplier=0, **near)
+    dry = gen(shared_daemon, LOOP, **near)
+    greedy = gen(shared_daemon, LOOP, temperature=0, stop_on_repetition=False, num_predict=60)
+    assert greedy["response"] == gen(shared_daemon, LOOP, temperature=0, dry_multiplier=0,
+                                     stop_on_repetition=False, num_predict=60)["response"]
     assert plain["response"] != dry["response"]
     line = "1 2 3 4 5 6 7 8 9 10"
     assert line in plain["response"] and line not in dry["response"]

@@ -5,8 +5,8 @@ model stays loaded between commands; `--no-daemon`, or a path to a .gguf file, r
 in this process. Without PROMPT (and with a terminal) it is a chat that keeps the conversation.
 
 A base model (no chat template of its own, such as the bundled gemma3:270m) gets the server's
-base-model defaults unless the flags say otherwise: DRY at 0.8, at most 256 output tokens,
-and a stop (reason "repetition") when the output starts copying itself. A one-shot PROMPT to
+base-model defaults unless the flags say otherwise: DRY at 0.8 (when sampling), at most 256
+output tokens, and a stop (reason "repetition") when the output starts copying itself. A one-shot PROMPT to
 a base model (no --raw, no --system) is framed as a question, `Question: PROMPT\nAnswer:`,
 and the answer ends at a blank line or the next "Question:" (a base model was trained on text
 like that, not on chat turns; measured in README "The first run"). --raw sends PROMPT as it is.

@@ -7,7 +7,8 @@ fallback prompt, and the call grammar), and the output is split by the same spli
 OpenAI's chat. Only the shapes differ:
 
 - content blocks `text` and `tool_use` (id `toolu_...`, `input` an object);
-- stop_reason: end_turn | max_tokens | stop_sequence (with `stop_sequence`) | tool_use;
+- stop_reason: end_turn | max_tokens (also for edgeinfer's repetition stop) | stop_sequence
+  (with `stop_sequence`) | tool_use;
 - streaming: SSE with named events message_start, content_block_start, content_block_delta
   (text_delta, input_json_delta), content_block_stop, message_delta (stop_reason, usage),
   message_stop; an error after the stream started is an `error` event;
@@ -225,7 +226,7 @@ def _tool_use(call: tl.ToolCall) -> dict:
 def _stop_reason(finish: str | None, calls: bool, stop_seq: str | None) -> str:
     if calls:
         return "tool_use"
-    if finish == "length":
+    if finish in ("length", "repetition"):     # both cut the output short
         return "max_tokens"
     if stop_seq is not None:
         return "stop_sequence"

@@ -63,9 +63,12 @@ def is_base_model(engine) -> bool:
 
 
 def base_model_params(params: SamplingParams, given: Collection[str] = ()) -> SamplingParams:
-    """A base model's defaults (DRY on, an output cap) for what `given` does not name."""
+    """A base model's defaults (DRY on, an output cap) for what `given` does not name.
+    DRY only when sampling: a greedy request (temperature 0) asks for the model's own argmax,
+    which is what parity checks against llama.cpp compare (the cap and the repetition stop
+    still bound it)."""
     kw: dict = {}
-    if "dry_multiplier" not in given:
+    if "dry_multiplier" not in given and not params.greedy:
         kw["dry_multiplier"] = BASE_DRY_MULTIPLIER
     if "max_tokens" not in given and (params.max_tokens is None
                                       or params.max_tokens > BASE_MAX_TOKENS):
@@ -135,8 +138,9 @@ class Generation:
                            "constraint hook, which this build does not have",
                            code="not_implemented")
         params = with_vocabulary(params, engine.tokenizer)     # DRY's sequence breakers
+        # (not under a grammar: a cut there would hand back output that does not parse)
         self._guards = [repetition.RepetitionGuard() for _ in range(self.n)] \
-            if self.stop_on_repetition else []
+            if self.stop_on_repetition and constraints is None else []
         try:
             params.validate(engine.cfg.vocab_size)   # token ids in logit_bias and friends
         except ValueError as e:

@@ -134,7 +134,7 @@ def _usage(gen: Generation) -> dict[str, Any]:
 
 
 def _finish_reason(r: str | None, calls: bool = False) -> str:
-    if r == "length":
+    if r in ("length", "repetition"):      # both cut the output short
         return "length"
     return "tool_calls" if calls else "stop"
 

@@ -268,7 +268,7 @@ def _skeleton(body: ResponsesRequest, rid: str, created: int, tools: list[tl.Too
 
 
 def _finish(resp: dict, gen: Generation, output: list[dict]) -> dict:
-    cut = gen.usage.finish_reasons.get(0) == "length"
+    cut = gen.usage.finish_reasons.get(0) in ("length", "repetition")
     resp.update(status="incomplete" if cut else "completed", output=output,
                 usage=_usage(gen),
                 incomplete_details={"reason": "max_output_tokens"} if cut else None)
