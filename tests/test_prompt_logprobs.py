@@ -105,6 +105,28 @@ def test_prefix_cache_hit_does_not_skip_positions(engine, llama_ref):
         assert run(engine, ids)[-1].num_cached_tokens >= 96   # others still reuse them
 
 
+def test_preempted_mid_prompt(engine, llama_ref):
+    """A scoring request preempted after part of its prompt recomputes it and still reports
+    every position once, with the values of an uninterrupted run."""
+    from edgeinfer.engine.scheduler import SchedulerOutput
+    ids = llama_ref[0][:150]
+    whole = np.array(prompt_lp(run(engine, ids, prompt_logprobs=1)).prompt_logprobs[1:])
+    events = []
+    rid = engine.submit(ids, greedy(2), events.append, prompt_logprobs=1)
+    engine._drain_commands()
+    engine.step()                                   # 128 of 150 positions computed
+    seq = engine.scheduler.get(rid)
+    assert 0 < seq.num_computed_tokens < len(ids)
+    out = SchedulerOutput()
+    engine.scheduler._preempt(seq, out)            # what a full pool does to the newest
+    while engine.scheduler.has_work():
+        engine.step()
+    again = np.array(prompt_lp(events).prompt_logprobs[1:])
+    assert len(again) == len(ids) - 1 and np.isfinite(again).all()
+    np.testing.assert_allclose(again, whole, atol=0.05)
+    assert sum((e.token_ids for e in events), []) != []
+
+
 def test_score_only(engine, llama_ref):
     ids, ref, _ = llama_ref
     ev = run(engine, ids[:50], max_tokens=1, prompt_logprobs=1, score_only=True)
