@@ -294,6 +294,32 @@ def test_ray_prefix_affinity_reaches_the_cached_replica(ray_daemon, model_path):
     hits = sum(1 for c in cached[1:] if c > 0)
     assert hits >= 9, (cached, served)
     assert all(c >= 1400 for c in cached[1:] if c > 0), cached     # the whole shared prefix
+    # after its first miss random routing would hit on both replicas too: what shows the
+    # routing is that every one went where the prefix was
+    assert served[1:].count(served[0]) >= 9, served
+
+    # five different long prefixes, each sent twice: the second send finds its prefix only
+    # on the replica the first went to (random routing: about half of them; all five by
+    # chance once in 32)
+    firsts, seconds = {}, {}
+    prefixes = []
+    for k in range(5):
+        p = f"prefix {k} {rng.random()} "
+        while len(enc.encode([{"role": "system", "content": p},
+                              {"role": "user", "content": "q"}], None)) < 1500:
+            p += " ".join(rng.choice(words) for _ in range(20)) + " "
+        prefixes.append(p)
+    for rnd in (firsts, seconds):
+        for k, p in enumerate(prefixes):
+            r = d.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
+                {"role": "system", "content": p}, {"role": "user", "content": f"q{len(rnd)}"}]})
+            assert r.status_code == 200, r.text
+            rnd[k] = (r.headers["x-edgeinfer-replica"],
+                      r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    print(f"five prefixes: first sends {firsts}, second sends {seconds}")
+    assert all(firsts[k][1] < 100 for k in firsts), firsts         # the preamble at most
+    assert all(seconds[k][1] >= 1400 and seconds[k][0] == firsts[k][0] for k in seconds), \
+        (firsts, seconds)
 
 
 def _pid_of(d: Daemon, replica: str) -> int:
