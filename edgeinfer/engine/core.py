@@ -19,7 +19,8 @@ import numpy as np
 
 from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
-from edgeinfer.engine.prompt_scoring import PromptScoring, ScoringAwareKV
+from edgeinfer.engine.kv_manager import KVCacheManager
+from edgeinfer.engine.prompt_scoring import PromptScoring
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
@@ -134,7 +135,7 @@ class Engine:
             plan = self.runner.kv_plan
             # the runner says what its block ids mean: shared prefix blocks (native) or only
             # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
-            kv = ScoringAwareKV(plan.num_blocks, plan.block_size,
+            kv = KVCacheManager(plan.num_blocks, plan.block_size,
                                 enable_prefix_cache=self.runner.prefix_caching)
             self.scheduler = Scheduler(
                 SchedulerConfig(num_blocks=plan.num_blocks, block_size=plan.block_size,
@@ -339,7 +340,7 @@ class Engine:
                                              constraint)
         if scoring is not None:
             self._states[seq_id].scoring = scoring
-            seq.whole_prompt = scoring.wants      # ScoringAwareKV: no prefix-cache lookup
+            seq.reuse_prefix = not scoring.wants   # every position's logits are needed
         self.scheduler.add(seq)
         self._followers.setdefault(seq_id, [])
 
@@ -347,7 +348,7 @@ class Engine:
         _, seq_id, prompt, pooling, sink = cmd
         params = SamplingParams(temperature=0.0, max_tokens=1)    # never sampled
         seq = Sequence(seq_id, prompt, params)
-        seq.pooling = pooling            # PoolingAwareKV: no prefix-cache lookup
+        seq.reuse_prefix = False         # pooling needs every position's hidden state
         st = _RequestState(self, seq_id, prompt, params, sink, 0, None)
         st.pooling = pooling
         self._states[seq_id] = st
@@ -462,7 +463,7 @@ class Engine:
                 self._states[rid].reused = max(self._states[rid].reused, n)
         for rid, vec in (result.hidden or {}).items():
             # an embedding's last position was computed: it ends now, before its blocks
-            # would be published (see edgeinfer.engine.embedding)
+            # would be published (Sequence.reuse_prefix keeps it off cache hits too)
             seq, st = self.scheduler.get(rid), self._states.get(rid)
             if seq is not None and st is not None:
                 st.out.embedding = vec

@@ -65,11 +65,12 @@ class KVCacheManager:
             raise BlockPoolError(f"{seq!r} admitted while holding blocks")
         tokens = seq.token_ids
         n = len(tokens)
+        lookup = self.prefix is not None and seq.reuse_prefix
         need_total = self.blocks_for(max(reserved_len, n))
-        max_hit = (n - 1) // self.block_size if self.prefix is not None else 0
+        max_hit = (n - 1) // self.block_size if lookup else 0
         if headroom < need_total - max_hit:  # cheap reject before walking the tree
             return None
-        nodes = self.prefix.match_nodes(tokens) if self.prefix is not None else []
+        nodes = self.prefix.match_nodes(tokens) if lookup else []
         hits = [node.block_id for node in nodes]
         # reviving an evictable hit takes it out of the available count
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
@@ -85,7 +86,7 @@ class KVCacheManager:
         seq.reserved_len = max(reserved_len, n)
         if nodes:
             self._tail[seq.seq_id] = nodes[-1]
-        if self.prefix is not None:
+        if lookup:
             self.prefix.record_lookup(n, seq.num_cached_tokens)
         return cost
 

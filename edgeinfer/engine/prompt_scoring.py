@@ -12,10 +12,7 @@ reason "length" at the point where its first token would be sampled; that token 
 """
 from __future__ import annotations
 
-from edgeinfer.engine.embedding import PoolingAwareKV, _NoLookup
-from edgeinfer.engine.kv_manager import KVCacheManager
 from edgeinfer.engine.sampling import MAX_LOGPROBS
-from edgeinfer.engine.sequence import Sequence
 from edgeinfer.runners.logprobs import PromptLogprobs
 
 
@@ -57,21 +54,3 @@ class PromptScoring:
         self.delivered = True
         self.top[0] = None
         return self.logprobs, self.top
-
-
-def wants_whole_prompt(seq: Sequence) -> bool:
-    return getattr(seq, "whole_prompt", False)
-
-
-class ScoringAwareKV(PoolingAwareKV):
-    """The engine's KV manager: pooled sequences (embeddings) and sequences that score their
-    prompt admit without a prefix-cache lookup."""
-
-    def admit(self, seq: Sequence, reserved_len: int, headroom: int) -> int | None:
-        if not wants_whole_prompt(seq) or self.prefix is None:
-            return super().admit(seq, reserved_len, headroom)
-        prefix, self.prefix = self.prefix, _NoLookup(self.prefix)   # engine thread only
-        try:
-            return KVCacheManager.admit(self, seq, reserved_len, headroom)
-        finally:
-            self.prefix = prefix

@@ -69,6 +69,9 @@ class Sequence:
         self.num_published_blocks = 0
         # token count whose blocks admission promised room for (prompt + output reserve)
         self.reserved_len = 0
+        # False: admit without a prefix-cache lookup, so every prompt position is computed
+        # (embeddings pool them all; prompt scoring needs each position's logits)
+        self.reuse_prefix = True
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # human-readable cause when finish_reason == "error"
