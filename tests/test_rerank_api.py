@@ -102,3 +102,9 @@ def test_generation_on_encoder_is_a_400(bert_daemon):
     r = d.post("/api/generate", {"model": "bert-embed:test", "prompt": "hello", "raw": True,
                                  "stream": False})
     assert r.status_code == 400 and "embedding model" in r.json()["error"]
+
+
+def test_show_says_an_encoder_only_embeds(bert_daemon):
+    d, _ = bert_daemon
+    client = ollama.Client(host=d.url)
+    assert client.show("bert-embed:test").capabilities == ["embedding"]

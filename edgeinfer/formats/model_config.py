@@ -10,6 +10,8 @@ from gguf import LlamaFileType
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding")
+# encoders: they embed (and rerank) but have no language-model head to generate with
+EMBEDDING_ARCHS = ("bert", "nomic-bert", "gemma-embedding")
 
 
 class UnsupportedArchitecture(GGUFError):

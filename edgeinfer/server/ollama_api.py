@@ -399,9 +399,13 @@ async def show(body: ModelNameRequest, request: Request):
 
 
 def _capabilities(template: str, md: dict) -> list[str]:
-    """Ollama's capability names: every model takes tools (its template's own tool format,
-    or edgeinfer's built-in fallback prompt); "thinking" where the model writes <think>."""
-    caps = ["completion", "tools"]
+    """Ollama's capability names: encoders only embed; every generating model takes tools
+    (its template's own tool format, or edgeinfer's built-in fallback prompt) and embeds
+    (mean pooling); "thinking" where the model writes <think>."""
+    from edgeinfer.formats.model_config import EMBEDDING_ARCHS
+    if md.get("general.architecture") in EMBEDDING_ARCHS:
+        return ["embedding"]
+    caps = ["completion", "tools", "embedding"]
     tokens = md.get("tokenizer.ggml.tokens") or ()
     if "<think>" in (template or "") or "<think>" in tokens:
         caps.append("thinking")
