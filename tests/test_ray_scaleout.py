@@ -484,3 +484,41 @@ def test_ray_replica_killed_before_answering_is_retried(ray_daemon):
     assert result["replica"] != victim
     assert result["body"]["usage"]["completion_tokens"] == 1500
     _wait_two_replicas_without(d, pid)
+
+
+@needs_ray
+def test_ray_api_key_at_the_ingress(tmp_path, model_path, ray_daemon):
+    """With an API key every route but /health wants it, through the replicas' own check and
+    on the routes the Ingress answers itself, each 401 in its API's shape."""
+    from edgeinfer.store.model_store import Store
+    ray_daemon.stop()                  # one Ray at a time on a 2-core machine
+    home = tmp_path / "home"
+    Store(home).register_file(model_path, MODEL)
+    d = start_daemon(home, api_key="sesame", args=("--ray", "--replicas", "1"), wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert d.proc.poll() is None, d.log_text()
+            assert time.monotonic() < deadline, d.log_text()
+            try:
+                if httpx.get(d.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        bad = {"Authorization": "Bearer wrong"}
+        r = httpx.post(d.url + "/v1/chat/completions", headers=bad, timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(d.url + "/api/generate", headers=bad, timeout=60,
+                       json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 401 and isinstance(r.json()["error"], str)
+        for path in ("/api/ps", "/metrics"):
+            r = httpx.get(d.url + path, timeout=60)
+            assert r.status_code == 401, (path, r.text)
+        ok = d.post("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                             "messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200, ok.text
+        assert len(d.get("/api/ps").json()["replicas"]) == 1
+    finally:
+        d.stop()

@@ -89,8 +89,9 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
                  log_to_driver=log_level == "debug")
         log.info("joined the Ray cluster at %s", ray_address)
     else:
-        # a private local cluster: everything on loopback, no dashboard
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False,
+        # a private local instance ("local": never attach to a cluster `ray start` left
+        # running on this machine), node address 127.0.0.1, no dashboard
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                  num_cpus=os.cpu_count() or 1, logging_level=logging.WARNING,
                  log_to_driver=log_level == "debug")
         log.info("started a local Ray instance on 127.0.0.1")
