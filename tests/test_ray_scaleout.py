@@ -487,14 +487,18 @@ def test_ray_replica_killed_before_answering_is_retried(ray_daemon):
 
 
 @needs_ray
-def test_ray_api_key_at_the_ingress(tmp_path, model_path, ray_daemon):
+def test_ray_api_key_and_a_replica_node_without_the_model(tmp_path, model_path, ray_daemon):
     """With an API key every route but /health wants it, through the replicas' own check and
-    on the routes the Ingress answers itself, each 401 in its API's shape."""
-    from edgeinfer.store.model_store import Store
+    on the routes the Ingress answers itself, each 401 in its API's shape. The replica's store
+    (--replica-home, as on a worker node) starts empty: it copies the model from the head's
+    store on first use and checks its sha256."""
+    from edgeinfer.store.model_store import Store, sha256_file
     ray_daemon.stop()                  # one Ray at a time on a 2-core machine
     home = tmp_path / "home"
-    Store(home).register_file(model_path, MODEL)
-    d = start_daemon(home, api_key="sesame", args=("--ray", "--replicas", "1"), wait=False)
+    head = Store(home).register_file(model_path, MODEL)
+    node_home = tmp_path / "worker-node-home"
+    d = start_daemon(home, api_key="sesame", wait=False, args=(
+        "--ray", "--replicas", "1", "--replica-home", str(node_home)))
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -520,5 +524,12 @@ def test_ray_api_key_at_the_ingress(tmp_path, model_path, ray_daemon):
                                              "messages": [{"role": "user", "content": "x"}]})
         assert ok.status_code == 200, ok.text
         assert len(d.get("/api/ps").json()["replicas"]) == 1
+        copy = Store(node_home).resolve(MODEL, allow_path=False)
+        assert copy.digest == head.digest and copy.path != head.path
+        assert sha256_file(copy.path) == head.digest
+        assert copy.manifest["source"].startswith("ray-head:")
+        r = d.post("/v1/chat/completions", {"model": "nope:1", "messages": [
+            {"role": "user", "content": "x"}]})
+        assert r.status_code == 404, r.text          # unknown on the head too: the app's 404
     finally:
         d.stop()

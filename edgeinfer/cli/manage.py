@@ -71,6 +71,10 @@ def _ray_args(p: argparse.ArgumentParser) -> None:
                    help="autoscale between --replicas and M on queue depth")
     g.add_argument("--routing", choices=["affinity", "pow2"], default="affinity",
                    help="prefix-cache affinity (default) or plain power of two choices")
+    g.add_argument("--replica-home", metavar="DIR",
+                   help="the model store replicas use on their nodes (default: this "
+                        "process's EDGEINFER_HOME); a model missing there is copied from "
+                        "this node's store and checked by sha256")
 
 
 def _validate_placement(p: argparse.ArgumentParser):
@@ -92,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return serve_ray(args.host, args.port, args.api_key, args.backend, args.device,
                              args.log_level, replicas=args.replicas,
                              max_replicas=args.max_replicas, ray_address=args.ray_address,
-                             routing=args.routing)
+                             routing=args.routing, replica_home=args.replica_home)
         except (ScaleOutError, daemon.DaemonError) as e:
             raise _user_error(str(e)) from None
     try:

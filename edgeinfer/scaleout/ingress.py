@@ -77,6 +77,7 @@ class Ingress:
             return JSONResponse(merge_ps(reports))
         body = await request.body()
         keys: list[int] = []
+        model = None
         if method == "POST" and body:
             try:
                 parsed = json.loads(body)
@@ -84,10 +85,12 @@ class Ingress:
                 parsed = None       # the replica answers the 400 in the API's shape
             if isinstance(parsed, dict):
                 keys = await asyncio.to_thread(self.keyer.keys, path, parsed)
+                m = parsed.get("model", parsed.get("name"))
+                model = m if isinstance(m, str) and m else None
         req = {"method": method, "path": path, "query": request.url.query,
                "headers": [(k, v) for k, v in request.headers.items()],
                "client": list(request.client) if request.client else None,
-               "body": body, "keys": keys}
+               "body": body, "keys": keys, "model": model}
         return await self._forward(req)
 
     def _authorized(self, request: Request) -> bool:

@@ -17,7 +17,8 @@ class ScaleOutError(Exception):
 
 
 def build_app(config, api_key: str | None, replicas: int, max_replicas: int | None,
-              routing: str = "affinity", imbalance: int = 0):
+              routing: str = "affinity", imbalance: int = 0,
+              replica_home: str | None = None):
     """The Serve application: Ingress in front of the EngineReplica deployment."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -51,13 +52,14 @@ def build_app(config, api_key: str | None, replicas: int, max_replicas: int | No
         **scaling)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
-    return ingress.bind(engine.bind(config, api_key), config, api_key)
+    return ingress.bind(engine.bind(config, api_key, home=replica_home), config, api_key)
 
 
 def serve_ray(host: str | None = None, port: int | None = None, api_key: str | None = None,
               backend: str | None = None, device: str | None = None, log_level: str = "info",
               replicas: int = 1, max_replicas: int | None = None,
-              ray_address: str | None = None, routing: str = "affinity") -> int:
+              ray_address: str | None = None, routing: str = "affinity",
+              replica_home: str | None = None) -> int:
     try:
         import ray
         from ray import serve
@@ -100,9 +102,13 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
         signal.signal(sig, lambda *_: stop.set())
     try:
         registry.get_or_create()
+        from edgeinfer.store.model_store import Store
+        from . import blobs
+        blobs.start_on_this_node(str(Store(config.home).home))   # this node's store
         serve.start(http_options={"host": host, "port": port},
                     proxy_location="HeadOnly")
-        serve.run(build_app(config, api_key, replicas, max_replicas, routing),
+        serve.run(build_app(config, api_key, replicas, max_replicas, routing,
+                            replica_home=replica_home),
                   name=APP_NAME, route_prefix="/", blocking=False)
         log.info("edgeinfer on Ray Serve listening on http://%s:%d (%s replicas, routing %s, "
                  "api key %s)", host, port,
@@ -118,6 +124,7 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
                 serve.shutdown()
             else:
                 ray.kill(registry.lookup())
+                ray.kill(blobs.lookup())
         except Exception as e:
             log.warning("shutdown: %s", e)
         ray.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -85,9 +86,15 @@ def scope_for(req: dict[str, Any]) -> dict:
 
 
 class EngineReplica:
-    async def __init__(self, config, api_key: str | None = None, report: bool = True):
+    async def __init__(self, config, api_key: str | None = None, report: bool = True,
+                       home: str | None = None):
+        """`home`: the model store this replica uses on its node (default: config's)."""
+        import dataclasses
+        from pathlib import Path
         from edgeinfer import settings
         from edgeinfer.server.app import create_app
+        if home:
+            config = dataclasses.replace(config, home=Path(home))
         settings.install(config)
         self.config, self.api_key = config, api_key
         self.app = create_app(config, api_key=api_key)
@@ -98,6 +105,8 @@ class EngineReplica:
         self.node = _node_ip()
         self.started_at = time.time()
         self._reporter = asyncio.ensure_future(self._report_forever()) if report else None
+        self._present: set[str] = set()
+        self._fetching: dict[str, asyncio.Lock] = {}
 
     async def _startup(self) -> None:
         inbox: asyncio.Queue = asyncio.Queue()
@@ -122,6 +131,16 @@ class EngineReplica:
     async def handle(self, req: dict[str, Any]) -> AsyncIterator[Any]:
         """Stream the app's response to a forwarded request: first a dict with status and
         headers (the replica's id added), then the body's pieces as bytes."""
+        model = req.get("model")
+        if model and model not in self._present:
+            problem = await self._ensure_model(model)
+            if problem:
+                from .ingress import error_body
+                yield {"status": 502, "headers": [("content-type", "application/json"),
+                                                  ("x-edgeinfer-replica", self.short_id)]}
+                yield json.dumps(error_body(req["path"], 502, problem,
+                                            "model_fetch_failed")).encode()
+                return
         call = _ASGICall(self.app, scope_for(req), req.get("body") or b"")
         agen = call.events()
         try:
@@ -133,6 +152,27 @@ class EngineReplica:
                     yield ev[1]
         finally:
             await agen.aclose()
+
+    async def _ensure_model(self, model: str) -> str | None:
+        """Fetch `model` from the head's store when this node's store lacks it. None when
+        the request can go on (also for a model nobody has: the app says 404), else the
+        reason the copy failed."""
+        from . import blobs
+        lock = self._fetching.setdefault(model, asyncio.Lock())
+        async with lock:
+            if model in self._present:
+                return None
+            try:
+                what = await asyncio.to_thread(blobs.ensure_local,
+                                               self.app.state.manager.store, model)
+            except Exception as e:
+                log.warning("fetching %s from the head failed: %s", model, e)
+                return f"this replica could not copy {model} from the head node: {e}"
+            if what == "fetched":
+                log.info("copied %s from the head node's store", model)
+            if what != "unknown":
+                self._present.add(model)
+            return None
 
     # ----- figures -------------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:
