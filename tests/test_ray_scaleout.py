@@ -10,6 +10,7 @@ importable (the edgeinfer[ray] extra).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import signal
@@ -144,7 +145,7 @@ def test_power_of_two_takes_the_less_loaded_of_two():
 
 
 def test_merge_ps_and_metrics():
-    from edgeinfer.scaleout.ingress import merge_metrics, merge_ps
+    from edgeinfer.scaleout.ingress import merge_metrics, merge_ps, merge_stats
     reports = [
         {"replica": "X#r1", "id": "r1", "node": "10.0.0.1", "pid": 11,
          "ps": {"models": [{"name": MODEL, "model": MODEL}]},
@@ -159,6 +160,9 @@ def test_merge_ps_and_metrics():
          "metrics": "# HELP edgeinfer_requests_total reqs\n# TYPE edgeinfer_requests_total "
                     "counter\nedgeinfer_requests_total{route=\"/api/chat\",code=\"200\"} 5\n"},
     ]
+    st = merge_stats(reports)
+    assert st["running"] == 1 and st["queue_depth"] == 2 and len(st["replicas"]) == 2
+    assert [(m["name"], m["replica"]) for m in st["models"]] == [(MODEL, "r1")]
     ps = merge_ps(reports)
     assert [m["replica"] for m in ps["models"]] == ["r1"]
     assert ps["models"][0]["node"] == "10.0.0.1" and ps["models"][0]["queued"] == 2
@@ -264,6 +268,12 @@ def test_ray_smoke_both_apis_streaming_and_not(ray_daemon):
     ps = d.get("/api/ps").json()
     assert len(ps["replicas"]) == 2 and len({r["pid"] for r in ps["replicas"]}) == 2
     assert all(r["node"] and r["kv_blocks_total"] > 0 for r in ps["replicas"])
+    stats = d.get("/api/stats").json()
+    assert len(stats["replicas"]) == 2 and {m["name"] for m in stats["models"]} == {MODEL}
+    assert stats["totals"]["requests"] >= 5
+    with httpx.stream("GET", d.url + "/api/stats/stream?interval=0.1", timeout=30) as r:
+        line = next(x for x in r.iter_lines() if x.startswith("data: "))
+    assert len(json.loads(line[6:])["replicas"]) == 2
     metrics = d.get("/metrics").text
     assert "edgeinfer_replicas 2" in metrics
     ids = [r["replica"] for r in ps["replicas"]]

@@ -63,12 +63,17 @@ class Ingress:
     # ----- entry ---------------------------------------------------------------------------
     async def __call__(self, request: Request) -> Response:
         path, method = request.url.path, request.method
-        if method == "GET" and path in ("/api/ps", "/metrics", "/api/replicas"):
+        if method == "GET" and path in ("/api/ps", "/metrics", "/api/replicas", "/api/stats",
+                                        "/api/stats/stream"):
             if self.api_key and not self._authorized(request):
                 return JSONResponse(error_body(path, 401, "missing or invalid API key (send "
                                                "Authorization: Bearer <key>)", "invalid_api_key"),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            if path == "/api/stats/stream":
+                return self._stats_stream(request)
             reports = await self._reports()
+            if path == "/api/stats":
+                return JSONResponse(merge_stats(reports))
             if path == "/metrics":
                 return PlainTextResponse(merge_metrics(reports),
                                          media_type="text/plain; version=0.0.4")
@@ -157,6 +162,23 @@ class Ingress:
         finally:
             gen.cancel()
 
+    def _stats_stream(self, request: Request) -> Response:
+        try:
+            interval = float(request.query_params.get("interval", 0.25))
+        except ValueError:
+            interval = -1.0
+        if not 0.05 <= interval <= 10:
+            return JSONResponse(error_body("/api", 400, "interval must be between 0.05 and 10 "
+                                           "seconds", "invalid_parameter"), status_code=400)
+
+        async def events():
+            while True:
+                snap = merge_stats(await self._reports())
+                yield f"data: {json.dumps(snap, separators=(',', ':'))}\n\n".encode()
+                await asyncio.sleep(interval)
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
     # ----- all replicas --------------------------------------------------------------------
     async def _reports(self) -> list[dict]:
         from .registry import lookup
@@ -187,6 +209,34 @@ def replica_summary(r: dict) -> dict:
             "prefix_hit_rate": max((m.get("prefix_hit_rate", 0.0) for m in models), default=0.0),
             "prefix_cached_tokens": q,
             "rss_bytes": (stats.get("process") or {}).get("rss_bytes")}
+
+
+def merge_stats(reports: list[dict]) -> dict:
+    """/api/stats over replicas, in the single daemon's shape (what the TUI reads): load and
+    token figures summed, each replica's models listed with their replica and node, and a
+    `replicas` list. Machine figures (system, gpu, compute) are the first replica's node."""
+    snaps = [(r, r.get("stats") or {}) for r in reports]
+    first = snaps[0][1] if snaps else {}
+    models = [{**m, "replica": r.get("id"), "node": r.get("node")}
+              for r, st in snaps for m in st.get("models") or []]
+    totals: dict[str, float] = {}
+    for _, st in snaps:
+        for k, v in (st.get("totals") or {}).items():
+            if isinstance(v, (int, float)):
+                totals[k] = totals.get(k, 0) + v
+
+    def total(key: str) -> float:
+        return sum(st.get(key) or 0 for _, st in snaps)
+    return {
+        "time": time.time(), "version": first.get("version"),
+        "uptime_s": max((st.get("uptime_s") or 0 for _, st in snaps), default=0),
+        "tokens_per_s": total("tokens_per_s"), "requests_active": total("requests_active"),
+        "queue_depth": total("queue_depth"), "running": total("running"), "totals": totals,
+        "process": {"pid": (first.get("process") or {}).get("pid"),
+                    "rss_bytes": sum((st.get("process") or {}).get("rss_bytes") or 0
+                                     for _, st in snaps)},
+        "system": first.get("system"), "gpu": first.get("gpu"), "compute": first.get("compute"),
+        "models": models, "replicas": [replica_summary(r) for r in reports]}
 
 
 def merge_ps(reports: list[dict]) -> dict:
