@@ -93,7 +93,9 @@ class _GGUFVocab:
         self.eos_token_ids = eos
         self.eos_token_id = tok.eos_id if tok.eos_id in eos else (eos[0] if eos else 0)
         self.bos_token_id = tok.bos_id
-        self._tok = tok
+        # weakly: the view is cached per tokenizer (and held by cached matchers), and must not
+        # keep an unloaded model's vocabulary alive
+        self._tok = weakref.proxy(tok)
 
     def __call__(self, text: bytes | str) -> list[int]:
         if isinstance(text, bytes):

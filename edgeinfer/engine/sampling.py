@@ -83,8 +83,10 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -464,17 +466,21 @@ def dry_penalties(state: SeqSamplingState) -> tuple[np.ndarray, np.ndarray] | No
     return ids, pen
 
 
-_BREAKER_CACHE: dict = {}
+# per tokenizer (weakly: an unloaded model's vocabulary must not stay alive for this), per
+# breaker list
+_BREAKER_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[int, ...]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def breaker_ids(tokenizer, breakers: Sequence[str]) -> tuple[int, ...]:
     """Token ids whose text (special tokens rendered) contains one of `breakers` (each cut
     to 40 characters, as llama.cpp does). One pass over the vocabulary per (tokenizer,
-    breakers), then cached."""
-    key = (id(tokenizer), tuple(breakers))
-    hit = _BREAKER_CACHE.get(key)
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
+    breakers), then cached for as long as the tokenizer lives."""
+    per_tok = _BREAKER_CACHE.setdefault(tokenizer, {})
+    key = tuple(breakers)
+    hit = per_tok.get(key)
+    if hit is not None:
+        return hit
     needles = [b[:MAX_DRY_BREAKER_CHARS].encode("utf-8") for b in breakers]
     size = int(getattr(tokenizer, "vocab_size", 0) or len(getattr(tokenizer, "tokens", ())))
     ids = []
@@ -483,9 +489,9 @@ def breaker_ids(tokenizer, breakers: Sequence[str]) -> tuple[int, ...]:
         if any(nd in piece for nd in needles):
             ids.append(t)
     out = tuple(ids)
-    if len(_BREAKER_CACHE) > 16:
-        _BREAKER_CACHE.clear()
-    _BREAKER_CACHE[key] = (tokenizer, out)
+    if len(per_tok) > 16:
+        per_tok.clear()
+    per_tok[key] = out
     return out
 
 

@@ -160,8 +160,17 @@ def close_engine(engine: Engine) -> None:
 def release_memory() -> None:
     """Collect what an unloaded engine left (its objects reference each other) and give the
     freed heap back to the OS. Call once nothing references the engine any more."""
+    _forget_grammars()
     gc.collect()
     _trim_heap()
+
+
+def _forget_grammars() -> None:
+    """Compiled grammars hold their model's tokenizer view; an unloaded model's must go."""
+    import sys
+    grammar = sys.modules.get("edgeinfer.engine.grammar")   # loaded only if ever used
+    if grammar is not None:
+        grammar.cache.clear()
 
 
 def _new_engine(path: str, ecfg: EngineConfig) -> Engine:
