@@ -412,11 +412,14 @@ def test_cli_pull_list_cp_rm(server, tmp_path, payload):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED"]
-    assert lines[1].split()[:2] == ["t:1", sha256(payload)[:12]]
+    rows = {ln.split()[0]: ln.split()[1] for ln in lines[1:]}
+    assert rows["t:1"] == sha256(payload)[:12]
+    assert set(rows) == {"t:1", "gemma3:270m"}     # the bundled default is always listed
     assert _cli("cp", "t:1", "u:2", home=home).returncode == 0
     assert _cli("rm", "t:1", home=home).returncode == 0
     r = _cli("list", home=home)
-    assert [ln.split()[0] for ln in r.stdout.strip().splitlines()[1:]] == ["u:2"]
+    assert sorted(ln.split()[0] for ln in r.stdout.strip().splitlines()[1:]) == \
+        ["gemma3:270m", "u:2"]
     r = _cli("pull", f"{server.url}/missing.gguf", home=home)
     assert r.returncode == 1 and "404" in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("edgeinfer: not found (HTTP 404)")
