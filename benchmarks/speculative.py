@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/speculative.py [--model PATH] [--rounds 3] [--threads 2]
 
 Two tasks on the same model, greedy:
-  grounded   a ~400-token code listing in the prompt, then the start of its copy with one
-             change (a renamed function): the continuation mostly reproduces the listing;
+  grounded   a ~400-token code listing, the same listing with one change (a renamed
+             function), then the start of a third copy: the continuation reproduces it;
   free text  a story opening, 128 tokens (EOS ignored): little to look up.
 Each round runs ours with speculation, ours without, and llama.cpp (llama-cpp-python, plain
 token-by-token greedy decoding) one after another; medians of the rounds, with the range.
@@ -78,8 +78,12 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 '''
-GROUNDED = (LISTING + "\n\n# The same module, with transfer() renamed to move_money():\n\n"
-            + LISTING[:LISTING.index("class Account")])
+_RENAMED = LISTING.replace("def transfer(", "def move_money(").replace(
+    "    transfer(accounts", "    move_money(accounts")
+# The listing, the listing with one change, and the start of a third copy: the continuation
+# reproduces ~400 tokens of input (a 270M base model copies reliably only in this framing)
+GROUNDED = ("# accounts.py\n" + LISTING + "\n\n# accounts.py, again, with transfer() renamed to "
+            "move_money()\n" + _RENAMED + "\n\n# accounts.py, once more\n" + _RENAMED[:120])
 FREE = "Once upon a time, in a small village at the edge of a great forest, there lived"
 
 
@@ -117,7 +121,7 @@ def main() -> None:
     cfg = dict(kv_budget_bytes=256 << 20, max_model_len=2048, threads=a.threads)
     spec = Engine(path, EngineConfig(speculative=True, **cfg))
     plain = Engine(path, EngineConfig(speculative=False, **cfg))
-    llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=1024, n_threads=a.threads,
+    llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_batch=2048, n_threads=a.threads,
                           n_threads_batch=a.threads, verbose=False)
     tasks = {"grounded": (spec.encode_raw(GROUNDED), a.grounded_tokens),
              "free text": (spec.encode_raw(FREE), a.free_tokens)}

@@ -31,11 +31,22 @@ def test_propose_continues_the_latest_earlier_occurrence():
 
 def test_a_request_whose_guesses_fail_stops_getting_drafts():
     s = SpeculationStats()
-    s.record(24, 2)
+    s.record(12, 2)
     assert not s.worth_it()
     s = SpeculationStats()
-    s.record(24, 12)
+    s.record(12, 6)
     assert s.worth_it()
+
+
+def test_draft_length_follows_what_is_kept():
+    s = SpeculationStats()
+    assert s.next_k == 3
+    s.record(3, 3)
+    assert s.next_k == 6
+    s.record(6, 6)
+    assert s.next_k == 7          # at most MAX_DRAFT
+    s.record(7, 2)
+    assert s.next_k == 3          # what was kept, plus one
 
 
 @pytest.fixture(scope="module")

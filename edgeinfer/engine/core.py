@@ -439,7 +439,7 @@ class Engine:
             if (st is None or st.constraint is not None or st.pooling is not None
                     or st.scoring is not None or not st.spec.worth_it()):
                 continue
-            draft = propose(np.asarray(seq.token_ids, np.int64))
+            draft = propose(np.asarray(seq.token_ids, np.int64), st.spec.next_k)
             if draft:
                 drafts[seq.seq_id] = draft
         return drafts

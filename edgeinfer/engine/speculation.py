@@ -23,8 +23,9 @@ NGRAM_SIZES = (3, 2)      # longest match first
 MIN_TOKENS = 16           # nothing worth looking up in a shorter sequence
 WINDOW = 4096             # look back at most this far (bounded cost per step)
 MAX_BATCH = 2             # decoding sequences above which speculation is off
-PROBATION = 24            # proposed tokens before a request's acceptance is judged
-MIN_ACCEPTANCE = 0.25     # below this, the request's guesses cost more than they save
+PROBATION = 12            # proposed tokens before a request's acceptance is judged
+MIN_ACCEPTANCE = 0.3      # below this, the request's guesses cost more than they save
+FIRST_DRAFT = 3           # draft length before the request has shown how well it guesses
 
 
 def propose(tokens: np.ndarray, k: int = MAX_DRAFT) -> list[int]:
@@ -51,9 +52,12 @@ def propose(tokens: np.ndarray, k: int = MAX_DRAFT) -> list[int]:
 
 @dataclass
 class SpeculationStats:
-    """One request's record: how many draft tokens it was offered and kept."""
+    """One request's record: how many draft tokens it was offered and kept, and how long
+    its next draft may be (doubling while whole drafts are kept, back to what was kept
+    plus one after a miss), so a verify pass is only as wide as it is likely to pay."""
     proposed: int = 0
     accepted: int = 0
+    next_k: int = FIRST_DRAFT
 
     def worth_it(self) -> bool:
         return self.proposed < PROBATION or self.accepted >= MIN_ACCEPTANCE * self.proposed
@@ -61,3 +65,5 @@ class SpeculationStats:
     def record(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
+        self.next_k = (min(MAX_DRAFT, 2 * proposed) if accepted == proposed
+                       else max(1, accepted + 1))
