@@ -48,10 +48,11 @@ def _send_and_leave(d, path: str, body: dict, when: str) -> None:
 
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"model": MODEL, "stream": True, "max_tokens": LONG,
-                              "temperature": 0, "ignore_eos": True,
+                              "temperature": 0, "ignore_eos": True, "stop_on_repetition": False,
                               "messages": [{"role": "user", "content": "Tell me a story."}]}),
     ("/api/generate", {"model": MODEL, "stream": True, "prompt": "Tell me a story.",
-                       "options": {"temperature": 0, "num_predict": LONG}}),
+                       "options": {"temperature": 0, "num_predict": LONG,
+                                   "stop_on_repetition": False}}),
 ], ids=["openai", "ollama"])
 @pytest.mark.parametrize("when", ["during-load", "at-once", "once-admitted"])
 def test_client_gone_before_first_chunk(shared_daemon, path, body, when):  # noqa: F811
