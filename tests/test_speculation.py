@@ -84,3 +84,26 @@ def test_logprobs_come_per_token_with_drafts(engines):
     assert len(b.logprobs) == len(b.token_ids) == len(a.token_ids)
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=0.05)
     assert [t for t, _ in b.top_logprobs[0]] == [t for t, _ in a.top_logprobs[0]]
+
+
+def test_a_prediction_is_a_draft_source_and_changes_nothing_else(engines):
+    """Predicted Outputs: the expected text feeds the drafts even where the prompt does not
+    contain it; the output is the plain output, in fewer steps."""
+    plain, spec = engines
+    ids = plain.encode_raw("def fib(n):\n")
+    ref = plain.generate(ids, greedy(60))
+    steps = spec.steps
+    out = _generate(spec, ids, greedy(60), ref.token_ids)
+    assert out.token_ids == ref.token_ids
+    assert spec.steps - steps < 0.5 * len(ref.token_ids)
+
+
+def _generate(engine, ids, params, prediction):
+    events = []
+    engine.submit(ids, params, events.append, prediction=prediction)
+    engine._drain_commands()
+    while engine.scheduler.has_work():
+        engine.step()
+    out = events[-1]
+    out.token_ids = [t for e in events for t in e.token_ids]
+    return out

@@ -111,6 +111,7 @@ class _RequestState:
         self.want_logprobs = params.logprobs is not None
         self.reused = 0       # prompt tokens the runner's own cache skipped (llama.cpp)
         self.spec = SpeculationStats()
+        self.prediction: np.ndarray | None = None     # Predicted Outputs: a draft source
         self.pooling: str | None = None     # embedding requests: how the runner pools
         self.scoring: PromptScoring | None = None   # prompt logprobs / max_tokens 0
 
@@ -177,7 +178,7 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                choice: int = 0, constraint: TokenConstraint | None = None,
                follows: int | None = None, prompt_logprobs: int | None = None,
-               score_only: bool = False) -> int:
+               score_only: bool = False, prediction: list[int] | None = None) -> int:
         """Queue a request; returns its id. Raises RequestError for what can never run.
 
         `prompt_logprobs = k`: the request's events carry its prompt tokens' logprobs and k
@@ -187,7 +188,9 @@ class Engine:
         `follows`: the id of a request with the same prompt (choice 0 of an n > 1 request).
         This one waits until that one's prompt is computed, then finds it in the prefix
         cache, so n choices share one prefill. `constraint` restricts every sampled token
-        (structured output); the request stops when it is complete."""
+        (structured output); the request stops when it is complete. `prediction`: tokens the
+        output is expected to repeat (OpenAI's Predicted Outputs); speculative drafts are
+        looked up in them too, which changes speed, never the output."""
         if getattr(self.runner, "embedding_only", False):
             raise RequestError(f"{self.cfg.name!r} is an embedding model: it cannot generate "
                                "text (use /api/embed or /v1/embeddings)")
@@ -219,8 +222,13 @@ class Engine:
             except ValueError as e:
                 raise RequestError(str(e)) from None
         seq_id = next(self._ids)
+        pred = None
+        if prediction:
+            pred = np.asarray(prediction, np.int64)
+            if ((pred < 0) | (pred >= self.cfg.vocab_size)).any():
+                raise RequestError("a prediction token id is outside the vocabulary")
         self._commands.put(("add", seq_id, list(prompt_ids), params, sink, choice, constraint,
-                            follows, scoring))
+                            follows, scoring, pred))
         self._wake.set()
         return seq_id
 
@@ -334,10 +342,11 @@ class Engine:
                             self._abort_unstarted(c)
 
     def _add(self, cmd: tuple) -> None:
-        _, seq_id, prompt, params, sink, choice, constraint, _, scoring = cmd
+        _, seq_id, prompt, params, sink, choice, constraint, _, scoring, prediction = cmd
         seq = Sequence(seq_id, prompt, params)
         self._states[seq_id] = _RequestState(self, seq_id, prompt, params, sink, choice,
                                              constraint)
+        self._states[seq_id].prediction = prediction
         if scoring is not None:
             self._states[seq_id].scoring = scoring
             seq.reuse_prefix = not scoring.wants   # every position's logits are needed
@@ -439,7 +448,8 @@ class Engine:
             if (st is None or st.constraint is not None or st.pooling is not None
                     or st.scoring is not None or not st.spec.worth_it()):
                 continue
-            draft = propose(np.asarray(seq.token_ids, np.int64), st.spec.next_k)
+            draft = propose(np.asarray(seq.token_ids, np.int64), st.spec.next_k,
+                            st.prediction)
             if draft:
                 drafts[seq.seq_id] = draft
         return drafts

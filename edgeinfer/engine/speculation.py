@@ -28,13 +28,18 @@ MIN_ACCEPTANCE = 0.3      # below this, the request's guesses cost more than the
 FIRST_DRAFT = 3           # draft length before the request has shown how well it guesses
 
 
-def propose(tokens: np.ndarray, k: int = MAX_DRAFT) -> list[int]:
+def propose(tokens: np.ndarray, k: int = MAX_DRAFT,
+            prediction: np.ndarray | None = None) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the sequence's last
-    n-gram (n = 3, then 2), or [] when there is none. `tokens`: int array, prompt + output."""
+    n-gram (n = 3, then 2), or [] when there is none. `tokens`: int array, prompt + output;
+    `prediction`: text the output is expected to repeat, searched before the sequence (so
+    the sequence's own occurrences, being later, win)."""
     n_tok = tokens.shape[0]
-    if n_tok < MIN_TOKENS or k <= 0:
+    if k <= 0 or (n_tok < MIN_TOKENS and prediction is None):
         return []
     hist = tokens[max(0, n_tok - WINDOW):]
+    if prediction is not None and prediction.size:
+        hist = np.concatenate([prediction, hist])
     for n in NGRAM_SIZES:
         if hist.shape[0] <= n:
             continue

@@ -274,14 +274,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         outs = [_ChatOut(tools, choice.mode, think) for _ in range(body.n)]
         rid, created, model = _id("chatcmpl"), int(time.time()), body.model
         pieces = _Pieces(engine.tokenizer)
+        predicted = await asyncio.to_thread(_prediction_ids, body.prediction, engine)
         if body.stream:
             usage_on = bool(body.stream_options and body.stream_options.include_usage)
-            gen.submit(prompt, params, constraints=constraints)
+            gen.submit(prompt, params, constraints=constraints, prediction=predicted)
             events = gen.events()
             return _stream(gen, _chat_chunks(gen, events, rid, created, model, body.n,
                                              want_lp, usage_on, pieces, outs))
         lps: list[list] = [[] for _ in range(body.n)]
-        gen.submit(prompt, params, constraints=constraints)
+        gen.submit(prompt, params, constraints=constraints, prediction=predicted)
         async for i, out in gen.events(lambda: request.is_disconnected()):
             outs[i].feed(out.text, final=out.finished)
             if want_lp:
@@ -441,6 +442,25 @@ async def completions(body: _CompletionBody, request: Request):
     finally:
         if not body.stream:
             gen.release()
+
+
+def _prediction_ids(pred: dict | None, engine) -> list[int] | None:
+    """OpenAI's Predicted Outputs (`{"type": "content", "content": str | [text parts]}`):
+    its tokens become a source of speculative drafts. The output is what it would be
+    without it; only the speed changes."""
+    if pred is None:
+        return None
+    if pred.get("type") != "content":
+        raise bad_param("prediction", 'prediction.type must be "content"')
+    content = pred.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise bad_param("prediction", "prediction.content parts must be text parts")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad_param("prediction", "prediction.content must be a string or text parts")
+    return engine.tokenizer.encode(content, add_special=False, parse_special=False) or None
 
 
 def _empty_lp() -> dict:

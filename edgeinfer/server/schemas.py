@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # ----- OpenAI ------------------------------------------------------------------------------
 
 OPENAI_IGNORED = ("user", "service_tier", "store", "metadata", "reasoning_effort", "modalities",
-                  "prediction", "audio", "web_search_options", "best_of (must equal n)",
+                  "audio", "web_search_options", "best_of (must equal n)",
                   "suffix")
 
 
@@ -122,6 +122,8 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
+    # Predicted Outputs: text the answer will mostly repeat (speculative drafts come from it)
+    prediction: dict[str, Any] | None = None
 
 
 class CompletionRequest(_OpenAISampling):
