@@ -32,7 +32,7 @@ from edgeinfer.formats.chat_template import ChatTemplateError
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
-from .schemas import sampler_kwargs
+from .schemas import _LlamaSamplers, sampler_kwargs
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
@@ -80,32 +80,20 @@ class _Base(_Loose):
     tool_choice: ToolChoiceIn | None = None
 
 
-class MessagesRequest(_Base):
+class MessagesRequest(_Base, _LlamaSamplers):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
-    # edgeinfer / llama-server extensions, as on the OpenAI endpoints
+    # edgeinfer / llama-server extensions, as on the OpenAI endpoints (llama.cpp's samplers
+    # and the repetition stop come from _LlamaSamplers)
     seed: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
-    stop_on_repetition: bool | None = None
     backend: str | None = None
     device: str | None = None
-    typical_p: float | None = None
-    repeat_last_n: int | None = None
-    xtc_probability: float | None = None
-    xtc_threshold: float | None = None
-    dry_multiplier: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
-    dry_sequence_breakers: list[str] | None = None
-    mirostat: int | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
 
 
 class CountTokensRequest(_Base):
@@ -322,7 +310,7 @@ async def messages(body: MessagesRequest, request: Request):
         else None
     gen = await generation.start(manager, metrics, body.model, 1, body.backend,
                                  device=body.device)
-    try:
+    with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
         chat, tvars = tl.prepare_chat(msgs, tools, choice, parallel, engine.chat_template)
@@ -359,12 +347,6 @@ async def messages(body: MessagesRequest, request: Request):
                 "content": content,
                 "stop_reason": _stop_reason(finish, bool(out.calls), seq),
                 "stop_sequence": seq, "usage": _usage(gen)}
-    except BaseException:
-        gen.release()
-        raise
-    finally:
-        if not body.stream:
-            gen.release()
 
 
 async def _stream(gen: Generation, events, out, mid: str, model: str, stops: list[str],

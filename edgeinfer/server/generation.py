@@ -9,6 +9,7 @@ engine, so its KV blocks are freed on the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -111,6 +112,18 @@ class Generation:
         self.stop_on_repetition = base if stop_on_repetition is None else stop_on_repetition
         return base_model_params(params, given) if base else params
 
+    @contextlib.contextmanager
+    def held(self, streaming: bool):
+        """A handler's body: an error releases the model at once; a complete answer
+        releases it on the way out, a streaming one when its stream ends (events())."""
+        try:
+            yield self
+        except BaseException:
+            self.release()
+            raise
+        if not streaming:
+            self.release()
+
     def release(self) -> None:
         if self._released:
             return
@@ -143,10 +156,6 @@ class Generation:
         `prompt_logprobs`: choice 0 reports its prompt's logprobs (the prompt is the same
         for all); `score_only`: compute the prompt, sample nothing (max_tokens 0)."""
         engine = self.lm.engine
-        if constraints is not None and not engine_takes_constraints(engine):
-            raise APIError(501, "structured output and forced tool calls need the engine's "
-                           "constraint hook, which this build does not have",
-                           code="not_implemented")
         params = with_vocabulary(params, engine.tokenizer)     # DRY's sequence breakers
         # (not under a grammar: a cut there would hand back output that does not parse)
         self._guards = [repetition.RepetitionGuard() for _ in range(self.n)] \
@@ -218,14 +227,6 @@ class Generation:
                 yield i, out
         finally:
             self.release()
-
-
-def engine_takes_constraints(engine) -> bool:
-    import inspect
-    try:
-        return "constraint" in inspect.signature(engine.submit).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 async def start(manager: ModelManager, metrics: Metrics, model: str, n: int,

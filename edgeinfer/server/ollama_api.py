@@ -184,7 +184,7 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
     spec = _format_spec(body)
     tools = tools or []
     gen = await generation.start(manager, metrics, body.model, 1, backend, keep_alive, device)
-    try:
+    with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         think = _think_mode(body, engine)
         try:
@@ -236,12 +236,6 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
         res.update(shape(text.strip() if calls else text, lps if body.logprobs else None,
                          thinking, calls))
         return res
-    except BaseException:
-        gen.release()
-        raise
-    finally:
-        if not body.stream:
-            gen.release()
 
 
 def _stream(gen: Generation, events, agen: AsyncIterator[bytes]) -> StreamingResponse:

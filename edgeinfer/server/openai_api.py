@@ -257,7 +257,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         spec, spec_param = tl.call_grammar(tools, choice, body.parallel_tool_calls), "tools"
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
                                  device=body.device)
-    try:
+    with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
         msgs, extra = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
@@ -294,12 +294,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                    for i in range(body.n)]
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "system_fingerprint": "edgeinfer", "choices": choices, "usage": _usage(gen)}
-    except BaseException:
-        gen.release()
-        raise
-    finally:
-        if not body.stream:
-            gen.release()
 
 
 async def _chat_chunks(gen, events, rid, created, model, n, want_lp, usage_on, pieces, outs):
@@ -375,7 +369,7 @@ async def completions(body: _CompletionBody, request: Request):
     spec, spec_param = _output_spec(body)
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
                                  device=body.device)
-    try:
+    with gen.held(streaming=bool(body.stream)):
         params = gen.adapt(params, _given(body) | {"max_tokens"}, body.stop_on_repetition)
         prompts = await gen.encode(lambda e: _prompts(body, e))
         if spec is not None and len(prompts) > 1:
@@ -436,12 +430,6 @@ async def completions(body: _CompletionBody, request: Request):
                           "completion_tokens": usage["completion_tokens"],
                           "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
                           "prompt_tokens_details": {"cached_tokens": usage["cached"]}}}
-    except BaseException:
-        gen.release()
-        raise
-    finally:
-        if not body.stream:
-            gen.release()
 
 
 def _prediction_ids(pred: dict | None, engine) -> list[int] | None:

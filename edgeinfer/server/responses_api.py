@@ -43,8 +43,8 @@ from edgeinfer.formats.chat_template import ChatTemplateError
 
 from . import generation, tools as tl
 from .errors import APIError, bad_param
-from .generation import Generation, params_or_400
-from .schemas import _Loose, _OpenAISampling, sampler_kwargs
+from .generation import Generation
+from .schemas import _OpenAISampling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -315,7 +315,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         spec, spec_param = tl.call_grammar(tools, choice, body.parallel_tool_calls), "tools"
     gen = await generation.start(manager, metrics, body.model, 1, body.backend,
                                  device=body.device)
-    try:
+    with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         given = _given(body)
         if "max_output_tokens" in given:
@@ -353,12 +353,6 @@ async def create_response(body: ResponsesRequest, request: Request):
         _finish(resp, gen, output)
         keep(output)
         return resp
-    except BaseException:
-        gen.release()
-        raise
-    finally:
-        if not body.stream:
-            gen.release()
 
 
 def _sse(seq: list[int], obj: dict) -> bytes:
