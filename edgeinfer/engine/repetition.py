@@ -16,37 +16,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from edgeinfer.engine.sampling import suffix_z
+
 REASON = "repetition"
 
 
 @njit(nogil=True, cache=True)
-def _longest_periodic_tail(h, max_period, min_run):
+def _longest_periodic_tail(z, max_period, min_run):
     """The smallest period P (1..max_period) whose run R (tail equals the tokens P earlier,
-    R tokens in a row) reaches max(P, min_run); 0 if none. z[k] is the Z-function of the
-    reversed h: the run for period k."""
-    n = h.shape[0]
-    last = n - 1
-    z = np.zeros(n, np.int64)
-    lt = 0
-    rt = 0
-    for k in range(1, n):
-        if k > rt:
-            m = 0
-            while k + m < n and h[last - m] == h[last - k - m]:
-                m += 1
-            z[k] = m
-            if m > 0:
-                lt = k
-                rt = k + m - 1
-        elif z[k - lt] < rt - k + 1:
-            z[k] = z[k - lt]
-        else:
-            i = rt + 1
-            while i < n and h[last - i] == h[last - i + k]:
-                i += 1
-            z[k] = i - k
-            lt = k
-            rt = i - 1
+    R tokens in a row; z = suffix_z of the window) reaches max(P, min_run); 0 if none."""
+    n = z.shape[0]
     top = min(max_period, n - 1)
     for k in range(1, top + 1):
         if z[k] >= max(k, min_run):
@@ -77,7 +56,7 @@ class RepetitionGuard:
             return bool(self.period)
         self._since = 0
         tail = self._buf[max(0, self._n - self.window):self._n]
-        self.period = int(_longest_periodic_tail(tail, self.max_period, self.min_run))
+        self.period = int(_longest_periodic_tail(suffix_z(tail), self.max_period, self.min_run))
         return bool(self.period)
 
 
@@ -86,4 +65,5 @@ def repeats(token_ids, max_period: int = 256, min_run: int = 48) -> int:
     h = np.asarray(token_ids, dtype=np.int64)
     if h.size <= min_run:
         return 0
-    return int(_longest_periodic_tail(h[-(2 * max_period + min_run):], max_period, min_run))
+    w = h[-(2 * max_period + min_run):]
+    return int(_longest_periodic_tail(suffix_z(w), max_period, min_run))

@@ -393,12 +393,11 @@ _FLOAT_MAX_LOG = 88.7228391        # ln(float32 max): DRY's exponent is clamped 
 
 
 @njit(nogil=True, cache=True)
-def _dry_repeats(h, rep_limit, allowed, out_tok, out_len):
-    """For each earlier position j of the window h (oldest first), the length L of the
-    longest common suffix of h[:j+1] and h (capped at rep_limit); where L >= allowed, the
-    token after j (which would extend the repeat) and L go to out_tok/out_len. Returns how
-    many. z[k] is the Z-function of the reversed window (linear time: the Z-box [lt, rt]
-    means each position is compared against the suffix at most once)."""
+def suffix_z(h):
+    """z[k] = how many tokens, going back from the end, h's tail equals the tokens k earlier:
+    the Z-function of the reversed sequence, in linear time (the Z-box [lt, rt] means each
+    position is compared against the suffix at most once). DRY and the repetition stop
+    both read every period's repeat length from it."""
     n = h.shape[0]
     last = n - 1
     z = np.zeros(n, np.int64)
@@ -422,6 +421,17 @@ def _dry_repeats(h, rep_limit, allowed, out_tok, out_len):
             z[k] = i - k
             lt = k
             rt = i - 1
+    return z
+
+
+@njit(nogil=True, cache=True)
+def _dry_repeats(h, z, rep_limit, allowed, out_tok, out_len):
+    """For each earlier position j of the window h (oldest first), the length L of the
+    longest common suffix of h[:j+1] and h (z = suffix_z(h), capped at rep_limit); where
+    L >= allowed, the token after j (which would extend the repeat) and L go to
+    out_tok/out_len. Returns how many."""
+    n = h.shape[0]
+    last = n - 1
     cnt = 0
     for k in range(1, n):
         m = min(z[k], rep_limit)
@@ -448,7 +458,7 @@ def dry_penalties(state: SeqSamplingState) -> tuple[np.ndarray, np.ndarray] | No
     window = np.ascontiguousarray(hist[hist.shape[0] - n:])
     toks = np.empty(n, np.int64)
     lens = np.empty(n, np.int64)
-    cnt = _dry_repeats(window, rep_limit, allowed, toks, lens)
+    cnt = _dry_repeats(window, suffix_z(window), rep_limit, allowed, toks, lens)
     if not cnt:
         return None
     ids, inv = np.unique(toks[:cnt], return_inverse=True)
