@@ -91,7 +91,7 @@ class LlamaCppRunner:
         # llama.cpp may round n_ctx up; the scheduler must never promise more than it holds
         self.kv_plan = KVPlan(self.ctx.n_ctx // block_size, block_size, per_token)
         self.slots = [_Slot(i) for i in range(n_seq)]
-        self._prompts: dict[int, tuple[int, ...]] = {}    # prompt logprobs' targets
+        self._prompt_len: dict[int, int] = {}    # prompt logprobs score positions below it
         self._clock = itertools.count(1)
         self.tokens_decoded = 0   # rows llama.cpp computed; less than scheduled when reused
         # the process's CPU budget: asked before each step, like the native CPU backend, so
@@ -172,9 +172,9 @@ class LlamaCppRunner:
             self._history.pop(rid, None)
         for req in plan.new_requests:
             self._history[req.req_id] = list(req.prompt_token_ids)
-            self._prompts[req.req_id] = req.prompt_token_ids
+            self._prompt_len[req.req_id] = len(req.prompt_token_ids)
         for rid in plan.finished:
-            self._prompts.pop(rid, None)
+            self._prompt_len.pop(rid, None)
         self._unbind(plan.finished)
         self._unbind(plan.preempted)
         plp: dict[int, PromptLogprobs] = {}
@@ -207,7 +207,7 @@ class LlamaCppRunner:
             scored = span.prompt_logprobs is not None
             if scored:
                 keep = min(keep, span.start)
-                want = wanted_positions(span.start, end, len(self._prompts[span.req_id]))
+                want = wanted_positions(span.start, end, self._prompt_len[span.req_id])
             if keep < len(slot.tokens):
                 if not self.ctx.seq_rm(slot.sid, keep, -1):
                     self.ctx.seq_rm(slot.sid)
@@ -257,7 +257,7 @@ class LlamaCppRunner:
                 if r[5]:
                     out.append(self.ctx.logits(j))
             for rid, (k, *js) in scored.items():
-                prompt = self._prompts[rid]
+                prompt = self._history[rid]        # starts with the prompt
                 lg = np.stack([self.ctx.logits(j) for j, _ in js])
                 lp, top = rows_logprobs(lg, np.asarray([prompt[p + 1] for _, p in js]), k)
                 chunk = PromptLogprobs(js[0][1] + 1, lp, top)
