@@ -24,7 +24,8 @@ from edgeinfer.engine.prompt_scoring import PromptScoring
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
-from edgeinfer.engine.speculation import MAX_BATCH, SpeculationStats, propose
+from edgeinfer.engine.speculation import (MAX_BATCH, WINDOW as SPEC_WINDOW,
+                                           SpeculationStats, propose)
 from edgeinfer.engine.stops import FinishCheck, stop_token_set
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.formats.tokenizer import IncrementalDetokenizer
@@ -448,8 +449,10 @@ class Engine:
             if (st is None or st.constraint is not None or st.pooling is not None
                     or st.scoring is not None or not st.spec.worth_it()):
                 continue
-            draft = propose(np.asarray(seq.token_ids, np.int64), st.spec.next_k,
-                            st.prediction)
+            # only the lookup window becomes an array: the whole history would cost
+            # O(context) every step
+            draft = propose(np.asarray(seq.token_ids[-SPEC_WINDOW:], np.int64),
+                            st.spec.next_k, st.prediction)
             if draft:
                 drafts[seq.seq_id] = draft
         return drafts
