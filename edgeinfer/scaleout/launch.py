@@ -66,25 +66,15 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
     except ImportError:
         raise ScaleOutError("--ray needs Ray Serve: pip install 'edgeinfer[ray]' "
                             "(or ./install.sh --dev)") from None
-    from edgeinfer.server.daemon import check_bind, env_address
-    from edgeinfer.server.model_manager import ServerConfig
-    from edgeinfer.settings import current
+    from edgeinfer.server.daemon import prepare_serve
 
     from . import registry
 
     if replicas < 1 or (max_replicas is not None and max_replicas < replicas):
         raise ScaleOutError("--replicas must be at least 1 and --max-replicas at least "
                             "--replicas")
-    env_host, env_port = env_address()
-    host, port = host or env_host, port or env_port
-    api_key = api_key or current().api_key
-    check_bind(host, api_key)
-    try:
-        config = ServerConfig.from_env(backend=backend, device=device)
-    except ValueError as e:
-        raise ScaleOutError(str(e)) from None
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, port, api_key, config = prepare_serve(host, port, api_key, backend, device,
+                                                log_level)     # DaemonError: one sentence
 
     if ray_address:
         ray.init(address=ray_address, logging_level=logging.WARNING,

@@ -179,18 +179,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(host: str | None = None, port: int | None = None, api_key: str | None = None,
-          backend: str | None = None, log_level: str = "info", device: str | None = None) -> int:
-    """Run the server in this process until SIGINT/SIGTERM."""
-    import uvicorn
-
-    from .app import create_app
-    from .model_manager import ServerConfig
-
-    env_host, env_port = env_address()
-    host = host or env_host
-    port = port or env_port
+def prepare_serve(host: str | None, port: int | None, api_key: str | None,
+                  backend: str | None, device: str | None, log_level: str):
+    """What `serve` (plain or --ray) settles before it listens: the address (flags over
+    settings), the API key (required off loopback), the server config, logging. Returns
+    (host, port, api_key, config); DaemonError with one sentence otherwise."""
     from edgeinfer.settings import current
+
+    from .model_manager import ServerConfig
+    env_host, env_port = env_address()
+    host, port = host or env_host, port or env_port
     api_key = api_key or current().api_key
     check_bind(host, api_key)
     try:
@@ -199,6 +197,17 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
         raise DaemonError(str(e)) from None
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return host, port, api_key, config
+
+
+def serve(host: str | None = None, port: int | None = None, api_key: str | None = None,
+          backend: str | None = None, log_level: str = "info", device: str | None = None) -> int:
+    """Run the server in this process until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from .app import create_app
+
+    host, port, api_key, config = prepare_serve(host, port, api_key, backend, device, log_level)
     # The engine thread takes the GIL back between ~250 kernel calls a step, while the event
     # loop thread encodes and sends every token; with CPython's default 5 ms switch interval
     # the engine often waited for it (single-stream decode through the daemon, 2 cores: 55-60
