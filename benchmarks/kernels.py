@@ -27,7 +27,8 @@ from numba import get_num_threads, njit, prange, set_num_threads
 
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul, numba_threads
 from edgeinfer.backends.cpu.quants import random_quant_rows, row_bytes
-from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul
+from edgeinfer.backends.cpu.packed import packed_matmul
+from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix
 from edgeinfer.backends.cpu._simd import vadd, vhsum, vload, vzero
 
 ALL = ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "F16", "BF16", "F32"]

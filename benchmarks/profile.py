@@ -46,6 +46,7 @@ class Timers:
 
 
 def instrument(engine, timers: Timers) -> None:
+    import edgeinfer.backends.cpu._actquant as aq
     import edgeinfer.backends.cpu._int8 as i8
     ops = engine.runner.ops
     for group, names in GROUPS.items():
@@ -53,7 +54,7 @@ def instrument(engine, timers: Timers) -> None:
             if hasattr(ops, n):
                 setattr(ops, n, timers.wrap(group, getattr(ops, n)))
     # inside ops.matmul on the int8 path: quantizing activations, then the tile kernel
-    i8.quantize_rows = timers.wrap("quantize", i8.quantize_rows)
+    aq.quantize_rows = timers.wrap("quantize", aq.quantize_rows)
     i8.int8_matmul = timers.wrap("int8", i8.int8_matmul)
     stage = engine.runner.sampling
     stage.sample = timers.wrap("sampling", stage.sample)

@@ -20,7 +20,8 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu.matmul import matmul
 from edgeinfer.backends.cpu.ops import CpuOps, repacked_bytes
 from edgeinfer.backends.cpu.quants import QuantMatrix, random_quant_rows
-from edgeinfer.backends.cpu.repack import REPACKABLE, SERIAL_MACS, PackedMatrix, packed_matmul
+from edgeinfer.backends.cpu.packed import SERIAL_MACS, packed_matmul
+from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 needs_vnni = pytest.mark.skipif(not _int8.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")

@@ -89,7 +89,8 @@ def warm_kernels(qtypes=None) -> None:
         matmul(x[:2], w)                # few-row matvec
         matmul(x, w)                    # register-blocked multi-row
         get_rows(w, [0])
-    from .repack import REPACKABLE, PackedMatrix, packed_matmul
+    from .packed import packed_matmul
+    from .repack import REPACKABLE, PackedMatrix
     for qt in (SUPPORTED_TYPES if qtypes is None else qtypes):
         if int(qt) in REPACKABLE:       # one specialization serves every type; run each path
             w = QuantMatrix.from_bytes(random_quant_rows(qt, 40, 256, rng), qt, 256, 40)

@@ -14,7 +14,8 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
-from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_matmul, packed_nbytes
+from edgeinfer.backends.cpu.packed import packed_matmul
+from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
 
 
