@@ -5,21 +5,208 @@ The activation codes ggml's CPU backend feeds each weight type's dot product: Q8
 which the float path's act_round_q8_0/_k use too). The same pass writes, per weight block of
 B columns, what the tile loop needs: da (the activation scale), bsf (sum of the codes) and zb
 (zero_point * that sum), as [nb, M].
+
+`quantize_rows` does it with 16-lane vectors (LLVM IR below: numba leaves the scalar loops of
+quantize_act_block unvectorized, the amax search because of its branch and signed maximum).
+It gives the same bits as the scalar reference `quantize_rows_ref`:
+- the block's maximum |x| is a max/min reduction (exact in any order);
+- Q8_K's signed maximum (the first value of largest magnitude) is the maximum or the minimum,
+  whichever is larger in magnitude; when they tie (+a and -a both present) a scalar scan finds
+  the first, as the reference does;
+- codes are rint(x * scale) (round half to even, IEEE float32 multiply), Q8_K's clamped at 127,
+  exactly the reference's operations; the scales come from the same scalar expressions.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from . import _stamp
-from .kernels import quantize_act_block
+from .kernels import quantize_act_block, round_f16
 
 _DEPS = ("kernels.py", "_simd.py")     # inlined here (quantize_act_block and its deps)
 _DEPS_HASH = "dcf4aec5825284f4"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
+_JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
 
+# -- 16-lane IR for one activation block --------------------------------------------------
+
+_F32 = ir.FloatType()
+_I8 = ir.IntType(8)
+_I32 = ir.IntType(32)
+_I64 = ir.IntType(64)
+_VF = ir.VectorType(_F32, 16)
+_VI = ir.VectorType(_I32, 16)
+_VB = ir.VectorType(_I8, 16)
+
+
+def _decl(builder, name, ret, args):
+    mod = builder.module
+    fn = mod.globals.get(name)
+    if fn is None:
+        fn = ir.Function(mod, ir.FunctionType(ret, args), name=name)
+    return fn
+
+
+def _vptr(builder, addr, offset, ty):
+    if offset:
+        addr = builder.add(addr, ir.Constant(_I64, offset))
+    return builder.inttoptr(addr, ty.as_pointer())
+
+
+def _splat(builder, x, vty):
+    undef = ir.Constant(vty, ir.Undefined)
+    v = builder.insert_element(undef, x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, undef, ir.Constant(_VI, [0] * 16))
+
+
+def _make_minmax(A: int):
+    """(max, min) of the A float32 at address xp (maxnum/minnum: a NaN is passed over, as the
+    reference's `abs(v) > amax` passes over it)."""
+    n = A // 16
+
+    def codegen(context, builder, sig, args):
+        xp = args[0]
+        vmax = _decl(builder, "llvm.maxnum.v16f32", _VF, [_VF, _VF])
+        vmin = _decl(builder, "llvm.minnum.v16f32", _VF, [_VF, _VF])
+        rmax = _decl(builder, "llvm.vector.reduce.fmax.v16f32", _F32, [_VF])
+        rmin = _decl(builder, "llvm.vector.reduce.fmin.v16f32", _F32, [_VF])
+        v = [builder.load(_vptr(builder, xp, 64 * i, _VF), align=4) for i in range(n)]
+        hi, lo = v[0], v[0]
+        for i in range(1, n):
+            hi = builder.call(vmax, [hi, v[i]])
+            lo = builder.call(vmin, [lo, v[i]])
+        hs, ls = builder.call(rmax, [hi]), builder.call(rmin, [lo])
+        return context.make_tuple(builder, sig.return_type, [hs, ls])
+
+    @intrinsic
+    def minmax(typingctx, xp):
+        return types.UniTuple(types.float32, 2)(types.intp), codegen
+    return minmax
+
+
+def _make_codes(A: int, B: int):
+    """Codes of the A float32 at xp: int8(rint(x * scale)) (clamped at 127 when clamp != 0)
+    stored at qp; the sum of the codes of each B-column group stored as int32 at
+    sp + g * sstride bytes."""
+    n = A // 16
+    per = B // 16
+
+    def codegen(context, builder, sig, args):
+        xp, qp, scale, clamp, sp, sstride = args
+        rint = _decl(builder, "llvm.rint.v16f32", _VF, [_VF])
+        vmin = _decl(builder, "llvm.minnum.v16f32", _VF, [_VF, _VF])
+        radd = _decl(builder, "llvm.vector.reduce.add.v16i32", _I32, [_VI])
+        vs = _splat(builder, scale, _VF)
+        c127 = ir.Constant(_VF, [127.0] * 16)
+        do_clamp = builder.icmp_signed("!=", clamp, ir.Constant(_I64, 0))
+        group = None
+        for i in range(n):
+            x = builder.load(_vptr(builder, xp, 64 * i, _VF), align=4)
+            y = builder.call(rint, [builder.fmul(x, vs)])
+            y = builder.select(do_clamp, builder.call(vmin, [y, c127]), y)
+            q = builder.trunc(builder.fptosi(y, _VI), _VB)
+            builder.store(q, _vptr(builder, qp, 16 * i, _VB), align=1)
+            c = builder.sext(q, _VI)          # the sums are of the codes as stored
+            group = c if group is None else builder.add(group, c)
+            if (i + 1) % per == 0:
+                g = (i + 1) // per - 1
+                addr = builder.add(sp, builder.mul(sstride, ir.Constant(_I64, g)))
+                builder.store(builder.call(radd, [group]),
+                              builder.inttoptr(addr, _I32.as_pointer()), align=4)
+                group = None
+        return context.get_dummy_value()
+
+    @intrinsic
+    def codes(typingctx, xp, qp, scale, clamp, sp, sstride):
+        return types.void(types.intp, types.intp, types.float32, types.intp, types.intp,
+                          types.intp), codegen
+    return codes
+
+
+_minmax32, _minmax256 = _make_minmax(32), _make_minmax(256)
+_codes_32_32, _codes_256_32, _codes_256_16 = (_make_codes(32, 32), _make_codes(256, 32),
+                                              _make_codes(256, 16))
+
+
+@njit(inline="always", nogil=True)
+def _codes(A, B, xp, qp, scale, clamp, sp, sstride):
+    if A == 32:
+        _codes_32_32(xp, qp, scale, clamp, sp, sstride)
+    elif B == 32:
+        _codes_256_32(xp, qp, scale, clamp, sp, sstride)
+    else:
+        _codes_256_16(xp, qp, scale, clamp, sp, sstride)
+
+
+@njit(inline="always", nogil=True)
+def _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb):
+    """x[r, ab*A : (ab+1)*A] -> qa codes and, per B-column weight block, da, bsf, zb."""
+    M, K = x.shape
+    b0 = ab * A
+    xp = x.ctypes.data + (r * K + b0) * 4
+    if A == 32:
+        hi, lo = _minmax32(xp)
+    else:
+        hi, lo = _minmax256(xp)
+    amax = max(hi, -lo)
+    wb0 = b0 // B
+    nwb = A // B
+    if not amax > 0.0:            # all zeros (or no number at all): codes 0, scale 0
+        for j in range(A):
+            qa[r, b0 + j] = 0
+        for wb in range(wb0, wb0 + nwb):
+            da[wb, r] = 0.0
+            bsf[wb, r] = 0.0
+            zb[wb, r] = 0
+        return
+    if A == 32:
+        scale = np.float32(127.0) / amax
+        d = round_f16(amax / np.float32(127.0))
+        clamp = 0
+    else:
+        if hi > -lo:
+            mx = hi
+        elif -lo > hi:
+            mx = lo
+        else:                     # +amax and -amax both present: the first one counts
+            mx = hi
+            for j in range(A):
+                if abs(x[r, b0 + j]) == amax:
+                    mx = x[r, b0 + j]
+                    break
+        scale = np.float32(-127.0) / mx
+        d = np.float32(1.0) / scale
+        clamp = 1
+    # the codes' sums land in zb first (int32), then become bsf and zp * sum
+    _codes(A, B, xp, qa.ctypes.data + r * K + b0, scale, clamp,
+           zb.ctypes.data + (wb0 * M + r) * 4, M * 4)
+    for wb in range(wb0, wb0 + nwb):
+        sm = zb[wb, r]
+        da[wb, r] = d
+        bsf[wb, r] = np.float32(sm)
+        zb[wb, r] = np.int32(zp) * sm
+
+
+@njit(**_PJIT)
+def quantize_rows(x, A, B, zp, qa, da, bsf, zb, par):
+    """x float32[M, K] (C-contiguous) -> int8 codes qa[M, K] and the per-weight-block da, bsf,
+    zb [K/B, M]; par=False: on the calling thread (small inputs: no parallel region to wake)."""
+    M, K = x.shape
+    na = K // A
+    if par:
+        for i in prange(M * na):
+            _quantize_block_vec(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+    else:
+        for i in range(M * na):
+            _quantize_block_vec(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+
+
+# -- the scalar reference -----------------------------------------------------------------
 
 @njit(inline="always", nogil=True)
 def _quantize_block(x, r, ab, A, B, zp, qa, da, bsf, zb):
@@ -34,15 +221,11 @@ def _quantize_block(x, r, ab, A, B, zp, qa, da, bsf, zb):
         zb[wb, r] = np.int32(zp) * sm
 
 
-@njit(**_PJIT)
-def quantize_rows(x, A, B, zp, qa, da, bsf, zb, par):
-    """x float32[M, K] -> int8 codes qa[M, K] and the per-weight-block da, bsf, zb [K/B, M];
-    par=False: on the calling thread (small inputs: no parallel region to wake)."""
+@njit(**_JIT)
+def quantize_rows_ref(x, A, B, zp, qa, da, bsf, zb):
+    """quantize_rows through kernels.quantize_act_block, one scalar at a time (the reference
+    the tests hold quantize_rows to, and the 'before' of benchmarks/kernels.py)."""
     M, K = x.shape
     na = K // A
-    if par:
-        for i in prange(M * na):
-            _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
-    else:
-        for i in range(M * na):
-            _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+    for i in range(M * na):
+        _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)

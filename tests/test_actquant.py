@@ -1,0 +1,106 @@
+"""Activation quantization (backends/cpu/_actquant.py) and the shared-quantization matmuls.
+
+quantize_rows (16-lane vectors) must give the same bits as the scalar reference built on
+kernels.quantize_act_block, the one the float path's act_round_q8_0/_k use: over random rows
+and the edge cases (zero blocks, ties at .5, +amax and -amax in one block, huge and tiny values).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgeinfer.backends.cpu import _actquant as aq
+from edgeinfer.backends.cpu import kernels as K
+
+# (A, B): Q8_0 for the legacy quants; Q8_K with 32- (Q4_K, Q5_K) or 16-column (Q2_K, Q3_K, Q6_K)
+# weight blocks
+FORMATS = [(32, 32), (256, 32), (256, 16)]
+
+
+def quantize(fn, x, A, B, zp, *extra):
+    M, Kc = x.shape
+    nb = Kc // B
+    out = (np.full((M, Kc), 99, np.int8), np.full((nb, M), 7, np.float32),
+           np.full((nb, M), 7, np.float32), np.full((nb, M), 7, np.int32))
+    fn(x, A, B, zp, *out, *extra)
+    return out
+
+
+def assert_same_bits(got, want):
+    for g, w, name in zip(got, want, ("qa", "da", "bsf", "zb")):
+        np.testing.assert_array_equal(g.view(np.uint8 if g.itemsize == 1 else np.uint32),
+                                      w.view(np.uint8 if w.itemsize == 1 else np.uint32),
+                                      err_msg=name)
+
+
+def edge_rows(A: int, Kc: int) -> np.ndarray:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((14, Kc)).astype(np.float32)
+    x[0] = 0.0                                   # a zero row
+    x[1, :A] = 0.0                               # one zero block in a random row
+    x[1, A:2 * A] = -0.0
+    x[2] = np.float32(0.5)                       # one value everywhere: codes 127
+    x[3, :A] = rng.integers(-127, 128, A) + np.float32(0.5)  # with amax 127.5 ... ties below
+    x[4] = rng.integers(-254, 255, Kc).astype(np.float32) / 2 * (127 / 127.0)
+    x[4, ::A] = 127.0                            # amax 127: idv 1, x.5 values tie
+    x[5, ::A] = 3.0                              # +amax first, -amax later in each block
+    x[5, 5::A] = -3.0
+    x[5] = np.clip(x[5], -3.0, 3.0)
+    x[6, ::A] = -3.0                             # -amax first, +amax later
+    x[6, 9::A] = 3.0
+    x[6] = np.clip(x[6], -3.0, 3.0)
+    x[7] *= np.float32(1e30)                     # huge
+    x[8] *= np.float32(1e-30)                    # tiny (and subnormal codes' scales)
+    x[9] *= np.float32(1e-36)                    # near the smallest amax whose 127/amax is finite
+    x[10, :] = -2.0                              # negative constant: Q8_K's scale is negative
+    x[11, 3] = 1e6                               # one outlier per row
+    x[12] = np.abs(x[12])                        # all positive
+    x[13] = -np.abs(x[13])                       # all negative
+    return x
+
+
+@pytest.mark.parametrize("A,B", FORMATS)
+@pytest.mark.parametrize("par", [False, True])
+def test_vector_quantize_equals_scalar_reference_on_edges(A, B, par):
+    x = edge_rows(A, 1024)
+    assert_same_bits(quantize(aq.quantize_rows, x, A, B, 16, par),
+                     quantize(aq.quantize_rows_ref, x, A, B, 16))
+
+
+@pytest.mark.parametrize("A,B", FORMATS)
+def test_codes_are_the_float_paths_rounding(A, B):
+    """codes * scale equal act_round_q8_0/_k's values, the float path's activations."""
+    x = edge_rows(A, 512)
+    qa, da, _, _ = quantize(aq.quantize_rows, x, A, B, 0, False)
+    rounder = K.act_round_q8_0 if A == 32 else K.act_round_q8_k
+    want = rounder(x, np.empty_like(x))
+    with np.errstate(invalid="ignore"):      # the huge row: its f16 scale is inf, 0 * inf
+        got = qa.astype(np.float32) * np.repeat(da.T, B, axis=1)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_sums_and_zero_point_terms():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    for A, B in FORMATS:
+        qa, da, bsf, zb = quantize(aq.quantize_rows, x, A, B, 128, False)
+        sums = qa.astype(np.int32).reshape(3, -1, B).sum(-1).T
+        np.testing.assert_array_equal(bsf, sums.astype(np.float32))
+        np.testing.assert_array_equal(zb, 128 * sums)
+
+
+@settings(max_examples=60, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), m=st.integers(1, 9), kb=st.integers(1, 4),
+       scale=st.sampled_from([1e-3, 1.0, 57.0, 1e4]), seed=st.integers(0, 2**31 - 1),
+       par=st.booleans())
+def test_vector_quantize_fuzzed(fmt, m, kb, scale, seed, par):
+    A, B = fmt
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((m, 256 * kb)) * scale).astype(np.float32)
+    # coarse values make exact ties at .5 after scaling, and repeated maxima
+    if seed % 2:
+        x = np.round(x * 4) / 4
+    assert_same_bits(quantize(aq.quantize_rows, x, A, B, 8, par),
+                     quantize(aq.quantize_rows_ref, x, A, B, 8))
