@@ -14,6 +14,7 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_MEMORY_BUDGET_MB    | memory_budget_bytes | 75% of RAM                          |
 | EDGEINFER_MAX_LOADED_MODELS   | max_loaded_models   | 3                                   |
 | EDGEINFER_KV_BUDGET_MB        | kv_budget_bytes     | 1024 MB                             |
+| EDGEINFER_KV_CACHE_TYPE       | kv_cache_type       | f16 (or q8_0: 34 bytes / 32 values) |
 | EDGEINFER_MAX_RUNNING_SEQS    | max_running_seqs    | 16                                  |
 | EDGEINFER_MAX_QUEUE           | max_queue           | 64                                  |
 | EDGEINFER_MAX_MODEL_LEN       | max_model_len       | min(model's, 8192)                  |
@@ -68,6 +69,21 @@ class SettingsError(ValueError):
     """A setting with a value that cannot be used; the message names the variable."""
 
 
+# KV cache element types a user may choose (--kv-cache-type, EDGEINFER_KV_CACHE_TYPE, the
+# APIs' kv_cache_type load option), as llama.cpp names them; f32 is only the pool of the CPU
+# backend's f32 numerics. Bytes per value: q8_0 is ggml's block of 32 int8 codes + f16 scale.
+KV_CACHE_TYPES = ("f16", "q8_0")
+KV_BYTES_PER_VALUE = {"f32": 4, "f16": 2, "q8_0": 34 / 32}
+
+
+def check_kv_cache_type(value, name: str = "kv_cache_type") -> str:
+    """The KV cache type, or ValueError naming `name` and the allowed values."""
+    if value not in KV_CACHE_TYPES:
+        raise ValueError(f"{name} {value!r} is not a KV cache type: use "
+                         + " or ".join(KV_CACHE_TYPES))
+    return value
+
+
 def _num(env: Mapping[str, str], name: str, default, scale: int = 1, kind=int):
     v = env.get(name, "").strip()
     if not v:
@@ -79,6 +95,16 @@ def _num(env: Mapping[str, str], name: str, default, scale: int = 1, kind=int):
     if x < 0:
         raise SettingsError(f"{name}={v!r} must not be negative")
     return kind(x)
+
+
+def _kv_type(env: Mapping[str, str]) -> str:
+    v = env.get("EDGEINFER_KV_CACHE_TYPE", "").strip().lower()
+    if not v:
+        return "f16"
+    try:
+        return check_kv_cache_type(v, "EDGEINFER_KV_CACHE_TYPE")
+    except ValueError as e:
+        raise SettingsError(str(e)) from None
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool | None:
@@ -103,6 +129,7 @@ class Settings:
     memory_budget_bytes: int = 0            # 0 = 75% of physical memory
     max_loaded_models: int = 3
     kv_budget_bytes: int = DEFAULT_KV_BUDGET
+    kv_cache_type: str = "f16"
     max_running_seqs: int = 16
     max_queue: int = 64
     max_model_len: int | None = None
@@ -137,6 +164,7 @@ class Settings:
             memory_budget_bytes=_num(env, "EDGEINFER_MEMORY_BUDGET_MB", 0, 1 << 20),
             max_loaded_models=_num(env, "EDGEINFER_MAX_LOADED_MODELS", 3),
             kv_budget_bytes=_num(env, "EDGEINFER_KV_BUDGET_MB", DEFAULT_KV_BUDGET, 1 << 20),
+            kv_cache_type=_kv_type(env),
             max_running_seqs=_num(env, "EDGEINFER_MAX_RUNNING_SEQS", 16),
             max_queue=_num(env, "EDGEINFER_MAX_QUEUE", 64),
             max_model_len=_num(env, "EDGEINFER_MAX_MODEL_LEN", None),
@@ -154,6 +182,7 @@ class Settings:
     def engine_config(self, backend: str | None = None, governor=None, **kw):
         """The EngineConfig these settings give one engine (backend: the resolved name)."""
         from edgeinfer.engine.core import EngineConfig
+        kw.setdefault("kv_cache_type", self.kv_cache_type)   # a load option may override it
         return EngineConfig(backend=backend or self.backend, max_model_len=self.max_model_len,
                             kv_budget_bytes=self.kv_budget_bytes,
                             max_running_seqs=self.max_running_seqs,
@@ -167,6 +196,11 @@ class Settings:
         unknown = set(overrides) - names
         if unknown:
             raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+        if overrides.get("kv_cache_type") is not None:
+            try:
+                check_kv_cache_type(overrides["kv_cache_type"], "--kv-cache-type")
+            except ValueError as e:
+                raise SettingsError(str(e)) from None
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 

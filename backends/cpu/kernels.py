@@ -14,7 +14,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from . import _stamp
-from ._simd import bload_f16, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vzero
+from ._simd import (bload_f16, hload, iload_i8, itof, vadd, vfma, vhsum, vload, vmul, vsplat,
+                    vstore, vzero)
 
 _DEPS = ("_simd.py",)        # inlined here: see _stamp.py
 _DEPS_HASH = "87956b1a768fad6f"
@@ -170,31 +171,66 @@ def silu_mul(gate, up, out, par):
     return out
 
 
+# -- KV pools ------------------------------------------------------------------------------
+# Three pool layouts, told apart by dtype, each [num_blocks, block_size, KVH, row]:
+#   float32: the values (numerics "f32");
+#   uint16:  IEEE half bit patterns, row = head_dim (llama.cpp's default f16 cache);
+#   uint8:   ggml block_q8_0 bytes, row = head_dim / 32 * 34: per 32 values an f16 scale
+#            d = amax / 127 then 32 int8 codes round(x / d) (llama.cpp's q8_0 cache).
+# Attention kernels read through kv_vec / kv_scalar and write through kv_write only, so they
+# work on every layout.
+
+Q8_BLOCK = 32           # values per q8_0 block
+Q8_BYTES = 34           # bytes per q8_0 block: f16 scale + 32 int8 codes
+
+
 def kv_vec(arr, i):
-    """16 K/V values from flat element offset i of a cache, as float32: the f16 pool holds
-    IEEE half bit patterns (uint16), widened exactly; the f32 pool is read as it is."""
+    """16 K/V values from flat element offset i (a multiple of 16) of a cache, as float32:
+    the f16 pool widens its halves exactly; the q8_0 pool widens codes times their block's
+    scale (exact in float32); the f32 pool is read as it is."""
 
 
 @overload(kv_vec, inline="always")
 def _kv_vec(arr, i):
     if arr.dtype == types.uint16:
         return lambda arr, i: bload_f16(arr, i * 2)
+    if arr.dtype == types.uint8:
+        def q8(arr, i):
+            b = (i >> 5) * Q8_BYTES
+            return vmul(itof(iload_i8(arr, b + 2 + (i & 31))), vsplat(hload(arr, b)))
+        return q8
     return lambda arr, i: vload(arr, i)
 
 
 def kv_scalar(arr, idx):
-    """One K/V value of a cache as float32 (the f16 pool widens its half exactly)."""
+    """One K/V value of a cache as float32; idx = (block, offset, kv head, d)."""
+
+
+@njit(inline="always", nogil=True)
+def _q8_scale(arr, blk, off, h, o):
+    bits = np.int32(arr[blk, off, h, o]) | (np.int32(arr[blk, off, h, o + 1]) << 8)
+    return _f16_from_bits(np.uint16(bits))
 
 
 @overload(kv_scalar, inline="always")
 def _kv_scalar(arr, idx):
     if arr.dtype == types.uint16:
         return lambda arr, idx: _f16_from_bits(arr[idx])
+    if arr.dtype == types.uint8:
+        def q8(arr, idx):
+            blk, off, h, d = idx
+            o = (d >> 5) * Q8_BYTES
+            code = np.int32(arr[blk, off, h, o + 2 + (d & 31)])
+            if code > 127:
+                code -= 256
+            return np.float32(code) * _q8_scale(arr, blk, off, h, o)
+        return q8
     return lambda arr, idx: arr[idx]
 
 
 def kv_store(arr, idx, x):
-    """Store one float32 into a K/V cache: as f16 bits in the f16 pool."""
+    """Store one float32 into an f16 or f32 K/V cache (a q8_0 pool stores whole rows:
+    kv_store_row)."""
 
 
 @overload(kv_store, inline="always")
@@ -203,10 +239,48 @@ def _kv_store(arr, idx, x):
         def f16(arr, idx, x):
             arr[idx] = _f16_bits(np.float32(x))
         return f16
+    if arr.dtype == types.uint8:
+        return None             # a q8_0 value has no place of its own: see kv_store_row
 
     def f32(arr, idx, x):
         arr[idx] = x
     return f32
+
+
+def kv_store_row(arr, blk, off, h, x, t):
+    """Store the row x[t, h, :] into cache slot (blk, off) of KV head h."""
+
+
+@overload(kv_store_row, inline="always")
+def _kv_store_row(arr, blk, off, h, x, t):
+    if arr.dtype == types.uint8:
+        def q8(arr, blk, off, h, x, t):
+            # ggml's quantize_row_q8_0 (x86 form): d = amax / 127 stored in f16, codes
+            # round-half-even(x * (127 / amax)) with the unrounded scale
+            D = x.shape[2]
+            for b in range(D // Q8_BLOCK):
+                x0 = b * Q8_BLOCK
+                o = b * Q8_BYTES
+                amax = np.float32(0.0)
+                for j in range(Q8_BLOCK):
+                    a = abs(np.float32(x[t, h, x0 + j]))
+                    if a > amax:
+                        amax = a
+                bits = _f16_bits(amax / np.float32(127.0))
+                arr[blk, off, h, o] = np.uint8(bits & np.uint16(0xFF))
+                arr[blk, off, h, o + 1] = np.uint8(bits >> np.uint16(8))
+                idv = np.float32(0.0)
+                if amax != 0.0:
+                    idv = np.float32(127.0) / amax
+                for j in range(Q8_BLOCK):
+                    c = np.int32(np.rint(np.float32(x[t, h, x0 + j]) * idv))
+                    arr[blk, off, h, o + 2 + j] = np.uint8(c & 0xFF)
+        return q8
+
+    def each(arr, blk, off, h, x, t):
+        for d in range(x.shape[2]):
+            kv_store(arr, (blk, off, h, d), x[t, h, d])
+    return each
 
 
 @njit(**_JIT)
@@ -218,9 +292,23 @@ def kv_write(k_cache, v_cache, k, v, slots):
         blk = slots[t] // bs
         off = slots[t] % bs
         for h in range(k.shape[1]):
-            for d in range(k.shape[2]):
-                kv_store(k_cache, (blk, off, h, d), k[t, h, d])
-                kv_store(v_cache, (blk, off, h, d), v[t, h, d])
+            kv_store_row(k_cache, blk, off, h, k, t)
+            kv_store_row(v_cache, blk, off, h, v, t)
+
+
+def kv_row_width(kv_type: str, head_dim: int) -> int:
+    """Elements of a pool row for one KV head (bytes for q8_0)."""
+    if kv_type == "q8_0":
+        if head_dim % Q8_BLOCK:
+            raise ValueError(f"a q8_0 KV cache needs a head dimension that is a multiple of "
+                             f"{Q8_BLOCK}; this model's is {head_dim}")
+        return head_dim // Q8_BLOCK * Q8_BYTES
+    return head_dim
+
+
+def kv_dtype(kv_type: str):
+    """The numpy dtype of a pool of this KV type (f32, f16 or q8_0)."""
+    return {"f32": np.float32, "f16": np.uint16, "q8_0": np.uint8}[kv_type]
 
 
 @njit(inline="always", nogil=True)

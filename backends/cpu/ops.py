@@ -39,8 +39,9 @@ def _par(elements: int) -> bool:
 
 @dataclass
 class CpuKVCache:
-    """Per layer K and V pools [num_blocks, block_size, KVH, D]: IEEE half bit patterns
-    (uint16) in the f16 pool, float32 otherwise."""
+    """Per layer K and V pools [num_blocks, block_size, KVH, row]: IEEE half bit patterns
+    (uint16) in the f16 pool, ggml q8_0 block bytes (uint8, row = D / 32 * 34) in the q8_0
+    pool, float32 otherwise (kernels.py reads and writes all three)."""
     k: list[np.ndarray]
     v: list[np.ndarray]
     block_size: int
@@ -73,10 +74,11 @@ def _ram_bytes() -> int:
 
 class CpuOps:
     name = "cpu"
-    kv_bytes_per_value = 4          # per instance: 2 with the f16 pool (ggml numerics)
+    kv_bytes_per_value: float = 4   # per instance: 2 with the f16 pool, 34/32 with q8_0
 
     def __init__(self, numerics: str = "ggml", batch_invariant: bool = False,
-                 repack: bool | None = None, governor: ThreadGovernor | None = None):
+                 repack: bool | None = None, governor: ThreadGovernor | None = None,
+                 kv_cache_type: str | None = None):
         """numerics="ggml" rounds activations, K/V and GELU as llama.cpp's CPU backend does
         (8-bit activation blocks per weight type, f16 K/V and GELU), so greedy text matches it
         token for token; "f32" keeps every intermediate in float32.
@@ -87,6 +89,9 @@ class CpuOps:
         faster. None (default) decides per model: on with ggml numerics on a VNNI CPU when
         the repacked weights take at most half of the RAM (Settings.repack, from
         EDGEINFER_REPACK=0/1, forces it).
+
+        kv_cache_type: "f16" or "q8_0" (ggml's 8-bit blocks, 34 bytes per 32 values, as
+        llama.cpp's --cache-type-k/v q8_0); None: f16 with ggml numerics, f32 with f32 ones.
         """
         if numerics not in ("ggml", "f32"):
             raise ValueError(f"numerics must be 'ggml' or 'f32', not {numerics!r}")
@@ -97,8 +102,14 @@ class CpuOps:
         self.batch_invariant = batch_invariant
         # ggml numerics keep K/V in f16, as llama.cpp's default cache does: the pool stores
         # the halves themselves (half the memory and attention bandwidth of float32)
-        self.kv_f16 = numerics == "ggml"
-        self.kv_bytes_per_value = 2 if self.kv_f16 else 4
+        from edgeinfer.settings import KV_BYTES_PER_VALUE, check_kv_cache_type
+        if kv_cache_type is None:
+            kv_cache_type = "f16" if numerics == "ggml" else "f32"
+        elif kv_cache_type != "f32" or numerics != "f32":
+            check_kv_cache_type(kv_cache_type)
+        self.kv_cache_type = kv_cache_type
+        self.kv_f16 = kv_cache_type == "f16"
+        self.kv_bytes_per_value = KV_BYTES_PER_VALUE[kv_cache_type]
         if repack and numerics != "ggml":
             raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
         self._repack_setting = repack
@@ -260,8 +271,8 @@ class CpuOps:
     # -- paged KV cache --------------------------------------------------------------------
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
                      head_dim: int) -> CpuKVCache:
-        shape = (num_blocks, block_size, n_kv_head, head_dim)
-        dtype = np.uint16 if self.kv_f16 else np.float32
+        shape = (num_blocks, block_size, n_kv_head, K.kv_row_width(self.kv_cache_type, head_dim))
+        dtype = K.kv_dtype(self.kv_cache_type)
         return CpuKVCache([np.zeros(shape, dtype) for _ in range(n_layers)],
                           [np.zeros(shape, dtype) for _ in range(n_layers)], block_size)
 
@@ -280,4 +291,11 @@ class CpuOps:
         nh = K.heads_per_item(T, H, KVH, numba.get_num_threads() if par else 1)
         return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                  batch.token_seq, batch.positions, window, np.float32(scale),
-                                 self.numerics == "ggml", out, par, nh)
+                                 ggml_rounding, out, par, nh)
+        ggml_rounding = self.numerics == "ggml"
+        if ggml_rounding and self.kv_cache_type == "q8_0":
+            # llama.cpp's flash attention over a q8_0 K cache: Q in q8_0 blocks (K's dot
+            # type), softmax weights and V summed in f32 (nothing rounded to f16)
+            q2 = q.reshape(T * H, D)
+            q = K.act_round_q8_0(q2, np.empty_like(q2)).reshape(T, H, D)
+            ggml_rounding = False

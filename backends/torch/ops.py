@@ -36,7 +36,13 @@ class TorchOps:
     kv_bytes_per_value = 2
 
     def __init__(self, device: str | None = None, check_memory: bool = True,
-                 dtype: str | None = None):
+                 dtype: str | None = None, kv_cache_type: str | None = None):
+        if kv_cache_type not in (None, "f16"):
+            from edgeinfer.settings import check_kv_cache_type
+            check_kv_cache_type(kv_cache_type)
+            raise ValueError(f"the torch backend keeps its KV cache in f16 (bf16/f32 on some "
+                             f"devices) and has no {kv_cache_type} cache: use kv_cache_type f16, "
+                             "or the cpu or llamacpp backend for q8_0")
         self.info = dev.detect(device.split(":")[0] if device else None)
         self.device = torch.device(device if device and ":" in device else self.info.torch_device)
         # dtype="bfloat16" (Settings.torch_dtype) halves weight memory and traffic (faster CPU

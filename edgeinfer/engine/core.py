@@ -49,6 +49,7 @@ class EngineConfig:
     backend: str = "cpu"
     max_model_len: int | None = None      # context per sequence; default min(model's, 8192)
     kv_budget_bytes: int | None = None    # KV pool budget; default DEFAULT_KV_BUDGET
+    kv_cache_type: str | None = None      # "f16" or "q8_0"; None: the backend's default (f16)
     max_running_seqs: int = 16
     max_tokens_per_step: int = 512
     block_size: int = 16
@@ -126,7 +127,8 @@ class Engine:
             block_size=config.block_size, max_running_seqs=config.max_running_seqs,
             max_tokens_per_step=config.max_tokens_per_step,
             batch_invariant=config.batch_invariant, governor=config.governor,
-            n_threads=config.threads, repack=config.repack, torch_dtype=config.torch_dtype)
+            n_threads=config.threads, repack=config.repack, torch_dtype=config.torch_dtype,
+            kv_cache_type=config.kv_cache_type)
         try:
             self.cfg: ModelConfig = self.runner.cfg
             md = self.runner.gf.metadata

@@ -60,9 +60,10 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_window and self.swa_pattern and (layer + 1) % self.swa_pattern)
 
-    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
-        """The DESIGN.md formula: 2 x layers x kv_heads x head_dim x bytes_per_value."""
-        return 2 * self.n_layers * self.n_kv_head * self.head_dim * bytes_per_value
+    def kv_bytes_per_token(self, bytes_per_value: float = 2) -> int:
+        """The DESIGN.md formula: 2 x layers x kv_heads x head_dim x bytes_per_value (34/32
+        for q8_0: whole blocks, since head_dim is a multiple of 32 there)."""
+        return round(2 * self.n_layers * self.n_kv_head * self.head_dim * bytes_per_value)
 
 
 def _meta(f: GGUFFile, arch: str, key: str, default=None, kind=int):

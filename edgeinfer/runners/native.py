@@ -21,14 +21,17 @@ from edgeinfer.runners.sampling_stage import SamplingStage
 
 
 def make_ops(backend: str, batch_invariant: bool = False, governor=None,
-             repack: bool | None = None, torch_dtype: str | None = None) -> Ops:
+             repack: bool | None = None, torch_dtype: str | None = None,
+             kv_cache_type: str | None = None) -> Ops:
     """The ops object for a resolved native backend name (`cpu`, `torch[:device]`)."""
     if backend == "cpu":
         from edgeinfer.backends.cpu.ops import CpuOps
-        return CpuOps(batch_invariant=batch_invariant, governor=governor, repack=repack)
+        return CpuOps(batch_invariant=batch_invariant, governor=governor, repack=repack,
+                      kv_cache_type=kv_cache_type)
     if backend == "torch" or backend.startswith("torch:"):
         from edgeinfer.backends.torch.ops import TorchOps
-        return TorchOps(device=backend.partition(":")[2] or None, dtype=torch_dtype)
+        return TorchOps(device=backend.partition(":")[2] or None, dtype=torch_dtype,
+                        kv_cache_type=kv_cache_type)
     raise ValueError(f"unknown native backend {backend!r}")
 
 
@@ -87,11 +90,13 @@ class ModelRunner:
     def load(cls, path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
              block_size: int = 16, min_kv_tokens: int = 0, batch_invariant: bool = False,
              governor=None, repack: bool | None = None,
-             torch_dtype: str | None = None) -> "ModelRunner":
+             torch_dtype: str | None = None,
+             kv_cache_type: str | None = None) -> "ModelRunner":
         gf = read_gguf(path)
         try:
             cfg = load_model_config(gf)
-            ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype)
+            ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype,
+                           kv_cache_type)
             kv_budget_bytes = ops.fit_kv_budget(gf, kv_budget_bytes)
             plan = plan_kv(cfg, kv_budget_bytes, ops.kv_bytes_per_value, block_size,
                            min_kv_tokens)

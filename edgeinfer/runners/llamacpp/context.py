@@ -30,9 +30,13 @@ class LlamaError(RuntimeError):
     pass
 
 
+GGML_TYPES = {"f16": 1, "q8_0": 8}      # enum ggml_type values of the KV cache types
+
+
 class LlamaContext:
     def __init__(self, path: str, n_ctx: int, n_seq_max: int, n_batch: int,
-                 n_threads: int | None = None, n_gpu_layers: int = 0):
+                 n_threads: int | None = None, n_gpu_layers: int = 0,
+                 kv_cache_type: str | None = None):
         import llama_cpp as L
         _quiet()
         self.L = L
@@ -53,6 +57,10 @@ class LlamaContext:
         cp.kv_unified = True
         # keep all positions in sliding-window layers too, so seq_rm/seq_cp work at any position
         cp.swa_full = True
+        if kv_cache_type not in (None, "f16"):
+            # llama.cpp's --cache-type-k/v; a quantized V cache needs flash attention
+            cp.type_k = cp.type_v = GGML_TYPES[kv_cache_type]
+            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         threads = n_threads or max(1, os.cpu_count() or 1)
         cp.n_threads = cp.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, cp)

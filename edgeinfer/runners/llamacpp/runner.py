@@ -75,15 +75,19 @@ class LlamaCppRunner:
 
     def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
                  min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,
-                 n_threads: int | None = None, governor=None):
+                 n_threads: int | None = None, governor=None, kv_cache_type: str | None = None):
+        from edgeinfer.settings import KV_BYTES_PER_VALUE, check_kv_cache_type
+        kv_cache_type = check_kv_cache_type(kv_cache_type or "f16")
+        self.kv_cache_type = kv_cache_type
         self.gf = read_gguf(path)
         meta = summarize(self.gf)
-        per_token = meta.kv_bytes_per_token_f16 or 1
+        per_token = round((meta.kv_bytes_per_token_f16 or 2) * KV_BYTES_PER_VALUE[kv_cache_type] / 2)
         tokens = max(kv_budget_bytes // per_token, min_kv_tokens, block_size)
         n_ctx = (tokens // block_size) * block_size
         n_seq = min(max_running_seqs + RETAINED_SLOTS, 256)
         try:
-            self.ctx = LlamaContext(path, n_ctx, n_seq, max(512, max_tokens_per_step), n_threads)
+            self.ctx = LlamaContext(path, n_ctx, n_seq, max(512, max_tokens_per_step), n_threads,
+                                    kv_cache_type=kv_cache_type)
         except BaseException:
             self.gf.close()
             raise

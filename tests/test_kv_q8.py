@@ -1,0 +1,129 @@
+"""The q8_0 KV cache: ggml's block_q8_0 bytes in the CPU pool, read back exactly, attention
+over it equal to attention over the same values in float32, and batch invariance."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from numba import njit
+
+from edgeinfer.backends.cpu import kernels as K
+from edgeinfer.backends.cpu.ops import CpuOps
+from edgeinfer.settings import KV_BYTES_PER_VALUE
+
+
+def q8_reference(x: np.ndarray) -> bytes:
+    """ggml's quantize_row_q8_0 (x86 form) in numpy: per 32 values d = amax/127 stored in
+    f16, codes round-half-even(x * 127/amax)."""
+    out = bytearray()
+    for blk in x.astype(np.float32).reshape(-1, 32):
+        amax = np.float32(np.abs(blk).max())
+        d = np.float16(amax / np.float32(127.0))
+        idv = np.float32(127.0) / amax if amax else np.float32(0.0)
+        codes = np.rint(blk * idv).astype(np.int8)
+        out += d.tobytes() + codes.tobytes()
+    return bytes(out)
+
+
+def q8_pool(num_blocks, bs, kvh, d):
+    return np.zeros((num_blocks, bs, kvh, K.kv_row_width("q8_0", d)), np.uint8)
+
+
+@njit(cache=False)
+def _read_scalar(cache, out):
+    for b in range(cache.shape[0]):
+        for o in range(cache.shape[1]):
+            for h in range(cache.shape[2]):
+                for d in range(out.shape[3]):
+                    out[b, o, h, d] = K.kv_scalar(cache, (b, o, h, d))
+    return out
+
+
+def _random_kv(rng, T, kvh, d):
+    k = (rng.standard_normal((T, kvh, d)) * rng.uniform(0.01, 30, (T, kvh, 1))).astype(np.float32)
+    k[0, 0, :32] = 0.0                       # an all-zero block: d = 0, codes 0
+    v = rng.standard_normal((T, kvh, d)).astype(np.float32)
+    return k, v
+
+
+def test_kv_write_stores_ggml_q8_0_blocks():
+    rng = np.random.default_rng(0)
+    T, kvh, d, bs = 24, 2, 64, 4
+    k, v = _random_kv(rng, T, kvh, d)
+    kc, vc = q8_pool(8, bs, kvh, d), q8_pool(8, bs, kvh, d)
+    slots = rng.permutation(8 * bs)[:T].astype(np.int64)
+    K.kv_write(kc, vc, k, v, slots)
+    for t in range(T):
+        blk, off = divmod(int(slots[t]), bs)
+        for h in range(kvh):
+            assert kc[blk, off, h].tobytes() == q8_reference(k[t, h])
+            assert vc[blk, off, h].tobytes() == q8_reference(v[t, h])
+    # gguf's own Q8_0 decoder reads our bytes as the values they stand for, and kv_scalar
+    # reads the same values
+    flat = dequantize(kc.reshape(-1), GGMLQuantizationType.Q8_0).reshape(8, bs, kvh, d)
+    got = _read_scalar(kc, np.empty((8, bs, kvh, d), np.float32))
+    np.testing.assert_array_equal(got, flat)
+    # and they are within half a step of the inputs (plus the f16 rounding of the step)
+    for t in range(T):
+        blk, off = divmod(int(slots[t]), bs)
+        step = np.abs(k[t]).reshape(kvh, -1, 32).max(-1, keepdims=True) / 127
+        err = np.abs(flat[blk, off] - k[t]).reshape(kvh, -1, 32)
+        assert (err <= step * (0.5 + 127 / 2048) + 1e-30).all()
+
+
+def test_gguf_quantizer_agrees_on_codes():
+    """gguf's reference quantizer (1/d, not 127/amax) gives the same bytes nearly always."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 1, 256)).astype(np.float32)
+    kc = q8_pool(64, 1, 1, 256)
+    K.kv_write(kc, kc.copy(), x, x, np.arange(64, dtype=np.int64))
+    from gguf.quants import quantize
+    ref = quantize(x.reshape(64, 256), GGMLQuantizationType.Q8_0).reshape(-1)
+    same = (kc.reshape(-1) == ref).mean()
+    assert same > 0.999, same
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("rounding", [True, False])
+def test_attention_over_q8_pool_equals_f32_pool_of_its_values(window, rounding):
+    """kv_vec widens codes * d exactly: attention over the q8_0 pool is the same bits as over
+    an f32 pool holding the dequantized values, mixed prefill and decode, grouped heads."""
+    rng = np.random.default_rng(2)
+    H, kvh, d, bs, nblk = 4, 2, 64, 4, 12
+    kc, vc = q8_pool(nblk, bs, kvh, d), q8_pool(nblk, bs, kvh, d)
+    lens = [13, 9]
+    tables = np.array([[3, 7, 1, 10], [0, 5, 11, 2]], np.int32)
+    seq = np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(lens)])
+    pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+    slots = (tables[seq, pos // bs].astype(np.int64) * bs + pos % bs)
+    k, v = _random_kv(rng, len(seq), kvh, d)
+    K.kv_write(kc, vc, k, v, slots)
+    kf = dequantize(kc.reshape(-1), GGMLQuantizationType.Q8_0).reshape(nblk, bs, kvh, d)
+    vf = dequantize(vc.reshape(-1), GGMLQuantizationType.Q8_0).reshape(nblk, bs, kvh, d)
+    kf, vf = np.ascontiguousarray(kf, np.float32), np.ascontiguousarray(vf, np.float32)
+    q = rng.standard_normal((len(seq), H, d)).astype(np.float32)
+    for nh in (1, 2):
+        a = K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.125), rounding,
+                              np.empty_like(q), False, nh)
+        b = K.paged_attention(q, kf, vf, tables, seq, pos, window, np.float32(0.125), rounding,
+                              np.empty_like(q), False, nh)
+        np.testing.assert_array_equal(a, b)
+        # a token alone (decode) gives the same bits as inside the batch
+        alone = K.paged_attention(q[20:21], kc, vc, tables, seq[20:21], pos[20:21], window,
+                                  np.float32(0.125), rounding, np.empty_like(q[:1]), False, nh)
+        np.testing.assert_array_equal(alone[0], a[20])
+
+
+def test_cpu_ops_kv_types():
+    ops = CpuOps(kv_cache_type="q8_0")
+    assert ops.kv_bytes_per_value == KV_BYTES_PER_VALUE["q8_0"] == 34 / 32
+    cache = ops.new_kv_cache(2, 3, 16, 1, 256)
+    assert cache.k[0].dtype == np.uint8 and cache.k[0].shape == (3, 16, 1, 8 * 34)
+    assert cache.nbytes == 2 * 2 * 3 * 16 * 8 * 34
+    assert CpuOps().kv_bytes_per_value == 2 and CpuOps().kv_cache_type == "f16"
+    assert CpuOps(numerics="f32").kv_cache_type == "f32"
+    with pytest.raises(ValueError, match="f16 or q8_0"):
+        CpuOps(kv_cache_type="q4_0")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.new_kv_cache(1, 1, 16, 1, 48)
