@@ -107,7 +107,7 @@ def test_admission_refuses_what_does_not_fit_and_changes_nothing():
     assert kv.admit(s, reserved_len=20, headroom=4) is None  # 5 blocks > 4
     assert s.block_table == [] and kv.pool.num_free == 4
     assert kv.stats().prefix.lookups == 0
-    assert kv.admit(s, reserved_len=16, headroom=4) == 4
+    assert kv.admit(s, reserved_len=16, headroom=4) == (4, 0)
     kv.check_invariants([s])
 
 
@@ -120,7 +120,7 @@ def test_revived_cached_blocks_cost_headroom():
     b = _seq(1, list(range(8)) + [5])
     # needs 3 blocks: 2 hits (both evictable, so they leave the available count) + 1 new
     assert kv.admit(b, 0, headroom=2) is None
-    assert kv.admit(b, 0, headroom=3) == 3
+    assert kv.admit(b, 0, headroom=3) == (3, 0)
     assert b.num_cached_tokens == 8
     kv.check_invariants([b])
 

@@ -51,10 +51,16 @@ def reference(tokens, n_out, max_tokens, stops=frozenset(), max_model_len=10**9)
 
 
 class FakeKVRunner:
+    """With a window group (kv.window > 0) it also keeps a window store, written through
+    each sequence's window table, and checks that every chunk's positions see their last
+    `window` positions there, as the sliding-window layers would read them."""
+
     def __init__(self, kv: KVCacheManager):
         self.kv = kv
         self.bs = kv.block_size
         self.store = [[None] * kv.block_size for _ in range(kv.num_blocks)]
+        self.wstore = ([[None] * kv.block_size for _ in range(kv.window_pool.num_blocks)]
+                       if kv.window else None)
 
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         pool, bs = self.kv.pool, self.bs
@@ -70,12 +76,21 @@ class FakeKVRunner:
                 assert pool.ref_count(b) == 1, (seq, p, b)
                 assert not pool.is_cached(b), (seq, p, b)
                 self.store[b][p % bs] = t
+                if self.wstore is not None:
+                    w = seq.window_table[p // bs]
+                    wpool = self.kv.window_pool
+                    assert w >= 0 and wpool.ref_count(w) == 1 and not wpool.is_cached(w)
+                    self.wstore[w][p % bs] = t
         sampled = {}
         for ch in out.chunks:
             seq = ch.seq
             end = ch.start + len(ch.token_ids)
             view = [self.store[seq.block_table[p // bs]][p % bs] for p in range(end)]
             assert view == seq.token_ids[:end], f"attention view of {seq!r} is corrupt"
+            if self.wstore is not None:
+                lo = max(0, ch.start - self.kv.window + 1)
+                wview = [self.wstore[seq.window_table[p // bs]][p % bs] for p in range(lo, end)]
+                assert wview == seq.token_ids[lo:end], f"window view of {seq!r} is corrupt"
             assert ch.needs_logits == (end == seq.num_tokens)
             if ch.needs_logits:
                 sampled[seq.seq_id] = next_token(view)
@@ -85,9 +100,11 @@ class FakeKVRunner:
 class Harness:
     """A minimal engine loop: schedule, run, update, stop tokens, invariants."""
 
-    def __init__(self, config: SchedulerConfig, prefix_cache=True, stops=frozenset()):
+    def __init__(self, config: SchedulerConfig, prefix_cache=True, stops=frozenset(),
+                 window=0, window_blocks=0):
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, prefix_cache)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, prefix_cache,
+                                 window=window, window_blocks=window_blocks)
         self.sched = Scheduler(config, self.kv)
         self.runner = FakeKVRunner(self.kv)
         self.stops = frozenset(stops)
@@ -410,7 +427,14 @@ def test_random_workloads_keep_invariants_and_finish_everything(data):
     )
     num_blocks = config.num_blocks
     stops = frozenset(rng.sample(range(VOCAB), rng.choice([0, 0, 5, 30])))
-    h = Harness(config, prefix_cache=data.draw(st.booleans(), label="prefix"), stops=stops)
+    window = data.draw(st.sampled_from([0, 0, 1, 3, 8, 17]), label="window")
+    # the window pool: as small as one sequence's window and a step's chunk, up to the full
+    # pool's size (the planner's range)
+    span = -(-(window - 1) // bs) + 1
+    window_blocks = rng.randint(min(num_blocks, span + -(-config.max_tokens_per_step // bs) + 1),
+                                num_blocks) if window else 0
+    h = Harness(config, prefix_cache=data.draw(st.booleans(), label="prefix"), stops=stops,
+                window=window, window_blocks=window_blocks)
     n_req = rng.randint(1, 12)
     shared = [rng.randrange(VOCAB) for _ in range(40)]
     arrivals: dict[int, list] = {}
@@ -431,6 +455,7 @@ def test_random_workloads_keep_invariants_and_finish_everything(data):
         assert h.steps < 5000, "no progress"
     h.kv.check_invariants([])
     assert h.kv.stats().blocks_used == 0
+    assert h.kv.stats().window_blocks_used == 0
     pool_tokens = num_blocks * bs
     for seq_id, seq in h.seqs.items():
         assert seq.is_finished

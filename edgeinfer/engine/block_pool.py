@@ -120,6 +120,14 @@ class BlockPool:
         block_id, _ = self._evictable.popitem(last=False)
         return block_id
 
+    def drop_evictable(self, block_id: int) -> None:
+        """Free an evictable block out of LRU order (the prefix cache dropped the tree node
+        it was attached to: a sliding-window block of an evicted full-attention node)."""
+        if block_id not in self._evictable:
+            raise BlockPoolError(f"drop of block {block_id} that is not evictable")
+        del self._evictable[block_id]
+        self.reclaim(block_id)
+
     def reclaim(self, block_id: int) -> None:
         """The prefix cache dropped its node for a block from pop_lru_evictable."""
         if self._ref[block_id] != 0 or not self._cached[block_id] or block_id in self._evictable:
@@ -128,15 +136,19 @@ class BlockPool:
         self._free.append(block_id)
 
     # -- checking --------------------------------------------------------------------
-    def check_invariants(self, live_sequences: Iterable[Sequence]) -> None:
-        """Every block is exactly one of free / owned / evictable; refs match the tables."""
+    def check_invariants(self, live_sequences: Iterable[Sequence],
+                         table_of=lambda seq: seq.block_table) -> None:
+        """Every block is exactly one of free / owned / evictable; refs match the tables
+        (`table_of(seq)`: the ids it holds in this pool; a sliding-window group's table
+        without its released entries)."""
         holders = [0] * self.num_blocks
         for seq in live_sequences:
-            if seq.is_finished and seq.block_table:
+            table = table_of(seq)
+            if seq.is_finished and table:
                 raise BlockPoolError(f"finished {seq!r} still holds blocks")
-            if len(set(seq.block_table)) != len(seq.block_table):
-                raise BlockPoolError(f"{seq!r} holds a block twice: {seq.block_table}")
-            for block_id in seq.block_table:
+            if len(set(table)) != len(table):
+                raise BlockPoolError(f"{seq!r} holds a block twice: {table}")
+            for block_id in table:
                 if not 0 <= block_id < self.num_blocks:
                     raise BlockPoolError(f"{seq!r} holds bad block id {block_id}")
                 holders[block_id] += 1

@@ -11,6 +11,15 @@ block some sequence holds is never evicted. Because every sequence that holds a 
 block also holds all its ancestors' blocks (tables are published in order, duplicates are
 adopted, see KVCacheManager), unreferenced nodes only have unreferenced descendants, and
 the pool's release order puts descendants first: evicting in LRU order takes leaves only.
+
+Sliding-window layers (Gemma 3's local layers) keep their K/V in a second pool (`window_pool`)
+with blocks of their own: a node may also name the window block of its tokens
+(`window_id`, -1 when there is none). A window block is needed only while it is inside the
+window of a position still to be computed, so sequences release theirs early and the
+window pool evicts them in its own LRU order, from any node, without touching the tree; a
+node evicted from the tree frees its window block with it. A sequence that holds a node's
+window block also holds the node's block (its full-attention table is never trimmed), so
+an evictable node's window block is always unreferenced.
 """
 
 from __future__ import annotations
@@ -21,11 +30,12 @@ from edgeinfer.engine.block_pool import BlockPool, BlockPoolError
 
 
 class _Node:
-    __slots__ = ("key", "block_id", "parent", "children", "last_access")
+    __slots__ = ("key", "block_id", "window_id", "parent", "children", "last_access")
 
     def __init__(self, key: tuple[int, ...], block_id: int, parent: _Node | None) -> None:
         self.key = key
         self.block_id = block_id
+        self.window_id = -1         # the sliding-window group's block, -1 when none
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_access = 0
@@ -47,11 +57,14 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int,
+                 window_pool: BlockPool | None = None) -> None:
         self.pool = pool
+        self.window_pool = window_pool
         self.block_size = block_size
         self.root = _Node((), -1, None)
         self._by_block: dict[int, _Node] = {}
+        self._by_window: dict[int, _Node] = {}
         self._clock = 0  # logical time: deterministic, cheaper than a syscall
         self._lookups = 0
         self._hits = 0
@@ -148,9 +161,42 @@ class PrefixCache:
             assert node.parent is not None
             del node.parent.children[node.key]
             node.parent = None
+            if node.window_id >= 0:
+                assert self.window_pool is not None
+                del self._by_window[node.window_id]
+                self.window_pool.drop_evictable(node.window_id)
+                node.window_id = -1
             self.pool.reclaim(block_id)
             evicted += 1
         self._evicted += evicted
+        return evicted
+
+    # -- the sliding-window group --------------------------------------------------------
+    def attach_window(self, node: _Node, window_id: int) -> None:
+        """Publish `window_id` (an owned, full window block) as `node`'s window block."""
+        assert self.window_pool is not None
+        if node.window_id >= 0:
+            raise BlockPoolError(f"node of block {node.block_id} already has a window block")
+        if window_id in self._by_window:
+            raise BlockPoolError(f"window block {window_id} is already cached elsewhere")
+        self.window_pool.mark_cached(window_id)
+        node.window_id = window_id
+        self._by_window[window_id] = node
+
+    def evict_window(self, num_blocks: int) -> int:
+        """Return up to `num_blocks` unreferenced window blocks to the window pool's free
+        list, LRU first; their nodes stay in the tree (without window K/V, a hit can no
+        longer end right after them)."""
+        assert self.window_pool is not None
+        evicted = 0
+        while evicted < num_blocks:
+            window_id = self.window_pool.pop_lru_evictable()
+            if window_id is None:
+                break
+            node = self._by_window.pop(window_id)
+            node.window_id = -1
+            self.window_pool.reclaim(window_id)
+            evicted += 1
         return evicted
 
     # -- reporting -------------------------------------------------------------------
@@ -195,6 +241,20 @@ class PrefixCache:
                 stack.append(child)
         if seen != len(self._by_block):
             raise BlockPoolError("block index holds nodes that are not in the tree")
+        for w, node in self._by_window.items():
+            if node.window_id != w or self._by_block.get(node.block_id) is not node:
+                raise BlockPoolError(f"window block {w} indexed for a node that lost it")
+            assert self.window_pool is not None
+            if not self.window_pool.is_cached(w):
+                raise BlockPoolError(f"window block {w} not marked cached in its pool")
+            if self.pool.ref_count(node.block_id) == 0 and self.window_pool.ref_count(w):
+                raise BlockPoolError(f"window block {w} is referenced but its node's block "
+                                     f"{node.block_id} is not")
+        if self.window_pool is not None:
+            n_w = sum(self.window_pool.is_cached(b) for b in range(self.window_pool.num_blocks))
+            if n_w != len(self._by_window):
+                raise BlockPoolError(f"window pool marks {n_w} blocks cached, tree has "
+                                     f"{len(self._by_window)}")
         n_cached = sum(self.pool.is_cached(b) for b in range(self.pool.num_blocks))
         if n_cached != seen:
             raise BlockPoolError(f"pool marks {n_cached} blocks cached, tree has {seen}")

@@ -13,7 +13,8 @@ Each `schedule()` builds one batch under a token budget:
 Admission control: a waiting sequence is admitted when the pool can hold blocks for its
 prompt plus an output reserve of min(remaining max_tokens, output_reserve) tokens, after
 the reserves already promised to running sequences (counting unreferenced prefix-cache
-blocks as free). The reserve is a promise, not an allocation: blocks are taken as decode
+blocks as free); with a sliding-window group, its pool must also hold one window more
+(KVCacheManager.headroom). The reserve is a promise, not an allocation: blocks are taken as decode
 reaches them, and preemption covers the case where the promises were too small.
 
 The engine thread owns the scheduler (nothing here is thread-safe); one step is:
@@ -139,6 +140,8 @@ class SchedulerStats:
             "kv_blocks_used": self.blocks_used,
             "kv_blocks_free": self.blocks_free,
             "kv_blocks_cached": self.blocks_cached,
+            "kv_window_blocks_total": self.kv.window_blocks,
+            "kv_window_blocks_used": self.kv.window_blocks_used,
             "prefix_hits": self.prefix_hits,
             "prefix_misses": self.prefix_misses,
             "prefix_cached_tokens": self.cached_tokens,
@@ -268,11 +271,8 @@ class Scheduler:
         if budget <= 0 or not self.waiting or len(self.running) >= self.config.max_running_seqs:
             return
         kv = self.kv
-        # blocks promised to running sequences but not yet taken: O(running)
-        promised = sum(
-            max(0, kv.blocks_for(s.reserved_len) - len(s.block_table)) for s in self.running
-        )
-        headroom = kv.num_available - promised
+        # per pool, available blocks less those promised to running sequences: O(running)
+        headroom = kv.headroom(self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_seqs:
             seq = self.waiting[0]
             if seq.num_prompt_tokens >= self.config.max_model_len:
@@ -305,14 +305,14 @@ class Scheduler:
             if not self.running:
                 # alone, it only has to fit its prompt: never starve a request whose
                 # prompt fits the pool because of the reserve
-                cost = kv.admit(seq, reserved_len, headroom=kv.num_available)
+                cost = kv.admit(seq, reserved_len, headroom=kv.available())
                 if cost is None:
-                    cost = kv.admit(seq, seq.num_tokens, headroom=kv.num_available)
+                    cost = kv.admit(seq, seq.num_tokens, headroom=kv.available())
             else:
                 cost = kv.admit(seq, reserved_len, headroom)
             if cost is None:
                 break  # FIFO: nobody overtakes the head of the queue
-            headroom -= cost
+            headroom = (headroom[0] - cost[0], headroom[1] - cost[1])
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -65,6 +65,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at the latest admission
         self.block_table: list[int] = []
+        # the sliding-window layers' table (KVCacheManager with a window group): indexed like
+        # block_table, -1 for the leading blocks already released (out of every window)
+        self.window_table: list[int] = []
+        self.window_released = 0  # leading entries of window_table that are -1
         # leading blocks of block_table that are published in the prefix cache
         self.num_published_blocks = 0
         # token count whose blocks admission promised room for (prompt + output reserve)
