@@ -1,0 +1,588 @@
+"""Paged causal attention for the CPU backend (numba, GIL released).
+
+One kernel serves prefill chunks, decode tokens and mixed batches. The work is cut into
+tiles: a run of up to TILE consecutive query tokens of one sequence, times the query heads
+of one KV head that a work item takes (`heads_per_item`). A tile reads the K and V rows of
+its keys through the block table, and
+
+1. scores every (query row, key) pair in blocks of 4 rows x 2 keys, so each widened K chunk
+   feeds four dot products and eight accumulators stay in registers;
+2. takes each row's softmax over that row's own keys (its causal / sliding-window range);
+3. sums the V rows in blocks of 4 rows x 64 columns held in registers across all keys, so
+   the output row is stored once, not loaded and stored again for every key.
+
+Every query row's numbers come from one fixed sequence of operations, whatever tile, block or
+batch it lands in, so a token's output is the same bits alone (decode), in a prefill chunk of
+any length or in a mixed batch:
+- q.k: 16 float32 partial sums over d (d, d + 16, ... with FMA), then a fixed pairwise tree
+  over the 16 lanes (vhsum), then times `scale`;
+- softmax: the max over the row's keys; exp in float64 of (score - max), rounded to float32,
+  and summed in float64 in key order; weights = e * float32(1 / sum), rounded to f16 with
+  ggml_rounding (llama.cpp's f16-cache matmul rounds them so);
+- output: per column, 0 + w0 * v0 + w1 * v1 + ... in key order (a multiply and an add,
+  two roundings).
+These are the operations of the per-token kernel this replaces (kept below as
+`_attend_heads`, for head sizes that are not a multiple of 16 and as the reference in tests),
+so the result is also the same bits as before.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from . import _stamp
+from ._simd import f16x, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vsub, vzero
+from .kernels import kv_scalar, kv_vec, round_f16
+
+_DEPS = ("_simd.py", "kernels.py")        # inlined here: see _stamp.py
+_DEPS_HASH = "1343bab0d2b58d08"
+
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
+
+# No fastmath: with reassociation LLVM may order a sum differently in two copies of a loop,
+# and a token's result would depend on its batch.
+_JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
+_PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
+
+TILE = 16           # query tokens per tile (consecutive positions of one sequence)
+
+
+# -- softmax in 16 lanes ----------------------------------------------------------------------
+
+_F = ir.FloatType()
+_I32 = ir.IntType(32)
+_VF = ir.VectorType(_F, 16)
+_VI = ir.VectorType(_I32, 16)
+
+
+def _vconst(x):
+    return ir.Constant(_VF, [float(x)] * 16)
+
+
+def _fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
+                                        "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _vmax_ir(builder, a, b):
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+@intrinsic
+def vexp(typingctx, v):
+    """exp of 16 float32 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, a degree-6
+    polynomial in r with FMA, times 2^n), about 1 ulp. Inputs below -88 give 0 (and so does
+    -inf). Fixed IEEE operations only: the same bits on every call, whatever the lane."""
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        lo = _vconst(-88.0)
+        x = builder.select(builder.fcmp_ordered("<", x, lo), lo, x)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF]),
+                                            "llvm.rint.v16f32")
+        n = builder.call(fn, [builder.fmul(x, _vconst(1.44269504088896341))])
+        r = _fma(builder, n, _vconst(-0.693359375), x)
+        r = _fma(builder, n, _vconst(2.12194440e-4), r)
+        y = _vconst(1.9875691500e-4)
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                  5.0000001201e-1):
+            y = _fma(builder, y, r, _vconst(c))
+        y = _fma(builder, y, builder.fmul(r, r), r)
+        y = builder.fadd(y, _vconst(1.0))
+        e = builder.fptosi(n, _VI)
+        bits = builder.shl(builder.add(e, ir.Constant(_VI, [127] * 16)),
+                           ir.Constant(_VI, [23] * 16))
+        return builder.fmul(y, builder.bitcast(bits, _VF))
+    return f16x(v), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return _vmax_ir(builder, args[0], args[1])
+    return f16x(a, b), codegen
+
+
+@intrinsic
+def vhmax(typingctx, v):
+    """The largest of the 16 lanes, as float32."""
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        u = ir.Constant(_VF, ir.Undefined)
+        for width in (8, 4, 2, 1):
+            hi = builder.shuffle_vector(
+                x, u, ir.Constant(_VI, list(range(width, 2 * width)) + [0] * (16 - width)))
+            x = _vmax_ir(builder, x, hi)
+        return builder.extract_element(x, ir.Constant(_I32, 0))
+    return types.float32(v), codegen
+
+
+@intrinsic
+def vround_f16(typingctx, v):
+    """Each lane to the nearest float16 (ties to even), widened back: as round_f16."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.VectorType(ir.HalfType(), 16)), _VF)
+    return f16x(v), codegen
+
+
+@njit(inline="always", nogil=True)
+def _softmax_row(sc, r, jlo, jhi, ggml_rounding):
+    """Softmax of sc[r, jlo..jhi] in place. The lanes are keys jlo + 16c + l, counted from
+    the row's own first key; the row's storage must extend 15 floats past jhi (they are
+    overwritten). max over the keys; e = exp(s - max) in float32 (vexp); sum: each 16-key
+    chunk's lanes in vhsum's tree, the chunks added in float64 in key order; weights
+    e * float32(1 / sum), rounded to f16 with ggml_rounding."""
+    W = sc.shape[1]
+    for j in range(jhi + 1, jhi + 16):
+        sc[r, j] = -np.inf
+    base = r * W + jlo
+    nc = (jhi - jlo + 16) // 16
+    mv = vsplat(-np.inf)
+    for c in range(nc):
+        mv = vmax(mv, vload(sc, base + 16 * c))
+    m = vsplat(vhmax(mv))
+    total = 0.0             # float64
+    for c in range(nc):
+        e = vexp(vsub(vload(sc, base + 16 * c), m))
+        vstore(sc, base + 16 * c, e)
+        total += vhsum(e)
+    inv = vsplat(np.float32(1.0 / total))
+    for c in range(nc):
+        w = vmul(vload(sc, base + 16 * c), inv)
+        vstore(sc, base + 16 * c, vround_f16(w) if ggml_rounding else w)
+
+
+@njit(inline="always", nogil=True)
+def _window_start(pos, window):
+    if window > 0 and pos - window + 1 > 0:
+        return pos - window + 1
+    return 0
+
+
+# -- the reference: one query token per work item -------------------------------------------
+
+@njit(inline="always", nogil=True)
+def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                  ggml_rounding, out, t, h0, nh):
+    """Attention of query token t for heads h0..h0+nh-1, which share one KV head: each K and
+    V row is read once for all of them (grouped-query attention). The operations per head
+    are those listed in the module docstring."""
+    T, H, D = q.shape
+    bs = k_cache.shape[1]
+    KVH = k_cache.shape[2]
+    kvh = h0 // (H // KVH)
+    s = token_seq[t]
+    pos = positions[t]
+    start = _window_start(pos, window)
+    n = pos - start + 1
+    scores = np.empty((nh, n + 16), np.float32)
+    qv = np.empty((nh, D), np.float32)
+    for i in range(nh):
+        for d in range(D):
+            qv[i, d] = round_f16(q[t, h0 + i, d]) if ggml_rounding else q[t, h0 + i, d]
+    for j in range(n):
+        p = start + j
+        blk = block_tables[s, p // bs]
+        for i in range(nh):
+            if D % 16 == 0:
+                kbase = ((blk * bs + p % bs) * KVH + kvh) * D
+                accv = vzero()
+                for d in range(0, D, 16):
+                    accv = vfma(vload(qv[i], d), kv_vec(k_cache, kbase + d), accv)
+                acc = vhsum(accv)
+            else:
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += qv[i, d] * kv_scalar(k_cache, (blk, p % bs, kvh, d))
+            acc *= scale
+            scores[i, j] = acc
+    for i in range(nh):
+        _softmax_row(scores, i, 0, n - 1, ggml_rounding)
+        o = out[t, h0 + i]
+        for d in range(D):
+            o[d] = 0.0
+    for j in range(n):
+        p = start + j
+        blk = block_tables[s, p // bs]
+        if D % 16 == 0:
+            # a multiply and an add per lane: the same two roundings as the scalar loop
+            vbase = ((blk * bs + p % bs) * KVH + kvh) * D
+            for i in range(nh):
+                o = out[t, h0 + i]
+                wv = vsplat(scores[i, j])
+                for d in range(0, D, 16):
+                    vstore(o, d, vadd(vload(o, d), vmul(wv, kv_vec(v_cache, vbase + d))))
+        else:
+            for i in range(nh):
+                o = out[t, h0 + i]
+                w = scores[i, j]
+                for d in range(D):
+                    o[d] += w * kv_scalar(v_cache, (blk, p % bs, kvh, d))
+
+
+@njit(**_PJIT)
+def paged_attention_ref(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                        ggml_rounding, out, par, heads_per_item=1):
+    """The per-token kernel (one token x nh heads per work item): the reference the tiled
+    kernel must equal bit for bit, and a baseline for benchmarks/kernels.py."""
+    T, H = q.shape[0], q.shape[1]
+    nh = heads_per_item
+    items = T * (H // nh)
+    if par:
+        for it in prange(items):
+            _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
+                          scale, ggml_rounding, out, it // (H // nh), (it % (H // nh)) * nh, nh)
+    else:
+        for it in range(items):
+            _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
+                          scale, ggml_rounding, out, it // (H // nh), (it % (H // nh)) * nh, nh)
+    return out
+
+
+# -- the tiled kernel --------------------------------------------------------------------------
+
+@njit(inline="always", nogil=True)
+def _qk_4x2(qv, r, kc, kb, j0, j1, D, sc, scale):
+    """Scores of rows r..r+3 against keys j0 and j1 (j1 may equal j0)."""
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    b0 = vzero()
+    b1 = vzero()
+    b2 = vzero()
+    b3 = vzero()
+    q0 = r * D
+    k0 = kb[j0]
+    k1 = kb[j1]
+    for d in range(0, D, 16):
+        x0 = kv_vec(kc, k0 + d)
+        x1 = kv_vec(kc, k1 + d)
+        y = vload(qv, q0 + d)
+        a0 = vfma(y, x0, a0)
+        b0 = vfma(y, x1, b0)
+        y = vload(qv, q0 + D + d)
+        a1 = vfma(y, x0, a1)
+        b1 = vfma(y, x1, b1)
+        y = vload(qv, q0 + 2 * D + d)
+        a2 = vfma(y, x0, a2)
+        b2 = vfma(y, x1, b2)
+        y = vload(qv, q0 + 3 * D + d)
+        a3 = vfma(y, x0, a3)
+        b3 = vfma(y, x1, b3)
+    sc[r, j0] = vhsum(a0) * scale
+    sc[r + 1, j0] = vhsum(a1) * scale
+    sc[r + 2, j0] = vhsum(a2) * scale
+    sc[r + 3, j0] = vhsum(a3) * scale
+    sc[r, j1] = vhsum(b0) * scale
+    sc[r + 1, j1] = vhsum(b1) * scale
+    sc[r + 2, j1] = vhsum(b2) * scale
+    sc[r + 3, j1] = vhsum(b3) * scale
+
+
+@njit(inline="always", nogil=True)
+def _qk_1x2(qv, r, kc, kb, j0, j1, D, sc, scale):
+    """Scores of row r against keys j0 and j1 (j1 may equal j0)."""
+    a0 = vzero()
+    b0 = vzero()
+    q0 = r * D
+    k0 = kb[j0]
+    k1 = kb[j1]
+    for d in range(0, D, 16):
+        y = vload(qv, q0 + d)
+        a0 = vfma(y, kv_vec(kc, k0 + d), a0)
+        b0 = vfma(y, kv_vec(kc, k1 + d), b0)
+    sc[r, j0] = vhsum(a0) * scale
+    sc[r, j1] = vhsum(b0) * scale
+
+
+@njit(inline="always", nogil=True)
+def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D):
+    """Output columns c..c+63 of rows r..r+3 (which share their keys jlo..jhi): the weighted
+    sum of V in key order, held in 16 registers; stored at flat offsets o0 + row * D."""
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    b0 = vzero()
+    b1 = vzero()
+    b2 = vzero()
+    b3 = vzero()
+    e0 = vzero()
+    e1 = vzero()
+    e2 = vzero()
+    e3 = vzero()
+    f0 = vzero()
+    f1 = vzero()
+    f2 = vzero()
+    f3 = vzero()
+    for j in range(jlo, jhi + 1):
+        base = kb[j] + c
+        x0 = kv_vec(vc, base)
+        x1 = kv_vec(vc, base + 16)
+        x2 = kv_vec(vc, base + 32)
+        x3 = kv_vec(vc, base + 48)
+        w = vsplat(sc[r, j])
+        a0 = vadd(a0, vmul(w, x0))
+        a1 = vadd(a1, vmul(w, x1))
+        a2 = vadd(a2, vmul(w, x2))
+        a3 = vadd(a3, vmul(w, x3))
+        w = vsplat(sc[r + 1, j])
+        b0 = vadd(b0, vmul(w, x0))
+        b1 = vadd(b1, vmul(w, x1))
+        b2 = vadd(b2, vmul(w, x2))
+        b3 = vadd(b3, vmul(w, x3))
+        w = vsplat(sc[r + 2, j])
+        e0 = vadd(e0, vmul(w, x0))
+        e1 = vadd(e1, vmul(w, x1))
+        e2 = vadd(e2, vmul(w, x2))
+        e3 = vadd(e3, vmul(w, x3))
+        w = vsplat(sc[r + 3, j])
+        f0 = vadd(f0, vmul(w, x0))
+        f1 = vadd(f1, vmul(w, x1))
+        f2 = vadd(f2, vmul(w, x2))
+        f3 = vadd(f3, vmul(w, x3))
+    o = o0 + c
+    vstore(out, o, a0)
+    vstore(out, o + 16, a1)
+    vstore(out, o + 32, a2)
+    vstore(out, o + 48, a3)
+    o += D
+    vstore(out, o, b0)
+    vstore(out, o + 16, b1)
+    vstore(out, o + 32, b2)
+    vstore(out, o + 48, b3)
+    o += D
+    vstore(out, o, e0)
+    vstore(out, o + 16, e1)
+    vstore(out, o + 32, e2)
+    vstore(out, o + 48, e3)
+    o += D
+    vstore(out, o, f0)
+    vstore(out, o + 16, f1)
+    vstore(out, o + 32, f2)
+    vstore(out, o + 48, f3)
+
+
+@njit(inline="always", nogil=True)
+def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0):
+    """Output columns c..c+63 of row r (see _pv_4x4)."""
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    for j in range(jlo, jhi + 1):
+        base = kb[j] + c
+        w = vsplat(sc[r, j])
+        a0 = vadd(a0, vmul(w, kv_vec(vc, base)))
+        a1 = vadd(a1, vmul(w, kv_vec(vc, base + 16)))
+        a2 = vadd(a2, vmul(w, kv_vec(vc, base + 32)))
+        a3 = vadd(a3, vmul(w, kv_vec(vc, base + 48)))
+    o = o0 + c
+    vstore(out, o, a0)
+    vstore(out, o + 16, a1)
+    vstore(out, o + 32, a2)
+    vstore(out, o + 48, a3)
+
+
+@njit(inline="always", nogil=True)
+def _pv_1x1(sc, r, vc, kb, jlo, jhi, c, out, o0):
+    """Output columns c..c+15 of row r (the last columns when D is not a multiple of 64)."""
+    a0 = vzero()
+    for j in range(jlo, jhi + 1):
+        a0 = vadd(a0, vmul(vsplat(sc[r, j]), kv_vec(vc, kb[j] + c)))
+    vstore(out, o0 + c, a0)
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=False)
+def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding, out,
+          t0, nt, h0, nh, qv, sc, kb):
+    """Tokens t0..t0+nt-1 (consecutive positions of one sequence) x heads h0..h0+nh-1 (one
+    KV head). qv, sc, kb: scratch of at least nt*nh x D, nt*nh x (keys + 16), keys."""
+    T, H, D = q.shape
+    bs = kc.shape[1]
+    KVH = kc.shape[2]
+    kvh = h0 // (H // KVH)
+    s = token_seq[t0]
+    lo = _window_start(positions[t0], window)
+    hi = positions[t0 + nt - 1]
+    for j in range(hi - lo + 1):
+        p = lo + j
+        kb[j] = ((block_tables[s, p // bs] * bs + p % bs) * KVH + kvh) * D
+    R = nt * nh
+    for r in range(R):
+        t = t0 + r // nh
+        h = h0 + r % nh
+        for d in range(D):
+            x = q[t, h, d]
+            qv[r, d] = round_f16(x) if ggml_rounding else x
+    # 1. scores, over the keys of the rows' tokens together (a row's own are a subrange)
+    r = 0
+    while r < R:
+        four = R - r >= 4
+        ta = r // nh
+        tb = (r + 3) // nh if four else ta
+        jlo = _window_start(positions[t0 + ta], window) - lo
+        jhi = positions[t0 + tb] - lo
+        for j in range(jlo, jhi + 1, 2):
+            j1 = j + 1 if j < jhi else j
+            if four:
+                _qk_4x2(qv, r, kc, kb, j, j1, D, sc, scale)
+            else:
+                _qk_1x2(qv, r, kc, kb, j, j1, D, sc, scale)
+        r += 4 if four else 1
+    # 2. softmax of each row over its own keys
+    for r in range(R):
+        pos = positions[t0 + r // nh]
+        _softmax_row(sc, r, _window_start(pos, window) - lo, pos - lo, ggml_rounding)
+    # 3. weighted V sums, per token (its heads share the keys)
+    for ti in range(nt):
+        t = t0 + ti
+        pos = positions[t]
+        jlo = _window_start(pos, window) - lo
+        jhi = pos - lo
+        i = 0
+        while i < nh:
+            r = ti * nh + i
+            o0 = (t * H + h0 + i) * D
+            if nh - i >= 4:
+                c = 0
+                while c + 64 <= D:
+                    _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D)
+                    c += 64
+                for k in range(4):
+                    for cc in range(c, D, 16):
+                        _pv_1x1(sc, r + k, vc, kb, jlo, jhi, cc, out, o0 + k * D)
+                i += 4
+            else:
+                c = 0
+                while c + 64 <= D:
+                    _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0)
+                    c += 64
+                for cc in range(c, D, 16):
+                    _pv_1x1(sc, r, vc, kb, jlo, jhi, cc, out, o0)
+                i += 1
+
+
+@njit(nogil=True, cache=_CACHE)
+def _plan(token_seq, positions, window, H, nh, tile, parts):
+    """Cut the batch into tiles (runs of up to `tile` consecutive positions of one sequence)
+    and deal the (tile, head group) items to `parts` lists of about equal cost (rows x keys,
+    largest first to the least loaded). Returns the items' first token, token count, first
+    head and part, ordered by part, with each part's first item, and the scratch sizes."""
+    T = token_seq.shape[0]
+    starts = np.empty(T, np.int64)
+    counts = np.empty(T, np.int64)
+    n = 0
+    t = 0
+    while t < T:
+        c = 1
+        while (c < tile and t + c < T and token_seq[t + c] == token_seq[t]
+               and positions[t + c] == positions[t + c - 1] + 1):
+            c += 1
+        starts[n] = t
+        counts[n] = c
+        n += 1
+        t += c
+    groups = H // nh
+    items = n * groups
+    cost = np.empty(items, np.float64)
+    max_keys = 1
+    max_rows = 1
+    for i in range(n):
+        t0 = starts[i]
+        keys = positions[t0 + counts[i] - 1] - _window_start(positions[t0], window) + 1
+        max_keys = max(max_keys, keys)
+        max_rows = max(max_rows, counts[i] * nh)
+        for g in range(groups):
+            cost[i * groups + g] = counts[i] * nh * (keys + 64.0)
+    order = np.argsort(-cost, kind="mergesort")
+    load = np.zeros(parts, np.float64)
+    part = np.empty(items, np.int64)
+    for it in order:
+        best = 0
+        for p in range(1, parts):
+            if load[p] < load[best]:
+                best = p
+        part[it] = best
+        load[best] += cost[it]
+    first = np.zeros(parts + 1, np.int64)
+    for it in range(items):
+        first[part[it] + 1] += 1
+    for p in range(parts):
+        first[p + 1] += first[p]
+    fill = first[:parts].copy()
+    it_t0 = np.empty(items, np.int64)
+    it_nt = np.empty(items, np.int64)
+    it_h0 = np.empty(items, np.int64)
+    for it in range(items):
+        k = fill[part[it]]
+        fill[part[it]] += 1
+        it_t0[k] = starts[it // groups]
+        it_nt[k] = counts[it // groups]
+        it_h0[k] = (it % groups) * nh
+    return it_t0, it_nt, it_h0, first, max_rows, max_keys
+
+
+@njit(**_PJIT)
+def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+         ggml_rounding, out, par, nh, tile, parts):
+    T, H, D = q.shape
+    it_t0, it_nt, it_h0, first, max_rows, max_keys = _plan(token_seq, positions, window, H, nh,
+                                                           tile, parts)
+    if par:
+        for p in prange(parts):
+            qv = np.empty((max_rows, D), np.float32)
+            sc = np.empty((max_rows, max_keys + 16), np.float32)
+            kb = np.empty(max_keys, np.int64)
+            for k in range(first[p], first[p + 1]):
+                _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                      ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb)
+    else:
+        qv = np.empty((max_rows, D), np.float32)
+        sc = np.empty((max_rows, max_keys + 16), np.float32)
+        kb = np.empty(max_keys, np.int64)
+        for k in range(first[0], first[parts]):
+            _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                  ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb)
+    return out
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                    ggml_rounding, out, par, heads_per_item=1, threads=None, tile=TILE):
+    """Causal attention for a flat batch of query tokens, reading K/V through block tables.
+
+    q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
+    row token_seq[t] of block_tables[S, max_blocks] and sits at positions[t]; it attends to
+    that sequence's positions [pos - window + 1, pos] (window <= 0: all of [0, pos]).
+    Mixed prefill chunks and decode tokens of many sequences go in one call; a token's
+    result is the same bits in any batch (see the module docstring).
+    ggml_rounding: round q and the softmax weights to f16 as llama.cpp's f16-cache matmuls do.
+    heads_per_item: query heads of one KV head handled together (a divisor of H / KVH): more
+    reads each K/V row once for more heads, fewer leaves more work items for the threads.
+    threads: how many lists of work the parallel loop deals (numba's thread count by
+    default); tile: query tokens per tile. Neither changes the result.
+    """
+    D = q.shape[2]
+    if D % 16:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, token_seq, positions,
+                                   window, scale, ggml_rounding, out, par, heads_per_item)
+    if threads is None:
+        import numba
+        threads = numba.get_num_threads()
+    parts = max(1, int(threads)) if par else 1
+    return _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                ggml_rounding, out, par, heads_per_item, tile, parts)
+
+
+def heads_per_item(T: int, H: int, KVH: int, threads: int) -> int:
+    """The most heads of a group per work item that still leaves an item for every thread
+    (the whole group on one thread when it runs serially)."""
+    group = H // KVH
+    nh = group
+    while nh > 1 and T * (H // nh) < threads and group % (nh // 2) == 0:
+        nh //= 2
+    return nh
