@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.backends.cpu import attention as A
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
@@ -288,10 +289,7 @@ class CpuOps:
         keys = min(longest, window) if window > 0 else longest
         par = _par(T * H * keys * D // 16)
         KVH = cache.k[layer].shape[2]
-        nh = K.heads_per_item(T, H, KVH, numba.get_num_threads() if par else 1)
-        return K.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
-                                 batch.token_seq, batch.positions, window, np.float32(scale),
-                                 ggml_rounding, out, par, nh)
+        nh = A.heads_per_item(T, H, KVH, numba.get_num_threads() if par else 1)
         ggml_rounding = self.numerics == "ggml"
         if ggml_rounding and self.kv_cache_type == "q8_0":
             # llama.cpp's flash attention over a q8_0 K cache: Q in q8_0 blocks (K's dot
@@ -299,3 +297,6 @@ class CpuOps:
             q2 = q.reshape(T * H, D)
             q = K.act_round_q8_0(q2, np.empty_like(q2)).reshape(T, H, D)
             ggml_rounding = False
+        return A.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
+                                 batch.token_seq, batch.positions, window, np.float32(scale),
+                                 ggml_rounding, out, par, nh)
