@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgeinfer.backends.cpu import attention as A
 from edgeinfer.backends.cpu import kernels as K
 
 
@@ -37,9 +38,9 @@ def test_serial_and_parallel_kernels_agree_bit_for_bit():
     seq = np.zeros(T, np.int32)
     pos = np.arange(60, 60 + T, dtype=np.int32)
     for window in (0, 32):
-        a = K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.0625), True,
+        a = A.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.0625), True,
                               np.empty_like(q), True)
-        b = K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.0625), True,
+        b = A.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.0625), True,
                               np.empty_like(q), False)
         np.testing.assert_array_equal(a, b)
     x = rng.standard_normal((9, 640)).astype(np.float32)
@@ -67,12 +68,12 @@ def test_grouped_heads_give_the_same_bits_as_one_head_at_a_time():
     pos = np.concatenate([np.arange(30, 43), np.arange(80, 90)]).astype(np.int32)
     for window in (0, 20):
         for rounding in (True, False):
-            outs = [K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.125),
+            outs = [A.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.125),
                                       rounding, np.empty_like(q), par, nh)
                     for nh in (1, 2, 4) for par in (True, False)]
             for o in outs[1:]:
                 np.testing.assert_array_equal(o, outs[0])
-            alone = K.paged_attention(q[5:6], kc, vc, tables, seq[5:6], pos[5:6], window,
+            alone = A.paged_attention(q[5:6], kc, vc, tables, seq[5:6], pos[5:6], window,
                                       np.float32(0.125), rounding, np.empty_like(q[5:6]),
                                       False, 4)
             np.testing.assert_array_equal(alone[0], outs[0][5])
@@ -88,13 +89,7 @@ def test_grouped_heads_give_the_same_bits_as_one_head_at_a_time():
                 sc = ks[:, kvh].astype(np.float64) @ q[t, h].astype(np.float64) * 0.125
                 w = np.exp(sc - sc.max())
                 ref[t, h] = (w / w.sum()) @ vs[:, kvh]
-        got = K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.125), False,
+        got = A.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.125), False,
                                 np.empty_like(q), True, 4)
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
-
-def test_heads_per_item_leaves_work_for_every_thread():
-    assert K.heads_per_item(T=512, H=4, KVH=1, threads=2) == 4     # prefill: whole groups
-    assert K.heads_per_item(T=1, H=4, KVH=1, threads=2) == 2       # decode: two halves
-    assert K.heads_per_item(T=1, H=4, KVH=1, threads=1) == 4       # serial: the whole group
-    assert K.heads_per_item(T=1, H=8, KVH=8, threads=2) == 1       # no grouping to do

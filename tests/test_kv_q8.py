@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from numba import njit
 
+from edgeinfer.backends.cpu import attention as A
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu.ops import CpuOps
 from edgeinfer.settings import KV_BYTES_PER_VALUE
@@ -104,13 +105,13 @@ def test_attention_over_q8_pool_equals_f32_pool_of_its_values(window, rounding):
     kf, vf = np.ascontiguousarray(kf, np.float32), np.ascontiguousarray(vf, np.float32)
     q = rng.standard_normal((len(seq), H, d)).astype(np.float32)
     for nh in (1, 2):
-        a = K.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.125), rounding,
+        a = A.paged_attention(q, kc, vc, tables, seq, pos, window, np.float32(0.125), rounding,
                               np.empty_like(q), False, nh)
-        b = K.paged_attention(q, kf, vf, tables, seq, pos, window, np.float32(0.125), rounding,
+        b = A.paged_attention(q, kf, vf, tables, seq, pos, window, np.float32(0.125), rounding,
                               np.empty_like(q), False, nh)
         np.testing.assert_array_equal(a, b)
         # a token alone (decode) gives the same bits as inside the batch
-        alone = K.paged_attention(q[20:21], kc, vc, tables, seq[20:21], pos[20:21], window,
+        alone = A.paged_attention(q[20:21], kc, vc, tables, seq[20:21], pos[20:21], window,
                                   np.float32(0.125), rounding, np.empty_like(q[:1]), False, nh)
         np.testing.assert_array_equal(alone[0], a[20])
 

@@ -1,8 +1,9 @@
-"""Element-wise and attention kernels for the CPU backend (numba, GIL released).
+"""Element-wise kernels and the K/V pools for the CPU backend (numba, GIL released).
 
-The quantized matmuls live in matmul.py; these are the small ops between them. Each kernel
-takes preallocated float32 arrays and works over a whole batch of tokens per call, so the
-per-token Python cost is a fixed number of calls per layer, independent of hidden size.
+The quantized matmuls live in matmul.py and attention in attention.py; these are the small
+ops between them. Each kernel takes preallocated float32 arrays and works over a whole batch
+of tokens per call, so the per-token Python cost is a fixed number of calls per layer,
+independent of hidden size.
 """
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from . import _stamp
-from ._simd import (bload_f16, hload, iload_i8, itof, vadd, vfma, vhsum, vload, vmul, vsplat,
-                    vstore, vzero)
+from ._simd import bload_f16, hload, iload_i8, itof, vload, vmul, vsplat
 
 _DEPS = ("_simd.py",)        # inlined here: see _stamp.py
 _DEPS_HASH = "87956b1a768fad6f"
@@ -309,125 +309,6 @@ def kv_row_width(kv_type: str, head_dim: int) -> int:
 def kv_dtype(kv_type: str):
     """The numpy dtype of a pool of this KV type (f32, f16 or q8_0)."""
     return {"f32": np.float32, "f16": np.uint16, "q8_0": np.uint8}[kv_type]
-
-
-@njit(inline="always", nogil=True)
-def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                  ggml_rounding, out, t, h0, nh):
-    """Attention of query token t for heads h0..h0+nh-1, which share one KV head: each K and
-    V row is read once for all of them instead of once per head (grouped-query attention
-    moves `group` times less cache memory this way). Each head's numbers come from the same
-    operations in the same order whichever heads share its item (16 partial sums over d and
-    a fixed tree for q.k; float64 softmax sum; V rows added in position order), so the
-    results are the same bits however heads are grouped, and whatever the batch."""
-    T, H, D = q.shape
-    bs = k_cache.shape[1]
-    KVH = k_cache.shape[2]
-    kvh = h0 // (H // KVH)
-    s = token_seq[t]
-    pos = positions[t]
-    start = 0
-    if window > 0 and pos - window + 1 > 0:
-        start = pos - window + 1
-    n = pos - start + 1
-    scores = np.empty((nh, n), np.float32)
-    qv = np.empty((nh, D), np.float32)
-    for i in range(nh):
-        for d in range(D):
-            qv[i, d] = round_f16(q[t, h0 + i, d]) if ggml_rounding else q[t, h0 + i, d]
-    m = np.full(nh, -np.inf)        # float64, as the single-head kernel kept its max
-    for j in range(n):
-        p = start + j
-        blk = block_tables[s, p // bs]
-        for i in range(nh):
-            if D % 16 == 0:
-                kbase = ((blk * bs + p % bs) * KVH + kvh) * D
-                accv = vzero()
-                for d in range(0, D, 16):
-                    accv = vfma(vload(qv[i], d), kv_vec(k_cache, kbase + d), accv)
-                acc = vhsum(accv)
-            else:
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += qv[i, d] * kv_scalar(k_cache, (blk, p % bs, kvh, d))
-            acc *= scale
-            scores[i, j] = acc
-            if acc > m[i]:
-                m[i] = acc
-    for i in range(nh):
-        total = 0.0  # float64, as ggml's softmax sums
-        for j in range(n):
-            e = np.exp(scores[i, j] - m[i])
-            scores[i, j] = e
-            total += e
-        inv = np.float32(1.0 / total)
-        for j in range(n):
-            w = scores[i, j] * inv
-            scores[i, j] = round_f16(w) if ggml_rounding else w
-        o = out[t, h0 + i]
-        for d in range(D):
-            o[d] = 0.0
-    for j in range(n):
-        p = start + j
-        blk = block_tables[s, p // bs]
-        if D % 16 == 0:
-            # a multiply and an add per lane: the same two roundings as the scalar loop
-            vbase = ((blk * bs + p % bs) * KVH + kvh) * D
-            for i in range(nh):
-                o = out[t, h0 + i]
-                wv = vsplat(scores[i, j])
-                for d in range(0, D, 16):
-                    vstore(o, d, vadd(vload(o, d), vmul(wv, kv_vec(v_cache, vbase + d))))
-        else:
-            for i in range(nh):
-                o = out[t, h0 + i]
-                w = scores[i, j]
-                for d in range(D):
-                    o[d] += w * kv_scalar(v_cache, (blk, p % bs, kvh, d))
-
-
-# No fastmath: with reassociation LLVM may order a sum differently in the parallel and the
-# serial copy of the loop, and a token's result would depend on its batch's size.
-@njit(**_PJIT)
-def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                    ggml_rounding, out, par, heads_per_item=1):
-    """Causal attention for a flat batch of query tokens, reading K/V through block tables.
-
-    q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
-    row token_seq[t] of block_tables[S, max_blocks] and sits at positions[t]; it attends to
-    that sequence's positions [pos - window + 1, pos] (window <= 0: all of [0, pos]).
-    Mixed prefill chunks and decode tokens of many sequences go in one call.
-    ggml_rounding: round q and the softmax weights to f16 as llama.cpp's f16-cache matmuls do.
-    heads_per_item: query heads of one KV head handled together (a divisor of H / KVH): more
-    reads each K/V row once for more heads, fewer leaves more work items for the threads.
-    The result is the same bits for any value (see _attend_heads).
-    """
-    T, H = q.shape[0], q.shape[1]
-    nh = heads_per_item
-    items = T * (H // nh)
-    if par:
-        for it in prange(items):
-            t = it // (H // nh)
-            h0 = (it % (H // nh)) * nh
-            _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
-                          scale, ggml_rounding, out, t, h0, nh)
-    else:
-        for it in range(items):
-            t = it // (H // nh)
-            h0 = (it % (H // nh)) * nh
-            _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
-                          scale, ggml_rounding, out, t, h0, nh)
-    return out
-
-
-def heads_per_item(T: int, H: int, KVH: int, threads: int) -> int:
-    """The most heads of a group per work item that still leaves an item for every thread
-    (the whole group on one thread when it runs serially)."""
-    group = H // KVH
-    nh = group
-    while nh > 1 and T * (H // nh) < threads and group % (nh // 2) == 0:
-        nh //= 2
-    return nh
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, base: float, scale: float = 1.0,
