@@ -211,7 +211,8 @@ def test_format_ps_backend_and_weights_columns():
     out = format_ps([
         {"name": "gemma3:270m", "digest": "a" * 64, "size": 300_000_000, "backend": "cpu",
          "device": "cpu", "weights_format": "gguf (quantized)", "context_length": 8192,
-         "expires_at": "2262-04-11T23:47:16Z"},
+         "expires_at": "2262-04-11T23:47:16Z", "kv_cache_type": "q8_0",
+         "kv_bytes_per_token": 9792},
         {"name": "gemma3:270m", "digest": "a" * 64, "size": 900_000_000,
          "backend": "torch:cuda", "device": "cuda", "weights_format": "bfloat16",
          "context_length": 8192, "active_requests": 1},
@@ -219,8 +220,8 @@ def test_format_ps_backend_and_weights_columns():
          "device": "cpu", "weights_format": "gguf (llama.cpp)", "context_length": 4096}])
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "WEIGHTS",
-                                "CONTEXT", "UNTIL"]
+                                "KV", "CACHE", "CONTEXT", "UNTIL"]
     cols = [[c.strip() for c in line.split("    ") if c.strip()] for line in lines[1:]]
-    assert cols[0][3:7] == ["100% CPU", "cpu", "gguf (quantized)", "8192"]
-    assert cols[1][3:] == ["100% GPU", "torch:cuda", "bfloat16", "8192", "busy"]
+    assert cols[0][3:8] == ["100% CPU", "cpu", "gguf (quantized)", "q8_0 9,792 B/tok", "8192"]
+    assert cols[1][3:] == ["100% GPU", "torch:cuda", "bfloat16", "-", "8192", "busy"]
     assert cols[2][3:6] == ["100% CPU", "llamacpp", "gguf (llama.cpp)"]

@@ -128,3 +128,128 @@ def test_cpu_ops_kv_types():
         CpuOps(kv_cache_type="q4_0")
     with pytest.raises(ValueError, match="multiple of 32"):
         ops.new_kv_cache(1, 1, 16, 1, 48)
+
+
+# ----- settings, CLI, model manager ----------------------------------------------------------
+
+def test_settings_kv_cache_type(monkeypatch):
+    from edgeinfer.settings import Settings, SettingsError
+    assert Settings.from_env({}).kv_cache_type == "f16"
+    assert Settings.from_env({"EDGEINFER_KV_CACHE_TYPE": "Q8_0"}).kv_cache_type == "q8_0"
+    with pytest.raises(SettingsError, match="EDGEINFER_KV_CACHE_TYPE 'q4_0'.*f16 or q8_0"):
+        Settings.from_env({"EDGEINFER_KV_CACHE_TYPE": "q4_0"})
+    s = Settings.from_env({}, kv_cache_type="q8_0")
+    assert s.engine_config("cpu").kv_cache_type == "q8_0"
+    assert s.engine_config("cpu", kv_cache_type="f16").kv_cache_type == "f16"
+
+
+@pytest.mark.parametrize("argv", [["run", "m", "--kv-cache-type", "q4_0"],
+                                  ["serve", "--kv-cache-type", "f32"]])
+def test_cli_rejects_unknown_kv_cache_type(argv, capsys):
+    from edgeinfer.cli.main import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-type" in err and "'f16'" in err and "'q8_0'" in err
+
+
+def test_cli_parses_kv_cache_type():
+    from edgeinfer.cli.main import build_parser
+    assert build_parser().parse_args(["run", "m", "--kv-cache-type", "q8_0"]).kv_cache_type == "q8_0"
+    assert build_parser().parse_args(["serve", "--kv-cache-type", "q8_0"]).kv_cache_type == "q8_0"
+    assert build_parser().parse_args(["run", "m"]).kv_cache_type is None
+
+
+def test_server_config_takes_the_flag(monkeypatch):
+    from edgeinfer.server.model_manager import ServerConfig
+    monkeypatch.setenv("EDGEINFER_KV_CACHE_TYPE", "q8_0")
+    assert ServerConfig.from_env().kv_cache_type == "q8_0"
+    assert ServerConfig.from_env(kv_cache_type="f16").kv_cache_type == "f16"
+
+
+def test_torch_refuses_q8_0():
+    torch_ops = pytest.importorskip("edgeinfer.backends.torch.ops")
+    with pytest.raises(ValueError, match="torch backend.*q8_0"):
+        torch_ops.TorchOps(device="cpu", check_memory=False, kv_cache_type="q8_0")
+
+
+def test_estimate_and_show_use_the_true_bytes(gemma3_path):
+    from edgeinfer.cli.show import kv_row, load_summary
+    from edgeinfer.runners.choice import estimate_memory
+    for backend in ("cpu", "llamacpp"):
+        est = estimate_memory(backend, str(gemma3_path), kv_cache_type="q8_0")
+        assert (est.kv_cache_type, est.kv_bytes_per_value) == ("q8_0", 34 / 32)
+        assert est.kv_bytes_per_token(18, 1, 256) == 9792
+        assert estimate_memory(backend, str(gemma3_path), kv_cache_type="f16"
+                               ).kv_bytes_per_token(18, 1, 256) == 18432
+    s = load_summary(str(gemma3_path))
+    _, text = kv_row(s, "cpu", "q8_0")
+    assert text.startswith("9,792 bytes/token (q8_0 on cpu)")
+    _, text = kv_row(s, "cpu", "f16")
+    assert text.startswith("18,432 bytes/token (f16 on cpu)")
+
+
+class _FakeRunner:
+    weights_bytes, kv_bytes, weights_format = 1000, 2000, "fake"
+
+    def __init__(self, kv_type):
+        from edgeinfer.runners.base import KVPlan
+        self.kv_plan = KVPlan(10, 16, 9792 if kv_type == "q8_0" else 18432)
+
+
+class _FakeEngine:
+    def __init__(self, path, ecfg):
+        self.ecfg = ecfg
+        self.runner = _FakeRunner(ecfg.kv_cache_type)
+        self.max_model_len = 64
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_manager_reloads_an_idle_model_for_another_kv_type(monkeypatch, tmp_path, gemma3_path):
+    """A request's kv_cache_type load option: an idle copy with another type is reloaded,
+    a busy one refuses with a 400 naming the option; no option keeps what is loaded."""
+    import asyncio
+
+    from edgeinfer.runners.choice import MemoryEstimate
+    from edgeinfer.server import model_manager as mm
+    from edgeinfer.server.errors import APIError
+    from edgeinfer.store.model_store import Store
+    engines = []
+
+    def new_engine(path, ecfg):
+        engines.append(_FakeEngine(path, ecfg))
+        return engines[-1]
+    monkeypatch.setattr(mm, "_new_engine", new_engine)
+    monkeypatch.setattr(mm, "estimate_memory", lambda *a, **k: MemoryEstimate(1000, 2))
+    monkeypatch.setattr(mm, "release_memory", lambda: None)
+    store = Store(tmp_path)
+    store.register_file(gemma3_path, "gemma3:270m")
+    cfg = mm.ServerConfig.from_env(backend="cpu", kv_cache_type="f16")
+
+    async def go():
+        m = mm.ModelManager(cfg, store)
+        lm, _ = await m.acquire("gemma3:270m")
+        assert (lm.kv_cache_type, lm.kv_bytes_per_token) == ("f16", 18432)
+        m.release(lm)
+        lm, _ = await m.acquire("gemma3:270m", kv_cache_type="q8_0")      # idle: reload
+        assert (lm.kv_cache_type, lm.kv_bytes_per_token) == ("q8_0", 9792)
+        assert len(engines) == 2 and engines[0].closed
+        assert engines[1].ecfg.kv_cache_type == "q8_0"
+        with pytest.raises(APIError) as e:                               # busy: refused
+            await m.acquire("gemma3:270m", kv_cache_type="f16")
+        assert e.value.status == 400 and e.value.param == "kv_cache_type"
+        assert "q8_0" in str(e.value) and "retry" in str(e.value)
+        lm2, _ = await m.acquire("gemma3:270m")             # no option: the loaded copy
+        assert lm2 is lm and len(engines) == 2
+        with pytest.raises(APIError) as e:
+            await m.acquire("gemma3:270m", kv_cache_type="q4_0")
+        assert e.value.status == 400 and "f16 or q8_0" in str(e.value)
+        with pytest.raises(APIError) as e:
+            await m.acquire("gemma3:270m", backend="torch:cpu", kv_cache_type="q8_0")
+        assert e.value.status == 400
+        m.release(lm, 2)
+    asyncio.run(go())

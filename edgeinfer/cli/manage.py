@@ -53,7 +53,10 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="default backend for the models it loads: cpu, torch, "
                                      "torch:DEVICE, llamacpp or auto (default EDGEINFER_BACKEND, "
                                      "else cpu)")
-    from edgeinfer.cli.run import add_device_arg
+    from edgeinfer.cli.run import add_device_arg, add_kv_cache_type_arg
+    add_kv_cache_type_arg(p, "KV cache type of the models it loads (default "
+                             "EDGEINFER_KV_CACHE_TYPE, else f16); a request's kv_cache_type "
+                             "load option overrides it per model")
     add_device_arg(p, "default device for the models it loads, for torch and auto (default "
                       "EDGEINFER_DEVICE): --backend torch --device cuda is torch:cuda; a "
                       "device alone lets auto place models on it")
@@ -96,12 +99,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return serve_ray(args.host, args.port, args.api_key, args.backend, args.device,
                              args.log_level, replicas=args.replicas,
                              max_replicas=args.max_replicas, ray_address=args.ray_address,
-                             routing=args.routing, replica_home=args.replica_home)
+                             routing=args.routing, replica_home=args.replica_home,
+                             kv_cache_type=args.kv_cache_type)
         except (ScaleOutError, daemon.DaemonError) as e:
             raise _user_error(str(e)) from None
     try:
         return daemon.serve(args.host, args.port, args.api_key, args.backend, args.log_level,
-                            device=args.device)
+                            device=args.device, kv_cache_type=args.kv_cache_type)
     except daemon.DaemonError as e:
         raise _user_error(str(e)) from None
 
@@ -110,7 +114,7 @@ def cmd_daemon_start(args: argparse.Namespace) -> int:
     try:
         running = daemon.read_pid_file()
         info = daemon.start_background(args.host, args.port, args.api_key, args.backend,
-                                       device=args.device)
+                                       device=args.device, kv_cache_type=args.kv_cache_type)
     except daemon.DaemonError as e:
         raise _user_error(str(e)) from None
     word = "already running" if running else "started"
@@ -148,15 +152,25 @@ def _until(expires_at: str | None) -> str:
     return f"{left / 3600:.0f} hours from now"
 
 
+def _kv_cell(m: dict) -> str:
+    kind = m.get("kv_cache_type")
+    if not kind:
+        return "-"
+    per_token = m.get("kv_bytes_per_token")
+    return f"{kind} {per_token:,} B/tok" if per_token else kind
+
+
 def format_ps(models: list[dict]) -> str:
-    """Ollama's `ps` table plus the backend and the weights' format of each loaded copy."""
-    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "WEIGHTS", "CONTEXT", "UNTIL")]
+    """Ollama's `ps` table plus the backend, the weights' format and the KV cache (type and
+    bytes per token of context) of each loaded copy."""
+    rows = [("NAME", "ID", "SIZE", "PROCESSOR", "BACKEND", "WEIGHTS", "KV CACHE", "CONTEXT",
+             "UNTIL")]
     for m in models:
         backend = m.get("backend") or "cpu"
         device = m.get("device") or ("cuda" if backend == "torch" else "cpu")
         proc = "100% GPU" if device in ("cuda", "mps") else "100% CPU"
         rows.append((m["name"], (m.get("digest") or "")[:12], _human_size(m.get("size", 0)),
-                     proc, backend, m.get("weights_format") or "-",
+                     proc, backend, m.get("weights_format") or "-", _kv_cell(m),
                      str(m.get("context_length", "")),
                      "busy" if m.get("active_requests") else _until(m.get("expires_at"))))
     if any("replica" in m for m in models):       # serve --ray: one row per replica's copy

@@ -54,13 +54,18 @@ def sampling_from_args(args: argparse.Namespace):
         raise UserError(str(e)) from None
 
 
-def load_engine(path: str, backend: str, num_ctx: int | None):
+def load_engine(path: str, backend: str, num_ctx: int | None, kv_cache_type: str | None = None):
     from edgeinfer.engine.core import Engine, EngineConfig
     from edgeinfer.formats.gguf_file import GGUFError
+    from edgeinfer.settings import current
     try:
-        return Engine(path, EngineConfig(backend=backend, max_model_len=num_ctx)).start()
+        return Engine(path, EngineConfig(backend=backend, max_model_len=num_ctx,
+                                         kv_cache_type=kv_cache_type or current().kv_cache_type)
+                      ).start()
     except GGUFError as e:
         raise UserError(f"{path}: {e}") from None
+    except ValueError as e:     # e.g. a KV cache type the backend does not have
+        raise UserError(str(e)) from None
 
 
 QA_PREFIX, QA_SUFFIX = "Question: ", "\nAnswer:"
@@ -129,10 +134,11 @@ class LocalSession:
     """The engine in this process."""
 
     def __init__(self, path: str, backend: str, num_ctx: int | None, params,
-                 given: set[str] = frozenset(), repetition_stop: bool | None = None):
+                 given: set[str] = frozenset(), repetition_stop: bool | None = None,
+                 kv_cache_type: str | None = None):
         from edgeinfer.server.generation import base_model_params, is_base_model
         t = time.monotonic()
-        self.engine = load_engine(path, backend, num_ctx)
+        self.engine = load_engine(path, backend, num_ctx, kv_cache_type)
         self.load_s = time.monotonic() - t
         base = is_base_model(self.engine)
         self.backend = backend
@@ -169,7 +175,7 @@ class DaemonSession:
 
     def __init__(self, model: str, backend: str, num_ctx: int | None, params,
                  device: str | None = None, given: set[str] = frozenset(),
-                 repetition_stop: bool | None = None):
+                 repetition_stop: bool | None = None, kv_cache_type: str | None = None):
         from edgeinfer.cli.client import ClientError, connect
         try:
             self.client = connect(autostart=True)
@@ -196,6 +202,8 @@ class DaemonSession:
             opts["backend"] = backend
         if device:
             opts["device"] = device
+        if kv_cache_type:
+            opts["kv_cache_type"] = kv_cache_type
         self.options = opts
         self.params = params
         self._base: bool | None = None
@@ -311,10 +319,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.no_daemon or args.model.endswith(".gguf") or os.path.exists(args.model):
         path = resolve_model_file(args.model)
         session = LocalSession(path, local_backend(path, args.backend, device), args.num_ctx,
-                               params, given_from_args(args), args.repetition_stop)
+                               params, given_from_args(args), args.repetition_stop,
+                               args.kv_cache_type)
     else:
         session = DaemonSession(args.model, args.backend, args.num_ctx, params, device,
-                                given_from_args(args), args.repetition_stop)
+                                given_from_args(args), args.repetition_stop,
+                                args.kv_cache_type)
     try:
         if prompt is None:
             return chat_loop(session, args.system, args.verbose)
@@ -352,6 +362,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
 
 
+def add_kv_cache_type_arg(p: argparse.ArgumentParser, help_: str) -> None:
+    from edgeinfer.settings import KV_CACHE_TYPES
+    p.add_argument("--kv-cache-type", choices=KV_CACHE_TYPES, default=None, help=help_)
+
+
 def add_device_arg(p: argparse.ArgumentParser, help_: str) -> None:
     from edgeinfer.runners.choice import DEVICES
     p.add_argument("--device", choices=DEVICES, default=None, help=help_)
@@ -384,6 +399,8 @@ def add_commands(subparsers) -> None:
     add_device_arg(p, "where torch runs: --backend torch --device cuda is torch:cuda; with "
                       "auto, cpu picks the native CPU engine and cuda/mps torch on that device")
     p.add_argument("--num-ctx", type=int, default=None, help="context length (default 8192)")
+    add_kv_cache_type_arg(p, "K/V cache type: f16 (llama.cpp's default) or q8_0 (8-bit blocks, "
+                             "about half the memory; default EDGEINFER_KV_CACHE_TYPE, else f16)")
     p.add_argument("--verbose", action="store_true", help="print TTFT and prefill/decode tok/s")
     p.add_argument("--no-daemon", action="store_true",
                    help="run the engine in this process instead of through the daemon")

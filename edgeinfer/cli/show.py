@@ -81,23 +81,28 @@ def placement_rows(s: ModelSummary, loaded: list[dict]) -> list[tuple[str, str]]
             ("weights", describe_weights(b, path=s.path))]
 
 
-def kv_row(s: ModelSummary, backend: str | None) -> tuple[str, str]:
-    """KV bytes per token as the backend that runs the model stores them (the numba CPU
-    pool is f32, llama.cpp's and torch's f16/bf16); f16 when no backend is known."""
-    per_value = 2
+def kv_row(s: ModelSummary, backend: str | None,
+           kv_cache_type: str | None = None) -> tuple[str, str]:
+    """KV bytes per token as the backend that runs the model stores them: f16 (the numba
+    CPU pool and llama.cpp by default), q8_0 (34 bytes per 32 values) with --kv-cache-type
+    or EDGEINFER_KV_CACHE_TYPE, torch's f16/bf16; f16 when no backend is known."""
+    from edgeinfer.settings import KV_BYTES_PER_VALUE, current
+    name = kv_cache_type or current().kv_cache_type
+    per_value = KV_BYTES_PER_VALUE.get(name, 2)
     if backend is not None:
         try:
             from edgeinfer.runners.choice import estimate_memory
-            per_value = estimate_memory(backend, s.path).kv_bytes_per_value
+            est = estimate_memory(backend, s.path, kv_cache_type=kv_cache_type)
+            per_value, name = est.kv_bytes_per_value, est.kv_cache_type
         except Exception:       # a prediction only: never fail `show` over it
             backend = None
-    name = {4: "f32", 2: "f16"}.get(per_value, f"{per_value * 8}-bit")
     where = f"{name} on {backend}" if backend else name
     if not (s.n_layers and s.n_kv_head and s.head_dim):
         return "KV cache", "-"
-    per_token = 2 * s.n_layers * s.n_kv_head * s.head_dim * per_value
+    per_token = round(2 * s.n_layers * s.n_kv_head * s.head_dim * per_value)
+    per_value_s = "34/32" if name == "q8_0" else f"{per_value:g}"
     return "KV cache", (f"{per_token:,} bytes/token ({where}) = 2 x {s.n_layers} layers x "
-                        f"{s.n_kv_head} KV heads x {s.head_dim} head dim x {per_value} bytes")
+                        f"{s.n_kv_head} KV heads x {s.head_dim} head dim x {per_value_s} bytes")
 
 
 def _auto_backend(s: ModelSummary) -> str | None:
@@ -110,7 +115,7 @@ def _auto_backend(s: ModelSummary) -> str | None:
 
 def format_summary(s: ModelSummary, model: str,
                    placement: list[tuple[str, str]] | None = None,
-                   backend: str | None = None) -> str:
+                   backend: str | None = None, kv_cache_type: str | None = None) -> str:
     rows = [
         ("architecture", s.arch + ("" if s.native else "  (not native: use --backend llamacpp)")),
         ("name", s.name or "-"),
@@ -124,7 +129,7 @@ def format_summary(s: ModelSummary, model: str,
         ("head dim", str(s.head_dim or "-")),
         ("vocabulary", f"{s.vocab_size:,} ({s.tokenizer} tokenizer)"),
         ("chat template", "yes" if s.has_chat_template else "no (built-in template for the architecture)"),
-        kv_row(s, backend),
+        kv_row(s, backend, kv_cache_type),
         ("file size", f"{_human_bytes(s.file_size)} ({s.file_size:,} bytes)"),
         ("file", s.path),
         *(placement or []),
@@ -138,11 +143,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     summary = load_summary(path)
     loaded = loaded_copies(args.model)
     backend = loaded[0].get("backend") if loaded else _auto_backend(summary)
-    print(format_summary(summary, args.model, placement_rows(summary, loaded), backend))
+    kv_type = (loaded[0].get("kv_cache_type") if loaded else None) or args.kv_cache_type
+    print(format_summary(summary, args.model, placement_rows(summary, loaded), backend, kv_type))
     return 0
 
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("show", help="show a model's architecture, quantization and sizes")
     p.add_argument("model", help="a store name (gemma3:270m) or a path to a .gguf file")
+    from edgeinfer.cli.run import add_kv_cache_type_arg
+    add_kv_cache_type_arg(p, "the KV cache type to size the KV row for (default: the loaded "
+                             "copy's, else EDGEINFER_KV_CACHE_TYPE, else f16)")
     p.set_defaults(func=cmd_show)

@@ -150,24 +150,39 @@ def resolve_for_file(path: str, backend: str, device: str | None = None) -> str:
 class MemoryEstimate:
     """What a load of a file on a resolved backend will hold, before loading it."""
     weights_bytes: int
-    kv_bytes_per_value: int       # K or V element in the pool (f32 on the numba CPU backend)
+    kv_bytes_per_value: float     # K or V element in the pool: 2 (f16), 34/32 (q8_0), 4 (f32)
+    kv_cache_type: str = "f16"
+
+    def kv_bytes_per_token(self, n_layers: int, n_kv_head: int, head_dim: int) -> int:
+        """2 x layers x KV heads x head dim x bytes per value (whole q8_0 blocks)."""
+        return round(2 * n_layers * n_kv_head * head_dim * self.kv_bytes_per_value)
 
 
-def estimate_memory(backend: str, path: str, settings=None) -> MemoryEstimate:
+def estimate_memory(backend: str, path: str, settings=None,
+                    kv_cache_type: str | None = None) -> MemoryEstimate:
     """The backend's own figures for the file: repacked tiles on the CPU, dense tensors in
-    torch's dtype, the GGUF's bytes for llama.cpp (its KV cache is f16)."""
+    torch's dtype, the GGUF's bytes for llama.cpp; the KV pool's bytes per value for
+    `kv_cache_type` (None: the settings' EDGEINFER_KV_CACHE_TYPE; torch keeps f16)."""
     from edgeinfer.formats.gguf_file import read_gguf
-    from edgeinfer.settings import current
+    from edgeinfer.settings import KV_BYTES_PER_VALUE, current
     s = settings or current()
+    kv_type = kv_cache_type or s.kv_cache_type
     gf = read_gguf(str(path))
     try:
         base = backend.partition(":")[0]
         if base == "llamacpp":
-            return MemoryEstimate(sum(t.nbytes for t in gf.tensors.values()), 2)
+            return MemoryEstimate(sum(t.nbytes for t in gf.tensors.values()),
+                                  KV_BYTES_PER_VALUE[kv_type], kv_type)
         from edgeinfer.runners.native import make_ops
-        ops = make_ops(backend, repack=s.repack, torch_dtype=s.torch_dtype) \
-            if base == "cpu" else _torch_ops_for_estimate(backend, s.torch_dtype)
-        return MemoryEstimate(ops.weights_nbytes(gf), ops.kv_bytes_per_value)
+        if base == "cpu":
+            ops = make_ops(backend, repack=s.repack, torch_dtype=s.torch_dtype,
+                           kv_cache_type=kv_type)
+            kv_type = ops.kv_cache_type
+        else:
+            ops = _torch_ops_for_estimate(backend, s.torch_dtype)
+            kv_type = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}.get(
+                str(ops.kv_dtype).removeprefix("torch."), "f16")
+        return MemoryEstimate(ops.weights_nbytes(gf), ops.kv_bytes_per_value, kv_type)
     finally:
         gf.close()
 

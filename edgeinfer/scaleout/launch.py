@@ -59,6 +59,7 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
               backend: str | None = None, device: str | None = None, log_level: str = "info",
               replicas: int = 1, max_replicas: int | None = None,
               ray_address: str | None = None, routing: str = "affinity",
+              kv_cache_type: str | None = None,
               replica_home: str | None = None) -> int:
     try:
         import ray
@@ -74,7 +75,7 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
         raise ScaleOutError("--replicas must be at least 1 and --max-replicas at least "
                             "--replicas")
     host, port, api_key, config = prepare_serve(host, port, api_key, backend, device,
-                                                log_level)     # DaemonError: one sentence
+                                                log_level, kv_cache_type)  # DaemonError
 
     if ray_address:
         ray.init(address=ray_address, logging_level=logging.WARNING,

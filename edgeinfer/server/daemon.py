@@ -180,7 +180,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def prepare_serve(host: str | None, port: int | None, api_key: str | None,
-                  backend: str | None, device: str | None, log_level: str):
+                  backend: str | None, device: str | None, log_level: str,
+                  kv_cache_type: str | None = None):
     """What `serve` (plain or --ray) settles before it listens: the address (flags over
     settings), the API key (required off loopback), the server config, logging. Returns
     (host, port, api_key, config); DaemonError with one sentence otherwise."""
@@ -192,7 +193,8 @@ def prepare_serve(host: str | None, port: int | None, api_key: str | None,
     api_key = api_key or current().api_key
     check_bind(host, api_key)
     try:
-        config = ServerConfig.from_env(backend=backend, device=device)
+        config = ServerConfig.from_env(backend=backend, device=device,
+                                       kv_cache_type=kv_cache_type)
     except ValueError as e:
         raise DaemonError(str(e)) from None
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
@@ -201,13 +203,15 @@ def prepare_serve(host: str | None, port: int | None, api_key: str | None,
 
 
 def serve(host: str | None = None, port: int | None = None, api_key: str | None = None,
-          backend: str | None = None, log_level: str = "info", device: str | None = None) -> int:
+          backend: str | None = None, log_level: str = "info", device: str | None = None,
+          kv_cache_type: str | None = None) -> int:
     """Run the server in this process until SIGINT/SIGTERM."""
     import uvicorn
 
     from .app import create_app
 
-    host, port, api_key, config = prepare_serve(host, port, api_key, backend, device, log_level)
+    host, port, api_key, config = prepare_serve(host, port, api_key, backend, device, log_level,
+                                                kv_cache_type)
     # The engine thread takes the GIL back between ~250 kernel calls a step, while the event
     # loop thread encodes and sends every token; with CPython's default 5 ms switch interval
     # the engine often waited for it (single-stream decode through the daemon, 2 cores: 55-60
@@ -241,7 +245,8 @@ def health(url: str, timeout: float = 2.0) -> dict | None:
 
 def start_background(host: str | None = None, port: int | None = None,
                      api_key: str | None = None, backend: str | None = None,
-                     wait_s: float = 120.0, device: str | None = None) -> DaemonInfo:
+                     wait_s: float = 120.0, device: str | None = None,
+                     kv_cache_type: str | None = None) -> DaemonInfo:
     """Start `edgeinfer serve` as a detached process and wait until /health answers."""
     env_host, env_port = env_address()
     host, port = host or env_host, port or env_port
@@ -259,6 +264,8 @@ def start_background(host: str | None = None, port: int | None = None,
         cmd += ["--backend", backend]
     if device:
         cmd += ["--device", device]
+    if kv_cache_type:
+        cmd += ["--kv-cache-type", kv_cache_type]
     env = dict(os.environ)
     if api_key:
         env["EDGEINFER_API_KEY"] = api_key       # not in argv, where `ps` would show it

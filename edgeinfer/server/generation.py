@@ -231,9 +231,9 @@ class Generation:
 
 async def start(manager: ModelManager, metrics: Metrics, model: str, n: int,
                 backend: str | None = None, keep_alive: float | None = None,
-                device: str | None = None) -> Generation:
+                device: str | None = None, kv_cache_type: str | None = None) -> Generation:
     lm, load = await manager.acquire(model, backend, sequences=n, keep_alive=keep_alive,
-                                     device=device)
+                                     device=device, kv_cache_type=kv_cache_type)
     return Generation(manager, metrics, lm, load, n)
 
 

@@ -89,6 +89,8 @@ class LoadedModel:
     active: int = 0                 # requests in flight (choices count separately)
     last_used: float = field(default_factory=time.monotonic)
     expires_at: float = float("inf")  # wall clock; inf while busy or kept forever
+    kv_cache_type: str = "f16"      # the KV pool's element type (f16, q8_0; f32)
+    kv_bytes_per_token: int = 0     # what one token of context takes in that pool
 
     @property
     def size(self) -> int:
@@ -269,13 +271,33 @@ class ModelManager:
         except BackendChoiceError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_parameter") from None
 
+    def choose_kv_cache_type(self, backend: str, kv_cache_type: str | None,
+                             loaded: LoadedModel | None) -> str:
+        """The KV cache type a load on `backend` gets: the request's `kv_cache_type` load
+        option, else the loaded copy's, else the server's (EDGEINFER_KV_CACHE_TYPE /
+        --kv-cache-type). 400 for a bad name or a type the backend does not have."""
+        from edgeinfer.settings import check_kv_cache_type
+        if kv_cache_type is None:
+            return loaded.kv_cache_type if loaded is not None else self.config.kv_cache_type
+        try:
+            check_kv_cache_type(kv_cache_type)
+        except ValueError as e:
+            raise APIError(400, str(e), param="kv_cache_type", code="invalid_parameter") from None
+        if kv_cache_type != "f16" and backend.startswith("torch"):
+            raise APIError(400, f"kv_cache_type {kv_cache_type!r} is not available on the "
+                           f"{backend} backend (its KV cache is f16): use the cpu or llamacpp "
+                           "backend", param="kv_cache_type", code="invalid_parameter")
+        return kv_cache_type
+
     async def acquire(self, model: str, backend: str | None = None, sequences: int = 1,
-                      keep_alive: float | None = None,
-                      device: str | None = None) -> tuple[LoadedModel, float]:
+                      keep_alive: float | None = None, device: str | None = None,
+                      kv_cache_type: str | None = None) -> tuple[LoadedModel, float]:
         """The loaded model (loading it if needed) with `sequences` counted in flight.
         Returns it and the seconds spent loading (0 when it was loaded already). The caller
         must call release() exactly once. `backend`/`device` are the request's load options
-        (None: the server's defaults); a model is loaded once per concrete backend."""
+        (None: the server's defaults); a model is loaded once per concrete backend.
+        `kv_cache_type` (f16, q8_0; None: as loaded, else the server's) is one too: a copy
+        loaded with another type is reloaded when idle, and a busy one refuses with a 400."""
         ref = await asyncio.to_thread(self.resolve, model)
         backend = await asyncio.to_thread(self.choose_backend, ref, backend, device)
         key = (ref.full_name, backend)
@@ -283,9 +305,21 @@ class ModelManager:
         load_time = 0.0
         async with lock:
             lm = self.models.get(key)
+            kv_type = self.choose_kv_cache_type(backend, kv_cache_type, lm)
+            if lm is not None and lm.kv_cache_type != kv_type:
+                if lm.active:
+                    raise APIError(400, f"{lm.name} is loaded on {backend} with a "
+                                   f"{lm.kv_cache_type} KV cache and serves {lm.active} "
+                                   f"sequences; kv_cache_type {kv_type!r} needs a reload: "
+                                   "retry when they finish, or leave kv_cache_type out",
+                                   param="kv_cache_type", code="invalid_parameter")
+                log.info("reloading %s with a %s KV cache (was %s)", lm.name, kv_type,
+                         lm.kv_cache_type)
+                lm = None
+                await self._unload(key)
             if lm is None:
                 t0 = time.monotonic()
-                lm = await self._load(key, ref)
+                lm = await self._load(key, ref, kv_type)
                 load_time = time.monotonic() - t0
             limit = self.config.max_running_seqs + self.config.max_queue
             if lm.active + sequences > limit:
@@ -307,12 +341,14 @@ class ModelManager:
             except RuntimeError:    # called from a finalizer off the loop: the reaper will do
                 pass
 
-    async def _load(self, key: tuple[str, str], ref) -> LoadedModel:
+    async def _load(self, key: tuple[str, str], ref, kv_cache_type: str | None = None) -> LoadedModel:
         cfg = self.config
+        kv_cache_type = kv_cache_type or cfg.kv_cache_type
         # what the backend will really hold: repacked tiles on the CPU, dense tensors in
         # torch's dtype; the KV pool never grows past its budget
         try:
-            est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path))
+            est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path), None,
+                                          kv_cache_type)
         except (APIError, MemoryError):
             raise
         except Exception as e:  # the file broke after it was stored: one sentence, as a load
@@ -346,7 +382,7 @@ class ModelManager:
                                f"(weights {_gib(weights)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
                                f"but only {_gib(free)} of memory is free",
                                code="insufficient_memory")
-            ecfg = cfg.engine_config(key[1], governor=self.governor)
+            ecfg = cfg.engine_config(key[1], governor=self.governor, kv_cache_type=kv_cache_type)
             t0 = time.monotonic()
             failure: BaseException | None = None
             try:
@@ -367,7 +403,8 @@ class ModelManager:
                     name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
                     weights_bytes=runner.weights_bytes, kv_bytes=runner.kv_bytes,
                     loaded_at=time.time(), load_duration=time.monotonic() - t0,
-                    keep_alive=cfg.keep_alive)
+                    keep_alive=cfg.keep_alive, kv_cache_type=kv_cache_type,
+                    kv_bytes_per_token=int(getattr(runner.kv_plan, "bytes_per_token", 0)))
             except BaseException:
                 await asyncio.to_thread(close_engine, engine)
                 del engine

@@ -109,6 +109,11 @@ def _placement(body: _OllamaBase) -> tuple[str | None, str | None]:
     return (o.backend, o.device) if o else (None, None)
 
 
+def _kv_cache_type(body: _OllamaBase) -> str | None:
+    """The edgeinfer load option `options.kv_cache_type` (None: as loaded / the server's)."""
+    return body.options.kv_cache_type if body.options else None
+
+
 async def _load_or_unload(request: Request, body: _OllamaBase, keep_alive: float | None,
                           extra: dict) -> dict:
     """An empty prompt / message list: Ollama's way to load (or, keep_alive 0, unload)."""
@@ -120,7 +125,7 @@ async def _load_or_unload(request: Request, body: _OllamaBase, keep_alive: float
                 "done_reason": "unload"}
     backend, device = _placement(body)
     lm, _ = await manager.acquire(body.model, backend, sequences=0, keep_alive=keep_alive,
-                                  device=device)
+                                  device=device, kv_cache_type=_kv_cache_type(body))
     manager.release(lm, 0)
     return {"model": body.model, "created_at": _now(), **extra, "done": True,
             "done_reason": "load"}
@@ -183,7 +188,8 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
     backend, device = _placement(body)
     spec = _format_spec(body)
     tools = tools or []
-    gen = await generation.start(manager, metrics, body.model, 1, backend, keep_alive, device)
+    gen = await generation.start(manager, metrics, body.model, 1, backend, keep_alive, device,
+                                 _kv_cache_type(body))
     with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         think = _think_mode(body, engine)
@@ -344,7 +350,9 @@ async def ps(request: Request):
                     "context_length": lm.engine.max_model_len,
                     # edgeinfer extensions: what runs it, and how the weights are held
                     "backend": lm.backend, "device": lm.device,
-                    "weights_format": lm.weights_format, "active_requests": lm.active})
+                    "weights_format": lm.weights_format, "active_requests": lm.active,
+                    "kv_cache_type": lm.kv_cache_type,
+                    "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_bytes": lm.kv_bytes})
     return {"models": out}
 
 

@@ -256,7 +256,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                             f"{'required' if choice.mode == 'required' else 'naming a function'}")
         spec, spec_param = tl.call_grammar(tools, choice, body.parallel_tool_calls), "tools"
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
-                                 device=body.device)
+                                 device=body.device, kv_cache_type=body.kv_cache_type)
     with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
@@ -368,7 +368,7 @@ async def completions(body: _CompletionBody, request: Request):
                else None, "score_only": score_only}
     spec, spec_param = _output_spec(body)
     gen = await generation.start(manager, metrics, body.model, body.n, body.backend,
-                                 device=body.device)
+                                 device=body.device, kv_cache_type=body.kv_cache_type)
     with gen.held(streaming=bool(body.stream)):
         params = gen.adapt(params, _given(body) | {"max_tokens"}, body.stop_on_repetition)
         prompts = await gen.encode(lambda e: _prompts(body, e))
@@ -394,7 +394,8 @@ async def completions(body: _CompletionBody, request: Request):
         try:
             for _ in prompts[1:]:
                 gens.append(await generation.start(manager, metrics, body.model, body.n,
-                                                   body.backend, device=body.device))
+                                                   body.backend, device=body.device,
+                                                   kv_cache_type=body.kv_cache_type))
             for g, ids in zip(gens, prompts):
                 g.stop_on_repetition = gen.stop_on_repetition
                 g.submit(ids, params, "prompt", constraints=constraints, **scoring)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
+KVCacheType = Literal["f16", "q8_0"]    # edgeinfer.settings.KV_CACHE_TYPES
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # ----- OpenAI ------------------------------------------------------------------------------
@@ -107,6 +109,9 @@ class _OpenAISampling(_LlamaSamplers):
     # loads the model and on which device torch runs it
     backend: str | None = None
     device: str | None = None
+    # load option (Ollama: options.kv_cache_type): the KV cache's type, as llama.cpp's
+    # --cache-type-k/v; a model loaded with another type reloads (when idle)
+    kv_cache_type: KVCacheType | None = None
     # llama-server's grammar extensions: a GBNF grammar, or a JSON schema, for the output
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
@@ -158,9 +163,10 @@ class OllamaOptions(_LlamaSamplers):
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     # edgeinfer extensions: which backend runs the model (auto, cpu, torch, torch:DEVICE,
-    # llamacpp) and on which device torch runs it (cuda, mps, cpu)
+    # llamacpp) and on which device torch runs it (cuda, mps, cpu), and the KV cache type
     backend: str | None = None
     device: str | None = None
+    kv_cache_type: KVCacheType | None = None
 
 
 KeepAlive = Union[float, str, None]
