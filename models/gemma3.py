@@ -29,6 +29,6 @@ class Gemma3Model:
                           cfg.sliding_window if local else 0)
             x = ops.add(x, ops.rms_norm(a, w.post_attn_norm, cfg.rms_eps))
             h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
-            f = ops.matmul(ops.geglu(ops.matmul(h, w.w_gate), ops.matmul(h, w.w_up)), w.w_down)
+            f = ops.matmul(ops.geglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down)
             x = ops.add(x, ops.rms_norm(f, w.post_ffw_norm, cfg.rms_eps))
         return final_head(cfg, ops, x, batch, self.output_norm, self.output)

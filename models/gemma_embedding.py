@@ -34,9 +34,10 @@ class GemmaEmbeddingModel:
     def _attention(self, w, h, batch: ForwardBatch, rope_base: float, window: int):
         cfg, ops = self.cfg, self.ops
         T = batch.num_tokens
-        q = ops.matmul(h, w.wq).reshape(T, cfg.n_head, cfg.head_dim)
-        k = ops.matmul(h, w.wk).reshape(T, cfg.n_kv_head, cfg.head_dim)
-        v = ops.matmul(h, w.wv).reshape(T, cfg.n_kv_head, cfg.head_dim)
+        q, k, v = ops.matmuls(h, (w.wq, w.wk, w.wv))
+        q = q.reshape(T, cfg.n_head, cfg.head_dim)
+        k = k.reshape(T, cfg.n_kv_head, cfg.head_dim)
+        v = v.reshape(T, cfg.n_kv_head, cfg.head_dim)
         q, k = ops.rms_norm(q, w.q_norm, cfg.rms_eps), ops.rms_norm(k, w.k_norm, cfg.rms_eps)
         q = ops.rope(q, batch, rope_base, cfg.rope_scale, cfg.rope_neox)
         k = ops.rope(k, batch, rope_base, cfg.rope_scale, cfg.rope_neox)
@@ -53,7 +54,7 @@ class GemmaEmbeddingModel:
                                 cfg.sliding_window if local else 0)
             x = ops.add(x, ops.rms_norm(a, w.post_attn_norm, cfg.rms_eps))
             h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
-            f = ops.matmul(ops.geglu(ops.matmul(h, w.w_gate), ops.matmul(h, w.w_up)), w.w_down)
+            f = ops.matmul(ops.geglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down)
             x = ops.add(x, ops.rms_norm(f, w.post_ffw_norm, cfg.rms_eps))
         if batch.hidden_indices is not None:
             h = ops.rms_norm(ops.take_rows(x, batch.hidden_indices), self.output_norm,

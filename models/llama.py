@@ -56,7 +56,7 @@ def attention(cfg: ModelConfig, ops, w: LayerWeights, h, batch: ForwardBatch, kv
               rope_base: float, window: int = 0, rope_freqs=None):
     """Projections, optional bias and QK-norm, rope, paged attention, output projection."""
     T = batch.num_tokens
-    q, k, v = ops.matmul(h, w.wq), ops.matmul(h, w.wk), ops.matmul(h, w.wv)
+    q, k, v = ops.matmuls(h, (w.wq, w.wk, w.wv))
     if w.bq is not None:
         q, k, v = ops.add_bias(q, w.bq), ops.add_bias(k, w.bk), ops.add_bias(v, w.bv)
     q = q.reshape(T, cfg.n_head, cfg.head_dim)
@@ -91,7 +91,7 @@ class LlamaModel:
             h = ops.rms_norm(x, w.attn_norm, cfg.rms_eps)
             x = ops.add(x, attention(cfg, ops, w, h, batch, kv, i, cfg.rope_base, 0, self.rope_freqs))
             h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
-            x = ops.add(x, ops.matmul(ops.swiglu(ops.matmul(h, w.w_gate), ops.matmul(h, w.w_up)), w.w_down))
+            x = ops.add(x, ops.matmul(ops.swiglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down))
         return self.logits(x, batch)
 
     def logits(self, x, batch: ForwardBatch):

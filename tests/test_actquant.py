@@ -104,3 +104,67 @@ def test_vector_quantize_fuzzed(fmt, m, kb, scale, seed, par):
         x = np.round(x * 4) / 4
     assert_same_bits(quantize(aq.quantize_rows, x, A, B, 8, par),
                      quantize(aq.quantize_rows_ref, x, A, B, 8))
+
+
+# -- one quantization per input: packed_matmuls / ops.matmuls -------------------------------
+
+def test_packed_matmuls_equal_one_matmul_each():
+    """Shared codes across formats and zero points (Q5_0 zp 16 and Q8_0 zp 128 share Q8_0
+    codes; Q4_K offsets and Q6_K's 16-column blocks share Q8_K codes) give each matrix the bits
+    packed_matmul gives it alone, for one row and for a batch."""
+    from gguf import GGMLQuantizationType as T
+
+    from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
+    from edgeinfer.backends.cpu.quants import QuantMatrix, random_quant_rows
+    from edgeinfer.backends.cpu.repack import PackedMatrix
+    rng = np.random.default_rng(5)
+    Kc = 512
+    ws = [PackedMatrix.from_quant(QuantMatrix.from_bytes(random_quant_rows(t, n, Kc, rng), t, Kc, n))
+          for t, n in ((T.Q5_0, 48), (T.Q8_0, 16), (T.Q4_K, 40), (T.Q6_K, 32), (T.Q5_0, 600),
+                       (T.Q4_0, 16))]
+    for M in (1, 5, 300):
+        x = rng.standard_normal((M, Kc)).astype(np.float32)
+        for got, w in zip(packed_matmuls(x, ws), ws):
+            np.testing.assert_array_equal(got.view(np.uint32), packed_matmul(x, w).view(np.uint32))
+    with pytest.raises(ValueError):
+        packed_matmuls(np.zeros((1, 256), np.float32), ws)
+
+
+def _old_path(ops, monkeypatch):
+    """The path before shared quantization: one ops.matmul (one quantization) per matrix, by
+    the scalar quantizer."""
+    from edgeinfer.backends.cpu import packed
+    monkeypatch.setattr(ops, "matmuls", lambda x, ws: tuple(ops.matmul(x, w) for w in ws))
+
+    def scalar(x, A, B, zp, qa, da, bsf, zb, par):
+        aq.quantize_rows_ref(x, A, B, zp, qa, da, bsf, zb)
+    monkeypatch.setattr(packed._actquant, "quantize_rows", scalar)
+
+
+@pytest.mark.parametrize("model", ["gemma3", "llama"])
+def test_model_logits_are_the_bits_of_the_per_matrix_path(model, gemma3_path, monkeypatch):
+    """Logits of a fixed prompt (a 24-token prefill, then one decoded token) through
+    ops.matmuls and the vector quantizer equal those of the per-matrix scalar path."""
+    import sys
+    from pathlib import Path
+
+    from edgeinfer.backends.cpu.ops import CpuOps
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import fidelity as F
+    import synth
+    if model == "gemma3":
+        path = str(gemma3_path)
+    else:
+        path = str(synth.synthetic_model(Path(gemma3_path).parent, "llama", "Q4_K_M"))
+    toks = [2] + [int(t) for t in np.random.default_rng(3).integers(10, 200, 24)]
+    ours = F.Ours(path, CpuOps(repack=True), len(toks))
+    try:
+        new = [ours.logits(toks, 0, 24), ours.logits(toks, 24, 25)]
+        with monkeypatch.context() as m:
+            _old_path(ours.runner.ops, m)
+            old = [ours.logits(toks, 0, 24), ours.logits(toks, 24, 25)]
+    finally:
+        ours.close()
+    for a, b in zip(new, old):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -15,7 +15,7 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
-from edgeinfer.backends.cpu.packed import packed_matmul
+from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
 
@@ -195,6 +195,14 @@ class CpuOps:
                 x2 = x.reshape(-1, x.shape[-1])
                 x = rounder(x2, np.empty_like(x2))
         return matmul(x, w, batch_invariant=self.batch_invariant)
+
+    def matmuls(self, x: np.ndarray, ws) -> tuple:
+        """(x @ W^T for W in ws): the same bits as a matmul each, with repacked weights the
+        input quantized once per activation format instead of once per matrix."""
+        if self.numerics == "ggml" and all(isinstance(w, PackedMatrix) for w in ws):
+            outs = packed_matmuls(x.reshape(-1, x.shape[-1]), ws)
+            return tuple(o.reshape(o.shape[1]) for o in outs) if x.ndim == 1 else tuple(outs)
+        return tuple(self.matmul(x, w) for w in ws)
 
     def add_bias(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
         x += b

@@ -1,5 +1,14 @@
-"""The integer-dot matmul on a repacked weight: quantize the activations, run the tile kernel."""
+"""The integer-dot matmul on a repacked weight: quantize the activations, run the tile kernel.
+
+`packed_matmuls` multiplies one input by several matrices (q/k/v, gate/up) and quantizes the
+input once per activation format (block size A, weight block B) instead of once per matrix:
+the codes, scales and code sums depend only on (A, B); a matrix with another zero point only
+needs its own zb = zero_point * sum. Each matrix then runs the same tile kernel on the same
+codes as it would alone, so every result is the same bits as packed_matmul's.
+"""
 from __future__ import annotations
+
+from typing import Sequence
 
 import numba
 import numpy as np
@@ -10,27 +19,80 @@ from .repack import PackedMatrix
 # Below this many multiply-adds a product runs on the calling thread: waking the other
 # threads costs more than it saves (and far more when other programs hold the cores).
 SERIAL_MACS = 1 << 18
+# Below this many activation values the quantization runs on the calling thread.
+SERIAL_QUANT = 1 << 16
+
+
+class ActCodes:
+    """One input's activation codes for weights of block sizes (A, B): qa int8[M, K], da and
+    bsf float32[K/B, M], and zb int32[K/B, M] per zero point (made on first use)."""
+    __slots__ = ("qa", "da", "bsf", "zb")
+
+    def __init__(self, x2: np.ndarray, A: int, B: int, zp: int, par: bool):
+        M, K = x2.shape
+        nb = K // B
+        self.qa = np.empty((M, K), np.int8)
+        self.da = np.empty((nb, M), np.float32)
+        self.bsf = np.empty((nb, M), np.float32)
+        zb = np.empty((nb, M), np.int32)
+        _actquant.quantize_rows(x2, A, B, zp, self.qa, self.da, self.bsf, zb, par)
+        self.zb = {zp: zb}
+
+    def zb_for(self, zp: int) -> np.ndarray:
+        zb = self.zb.get(zp)
+        if zb is None:          # bsf holds the exact integer sums (|sum| <= 127 * 32)
+            zb = self.bsf.astype(np.int32)
+            zb *= np.int32(zp)
+            self.zb[zp] = zb
+        return zb
+
+
+def _as_rows(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+
+
+def _threads(M: int, K: int, N: int) -> int:
+    return 1 if M * K * N < SERIAL_MACS else numba.get_num_threads()
+
+
+def _run(codes: ActCodes, w: PackedMatrix, out: np.ndarray | None, vnni: bool, nw: int):
+    M = codes.qa.shape[0]
+    if out is None:
+        out = np.empty((M, w.N), np.float32)
+    _int8.int8_matmul(w.q, w.s, w.o, w.has_o, codes.qa, codes.da, codes.bsf,
+                      codes.zb_for(w.zero_point), out, vnni, nw, np.zeros(1, np.int64))
+    return out
 
 
 def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
                   use_vnni: bool | None = None) -> np.ndarray:
     """float32[M, N] = x @ W^T with x rounded to ggml's 8-bit activation format for W's type."""
-    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+    x2 = _as_rows(x)
     M, K = x2.shape
     if K != w.K:
         raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
-    nb = K // w.B
-    qa = np.empty((M, K), np.int8)
-    da = np.empty((nb, M), np.float32)
-    bsf = np.empty((nb, M), np.float32)
-    zb = np.empty((nb, M), np.int32)
-    if out is None:
-        out = np.empty((M, w.N), np.float32)
     vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
-    nw = numba.get_num_threads()
-    if M * K * w.N < SERIAL_MACS:
-        nw = 1
-    _actquant.quantize_rows(x2, w.A, w.B, w.zero_point, qa, da, bsf, zb, nw > 1 and M * K >= 1 << 16)
-    _int8.int8_matmul(w.q, w.s, w.o, w.has_o, qa, da, bsf, zb, out, vnni, nw,
-                      np.zeros(1, np.int64))
-    return out
+    nw = _threads(M, K, w.N)
+    codes = ActCodes(x2, w.A, w.B, w.zero_point, nw > 1 and M * K >= SERIAL_QUANT)
+    return _run(codes, w, out, vnni, nw)
+
+
+def packed_matmuls(x: np.ndarray, ws: Sequence[PackedMatrix],
+                   use_vnni: bool | None = None) -> list[np.ndarray]:
+    """[x @ W^T for W in ws], x quantized once per activation format among ws."""
+    x2 = _as_rows(x)
+    M, K = x2.shape
+    for w in ws:
+        if K != w.K:
+            raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
+    vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
+    par_quant = (numba.get_num_threads() > 1 and M * K >= SERIAL_QUANT
+                 and max(_threads(M, K, w.N) for w in ws) > 1)
+    formats: dict[tuple[int, int], ActCodes] = {}
+    outs = []
+    for w in ws:
+        codes = formats.get((w.A, w.B))
+        if codes is None:
+            codes = formats[(w.A, w.B)] = ActCodes(x2, w.A, w.B, w.zero_point, par_quant)
+        outs.append(_run(codes, w, None, vnni, _threads(M, K, w.N)))
+    return outs

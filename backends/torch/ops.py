@@ -109,6 +109,9 @@ class TorchOps:
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(w.dtype), w)
 
+    def matmuls(self, x: torch.Tensor, ws) -> tuple:
+        return tuple(self.matmul(x, w) for w in ws)
+
     def add_bias(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return x + b.to(x.dtype)
 
