@@ -2,12 +2,17 @@
 
     .venv/bin/python benchmarks/profile.py [--model PATH] [--threads 2] [--repeats 3]
         [--scenarios prefill512,prefill2048,decode0,decode2k,decode8k] [--markdown FILE]
+        [--baseline per-matrix]
 
 Each op of the CPU backend is timed on its own (a wrapper on the ops object; the int8 path's
 activation quantization and tile matmul are timed apart), and so is sampling. "Python between
 kernels" is the step's wall time minus all of them: batch building, the scheduler, the
 engine's bookkeeping and the interpreter between calls. Shares are of the median step of
 `--repeats` measured steps; the machine drifts, so read the shares, not the milliseconds.
+
+`--baseline per-matrix` runs the activation path as it was before shared quantization (one
+scalar quantization per matrix: ops.matmuls as a loop of ops.matmul, _actquant's scalar
+reference): alternate runs with and without it for an A/B comparison in one session.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_path, setup_env, table  # noqa: E402
 
 GROUPS = {
-    "matmul": ("matmul",),
+    "matmul": ("matmul", "matmuls"),
     "attention": ("attention",),
     "norms / rope / activations": ("rms_norm", "rope", "geglu", "swiglu", "add", "scale",
                                    "embed", "take_rows", "add_bias"),
@@ -58,6 +63,15 @@ def instrument(engine, timers: Timers) -> None:
     i8.int8_matmul = timers.wrap("int8", i8.int8_matmul)
     stage = engine.runner.sampling
     stage.sample = timers.wrap("sampling", stage.sample)
+
+
+def per_matrix_baseline(engine) -> None:
+    """One scalar quantization per matrix, as before ops.matmuls and the vector quantizer."""
+    import edgeinfer.backends.cpu._actquant as aq
+    ops = engine.runner.ops
+    one = ops.matmul        # not the timed wrapper: the matmuls wrapper counts these
+    ops.matmuls = lambda x, ws: tuple(one(x, w) for w in ws)
+    aq.quantize_rows = aq.quantize_rows_ref
 
 
 def one_step(engine, timers: Timers) -> dict[str, float]:
@@ -122,6 +136,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scenarios", default="prefill512,prefill2048,decode0,decode2k,decode8k")
     ap.add_argument("--markdown")
+    ap.add_argument("--baseline", choices=["per-matrix"])
     a = ap.parse_args()
     setup_env(a.threads)
     from edgeinfer.engine.core import Engine, EngineConfig
@@ -129,6 +144,8 @@ def main() -> None:
         kv_budget_bytes=1 << 30, max_model_len=8192 + 64, max_tokens_per_step=2048,
         threads=a.threads, speculative=False))
     timers = Timers()
+    if a.baseline == "per-matrix":
+        per_matrix_baseline(engine)
     instrument(engine, timers)
     engine.generate(prompt_of(engine, 64, 1), __import__(
         "edgeinfer.engine.sampling", fromlist=["SamplingParams"]).SamplingParams(

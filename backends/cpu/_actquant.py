@@ -221,11 +221,15 @@ def _quantize_block(x, r, ab, A, B, zp, qa, da, bsf, zb):
         zb[wb, r] = np.int32(zp) * sm
 
 
-@njit(**_JIT)
-def quantize_rows_ref(x, A, B, zp, qa, da, bsf, zb):
-    """quantize_rows through kernels.quantize_act_block, one scalar at a time (the reference
-    the tests hold quantize_rows to, and the 'before' of benchmarks/kernels.py)."""
+@njit(**_PJIT)
+def quantize_rows_ref(x, A, B, zp, qa, da, bsf, zb, par):
+    """quantize_rows through kernels.quantize_act_block, one scalar at a time: the reference
+    the tests hold quantize_rows to, and the 'before' of benchmarks/profile.py --baseline."""
     M, K = x.shape
     na = K // A
-    for i in range(M * na):
-        _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+    if par:
+        for i in prange(M * na):
+            _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+    else:
+        for i in range(M * na):
+            _quantize_block(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
