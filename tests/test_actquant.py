@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.backends.cpu import _actquant as aq
+from edgeinfer.backends.cpu import _norm
 from edgeinfer.backends.cpu import kernels as K
 
 # (A, B): Q8_0 for the legacy quants; Q8_K with 32- (Q4_K, Q5_K) or 16-column (Q2_K, Q3_K, Q6_K)
@@ -132,11 +133,12 @@ def test_packed_matmuls_equal_one_matmul_each():
 
 def _old_path(ops, monkeypatch):
     """The path before shared quantization: one ops.matmul (one quantization) per matrix, by
-    the scalar quantizer."""
+    the scalar quantizer; kernels.rms_norm (one row at a time)."""
     from edgeinfer.backends.cpu import packed
     monkeypatch.setattr(ops, "matmuls", lambda x, ws: tuple(ops.matmul(x, w) for w in ws))
 
     monkeypatch.setattr(packed._actquant, "quantize_rows", aq.quantize_rows_ref)
+    monkeypatch.setattr(_norm, "rms_norm", K.rms_norm)
 
 
 @pytest.mark.parametrize("model", ["gemma3", "llama"])
@@ -166,3 +168,18 @@ def test_model_logits_are_the_bits_of_the_per_matrix_path(model, gemma3_path, mo
     for a, b in zip(new, old):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# -- RMS norm, eight rows at a time (_norm.py) -------------------------------------------------
+
+@pytest.mark.parametrize("M,n", [(1, 640), (7, 640), (8, 640), (13, 256), (129, 640), (37, 2048)])
+@pytest.mark.parametrize("par", [False, True])
+def test_rms_norm_rows8_is_the_one_row_kernel(M, n, par):
+    rng = np.random.default_rng(M * n)
+    x = (rng.standard_normal((M, n)) * rng.choice([1e-3, 1.0, 300.0], size=(M, 1))).astype(np.float32)
+    x[0, :5] = 1e20                       # a row whose float64 sum keeps what float32 would not
+    x[M // 2] = 0.0                       # eps alone
+    w = rng.standard_normal(n).astype(np.float32)
+    got = _norm.rms_norm(x, w, 1e-6, np.empty_like(x), par)
+    want = K.rms_norm(x, w, 1e-6, np.empty_like(x), False)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -11,6 +11,7 @@ from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import attention as A
+from edgeinfer.backends.cpu import _norm
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
@@ -211,7 +212,8 @@ class CpuOps:
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """Normalizes over the last axis (rows of hidden states, or heads of q/k)."""
         flat = x.reshape(-1, x.shape[-1])
-        return K.rms_norm(flat, w, eps, np.empty_like(flat), _par(flat.size)).reshape(x.shape)
+        # eight rows at a time: the bits of K.rms_norm, about twice as fast (_norm.py)
+        return _norm.rms_norm(flat, w, eps, np.empty_like(flat), _par(flat.size)).reshape(x.shape)
 
     def rope(self, x: np.ndarray, batch: ForwardBatch, base: float, scale: float, neox: bool,
              freq_factors=None) -> np.ndarray:
