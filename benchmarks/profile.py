@@ -12,8 +12,9 @@ engine's bookkeeping and the interpreter between calls. Shares are of the median
 
 `--baseline per-matrix` runs the activation path as it was before shared quantization (one
 scalar quantization per matrix: ops.matmuls as a loop of ops.matmul, _actquant's scalar
-reference) and kernels.rms_norm (one row at a time, not _norm's eight): alternate runs with
-and without it for an A/B comparison in one session.
+reference), kernels.rms_norm (one row at a time, not _norm's eight) and kernels' scalar GeGLU
+(not _geglu's 16 lanes): alternate runs with and without it for an A/B comparison in one
+session.
 """
 from __future__ import annotations
 
@@ -68,11 +69,13 @@ def instrument(engine, timers: Timers) -> None:
 
 def per_matrix_baseline(engine) -> None:
     """One scalar quantization per matrix, as before ops.matmuls and the vector quantizer;
-    the one-row-at-a-time RMS norm."""
+    the one-row-at-a-time RMS norm and the scalar GeGLU."""
     import edgeinfer.backends.cpu._actquant as aq
+    import edgeinfer.backends.cpu._geglu as geglu
     import edgeinfer.backends.cpu._norm as norm
     import edgeinfer.backends.cpu.kernels as K
     norm.rms_norm = K.rms_norm
+    geglu.gelu_tanh_mul_f16 = K.gelu_tanh_mul_f16
     ops = engine.runner.ops
     one = ops.matmul        # not the timed wrapper: the matmuls wrapper counts these
     ops.matmuls = lambda x, ws: tuple(one(x, w) for w in ws)

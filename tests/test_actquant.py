@@ -1,4 +1,6 @@
-"""Activation quantization (backends/cpu/_actquant.py) and the shared-quantization matmuls.
+"""The work between the matmuls: activation quantization (backends/cpu/_actquant.py), the
+shared-quantization matmuls (packed.packed_matmuls, ops.matmuls), the RMS norm eight rows at a
+time (_norm.py) and the 16-lane GeGLU (_geglu.py), each the bits of the code it replaces.
 
 quantize_rows (16-lane vectors) must give the same bits as the scalar reference built on
 kernels.quantize_act_block, the one the float path's act_round_q8_0/_k use: over random rows
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.backends.cpu import _actquant as aq
-from edgeinfer.backends.cpu import _norm
+from edgeinfer.backends.cpu import _geglu, _norm
 from edgeinfer.backends.cpu import kernels as K
 
 # (A, B): Q8_0 for the legacy quants; Q8_K with 32- (Q4_K, Q5_K) or 16-column (Q2_K, Q3_K, Q6_K)
@@ -133,12 +135,13 @@ def test_packed_matmuls_equal_one_matmul_each():
 
 def _old_path(ops, monkeypatch):
     """The path before shared quantization: one ops.matmul (one quantization) per matrix, by
-    the scalar quantizer; kernels.rms_norm (one row at a time)."""
+    the scalar quantizer; kernels.rms_norm (one row at a time) and kernels' scalar GeGLU."""
     from edgeinfer.backends.cpu import packed
     monkeypatch.setattr(ops, "matmuls", lambda x, ws: tuple(ops.matmul(x, w) for w in ws))
 
     monkeypatch.setattr(packed._actquant, "quantize_rows", aq.quantize_rows_ref)
     monkeypatch.setattr(_norm, "rms_norm", K.rms_norm)
+    monkeypatch.setattr(_geglu, "gelu_tanh_mul_f16", K.gelu_tanh_mul_f16)
 
 
 @pytest.mark.parametrize("model", ["gemma3", "llama"])
@@ -183,3 +186,24 @@ def test_rms_norm_rows8_is_the_one_row_kernel(M, n, par):
     got = _norm.rms_norm(x, w, 1e-6, np.empty_like(x), par)
     want = K.rms_norm(x, w, 1e-6, np.empty_like(x), False)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# -- GeGLU, 16 lanes at a time (_geglu.py) ------------------------------------------------------
+
+@pytest.mark.parametrize("M,n", [(1, 2048), (3, 2050), (40, 640), (2, 7)])
+@pytest.mark.parametrize("par", [False, True])
+def test_geglu_vector_is_the_scalar_kernel(M, n, par):
+    rng = np.random.default_rng(M + n)
+    table = K.gelu_f16_table()
+    g = (rng.standard_normal((M, n)) * 4).astype(np.float32)
+    u = rng.standard_normal((M, n)).astype(np.float32)
+    edges = np.array([-10.0, 10.0, -10.000001, 9.999999, 0.0, -0.0, 65520.0, -1e-8, np.nan,
+                      np.inf, -np.inf, 1e-30], np.float32)
+    flat = g.reshape(-1)
+    flat[:min(len(edges), flat.size)] = edges[:flat.size]
+    want = K.gelu_tanh_mul_f16(g, u, np.empty_like(g), table, False)
+    got = _geglu.gelu_tanh_mul_f16(g, u, np.empty_like(g), table, par)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    inplace = g.copy()                     # ops.geglu writes into gate
+    _geglu.gelu_tanh_mul_f16(inplace, u, inplace, table, par)
+    np.testing.assert_array_equal(inplace.view(np.uint32), want.view(np.uint32))

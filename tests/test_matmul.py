@@ -144,7 +144,7 @@ def test_one_compiled_signature_per_kernel():
         assert len(kernel.signatures) == 1, kernel.signatures
 
 
-@pytest.mark.parametrize("module", ["_kernels", "kernels", "_int8", "_actquant"])
+@pytest.mark.parametrize("module", ["_kernels", "kernels", "_int8", "_actquant", "_geglu", "_norm"])
 def test_kernel_cache_stamp_is_current(module):
     """numba keys its disk cache on a kernel's own file; the hash there must cover its inlined
     deps (backends/cpu/_stamp.py)."""

@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import attention as A
-from edgeinfer.backends.cpu import _norm
+from edgeinfer.backends.cpu import _geglu, _norm
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
@@ -228,7 +228,10 @@ class CpuOps:
 
     def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.numerics == "ggml":
-            return K.gelu_tanh_mul_f16(gate, up, gate, K.gelu_f16_table(), _par(gate.size))
+            # 16 lanes at a time: the bits of K.gelu_tanh_mul_f16 (_geglu.py)
+            f = (_geglu.gelu_tanh_mul_f16 if gate.flags.c_contiguous and up.flags.c_contiguous
+                 else K.gelu_tanh_mul_f16)
+            return f(gate, up, gate, K.gelu_f16_table(), _par(gate.size))
         return K.gelu_tanh_mul(gate, up, gate, _par(gate.size))
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
