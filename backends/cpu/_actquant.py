@@ -9,7 +9,8 @@ B columns, what the tile loop needs: da (the activation scale), bsf (sum of the 
 `quantize_rows` does it with 16-lane vectors (LLVM IR below: numba leaves the scalar loops of
 quantize_act_block unvectorized, the amax search because of its branch and signed maximum).
 It gives the same bits as the scalar reference `quantize_rows_ref`:
-- the block's maximum |x| is a max/min reduction (exact in any order);
+- the block's maximum |x| is a max reduction of |x| (Q8_0) or a max and a min reduction (Q8_K),
+  exact in any order;
 - Q8_K's signed maximum (the first value of largest magnitude) is the maximum or the minimum,
   whichever is larger in magnitude; when they tie (+a and -a both present) a scalar scan finds
   the first, as the reference does;
@@ -89,6 +90,27 @@ def _make_minmax(A: int):
     return minmax
 
 
+def _make_absmax(A: int):
+    """max |x| of the A float32 at address xp (Q8_0 needs no sign: one reduction)."""
+    n = A // 16
+
+    def codegen(context, builder, sig, args):
+        xp = args[0]
+        vmax = _decl(builder, "llvm.maxnum.v16f32", _VF, [_VF, _VF])
+        fabs = _decl(builder, "llvm.fabs.v16f32", _VF, [_VF])
+        rmax = _decl(builder, "llvm.vector.reduce.fmax.v16f32", _F32, [_VF])
+        m = None
+        for i in range(n):
+            v = builder.call(fabs, [builder.load(_vptr(builder, xp, 64 * i, _VF), align=4)])
+            m = v if m is None else builder.call(vmax, [m, v])
+        return builder.call(rmax, [m])
+
+    @intrinsic
+    def absmax(typingctx, xp):
+        return types.float32(types.intp), codegen
+    return absmax
+
+
 def _make_codes(A: int, B: int):
     """Codes of the A float32 at xp: int8(rint(x * scale)) (clamped at 127 when clamp != 0)
     stored at qp; the sum of the codes of each B-column group stored as int32 at
@@ -128,7 +150,7 @@ def _make_codes(A: int, B: int):
     return codes
 
 
-_minmax32, _minmax256 = _make_minmax(32), _make_minmax(256)
+_absmax32, _minmax256 = _make_absmax(32), _make_minmax(256)
 _codes_32_32, _codes_256_32, _codes_256_16 = (_make_codes(32, 32), _make_codes(256, 32),
                                               _make_codes(256, 16))
 
@@ -150,10 +172,11 @@ def _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb):
     b0 = ab * A
     xp = x.ctypes.data + (r * K + b0) * 4
     if A == 32:
-        hi, lo = _minmax32(xp)
+        amax = _absmax32(xp)
+        hi, lo = amax, -amax          # (Q8_0 uses amax only)
     else:
         hi, lo = _minmax256(xp)
-    amax = max(hi, -lo)
+        amax = max(hi, -lo)
     wb0 = b0 // B
     nwb = A // B
     if not amax > 0.0:            # all zeros (or no number at all): codes 0, scale 0
@@ -199,11 +222,13 @@ def quantize_rows(x, A, B, zp, qa, da, bsf, zb, par):
     M, K = x.shape
     na = K // A
     if par:
-        for i in prange(M * na):
-            _quantize_block_vec(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+        for r in prange(M):
+            for ab in range(na):
+                _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb)
     else:
-        for i in range(M * na):
-            _quantize_block_vec(x, i // na, i % na, A, B, zp, qa, da, bsf, zb)
+        for r in range(M):
+            for ab in range(na):
+                _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb)
 
 
 # -- the scalar reference -----------------------------------------------------------------
