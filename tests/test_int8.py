@@ -176,7 +176,7 @@ def test_cpu_ops_repack_setting(monkeypatch, gemma3_path):
     assert ops.matmul(x[0], w).shape == (w.N,)
     with pytest.raises(ValueError, match="ggml"):
         CpuOps(numerics="f32", repack=True)
-    # what the decision weighs: gemma3 270M repacked is ~1.1x its file
+    # what the decision weighs: gemma3 270M repacked is about its file (codes at their own bits)
     assert 200e6 < repacked_bytes(gf) < 400e6
 
 
@@ -196,3 +196,93 @@ def test_parallel_result_is_the_serial_result_every_time():
     for _ in range(200):
         np.testing.assert_array_equal(packed_matmul(x, p), ref)
         _ = [np.ones(1, np.int64) for _ in range(3)]
+
+
+# -- the compact layout: codes at the format's own bits, half scales ------------------------
+
+def _act_codes(x, p):
+    from edgeinfer.backends.cpu import _actquant
+    M, Kx = x.shape
+    nb = Kx // p.B
+    qa = np.empty((M, Kx), np.int8)
+    da, bsf = np.empty((nb, M), np.float32), np.empty((nb, M), np.float32)
+    zb = np.empty((nb, M), np.int32)
+    _actquant.quantize_rows(x, p.A, p.B, p.zero_point, qa, da, bsf, zb, False)
+    return qa, da, bsf, zb
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_product_bits_match_a_numpy_model_of_the_arithmetic(qtype):
+    """Independent of the tile layout: per block, in float32, t = s * (isum - zb) [+ o * bsf]
+    and acc += da * t, blocks in order (numpy rounds each op, as the kernel does)."""
+    from edgeinfer.backends.cpu.repack import unpack
+    w = make(qtype, 37, 512, seed=21)
+    p = PackedMatrix.from_quant(w)
+    codes, s, o, zp = unpack(w)
+    x = np.random.default_rng(22).standard_normal((5, w.K)).astype(np.float32)
+    qa, da, bsf, zb = _act_codes(x, p)
+    want = np.zeros((5, w.N), np.float32)
+    c32 = codes.astype(np.int32)
+    for b in range(w.K // p.B):
+        cols = slice(b * p.B, (b + 1) * p.B)
+        isum = qa[:, cols].astype(np.int32) @ c32[:, cols].T - zb[b][:, None]       # [M, N]
+        t = s[:, b].astype(np.float32) * isum.astype(np.float32)
+        if o is not None:
+            t = t + o[:, b].astype(np.float32) * bsf[b][:, None]
+        want = want + da[b][:, None] * t
+    for vnni in ([False, True] if _int8.HAVE_VNNI else [False]):
+        np.testing.assert_array_equal(packed_matmul(x, p, use_vnni=vnni).view(np.uint32),
+                                      want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("N", [37, 32])
+def test_packed_nbytes_is_the_real_size(qtype, N):
+    from edgeinfer.backends.cpu.repack import packed_nbytes
+    w = make(qtype, N, 512)
+    p = PackedMatrix.from_quant(w)
+    assert packed_nbytes(qtype, w.K, N) == p.nbytes
+    if N % 16 == 0:
+        if qtype in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q6_K):
+            assert p.nbytes == w.nbytes      # exactly the GGUF's bytes
+        else:            # Q4_K 4.625 bits (4.5), Q5_K 5.625 (5.5); Q2_K, Q3_K as 4-bit codes
+            assert p.nbytes <= w.nbytes * {T.Q4_K: 1.03, T.Q5_K: 1.03, T.Q3_K: 1.33,
+                                           T.Q2_K: 1.96}[qtype]
+    assert p.bits == {T.Q8_0: 8, T.Q6_K: 6, T.Q5_0: 5, T.Q5_1: 5, T.Q5_K: 5}.get(qtype, 4)
+
+
+def test_half_widening_is_exact_for_every_half():
+    from numba import njit
+
+    @njit
+    def widen_all(h, out):
+        for i in range(h.size):
+            out[i] = _int8.widen(h[i])
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(h.size, np.float32)
+    widen_all(h, got)
+    want = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+def test_subnormal_and_signed_half_scales(qtype):
+    """Half scales the kernels widen: subnormals, negative zero, large values."""
+    w = make(qtype, 32, 256, seed=5)
+    blocks = w.blocks.copy()
+    halves = np.array([0x0001, 0x03FF, 0x8001, 0x8000, 0x7BFF, 0x0400, 0xFBFF, 0x3C00], np.uint16)
+    d = halves[np.arange(blocks.shape[0] * blocks.shape[1]) % halves.size]
+    blocks[:, :, 0:2] = d.reshape(blocks.shape[0], blocks.shape[1], 1).view(np.uint8).reshape(
+        blocks.shape[0], blocks.shape[1], 2)
+    w2 = QuantMatrix.from_bytes(blocks.reshape(w.N, -1), qtype, w.K, w.N)
+    p = PackedMatrix.from_quant(w2)
+    np.testing.assert_array_equal(p.rows(np.arange(w2.N)).view(np.uint32),
+                                  dense(w2).view(np.uint32))
+    x = np.random.default_rng(7).standard_normal((3, w.K)).astype(np.float32)
+    y = packed_matmul(x, p, use_vnni=False)
+    if _int8.HAVE_VNNI:
+        np.testing.assert_array_equal(packed_matmul(x, p, use_vnni=True).view(np.uint32),
+                                      y.view(np.uint32))
+    assert np.isfinite(y).all()

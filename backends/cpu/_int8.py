@@ -1,14 +1,31 @@
-"""Integer-dot matmul kernels: 8-bit activations times repacked 8-bit weights.
+"""Integer-dot matmul kernels: 8-bit activations times repacked weight codes.
 
 A weight matrix repacked by `repack.py` is stored in tiles of 16 output rows. Within a tile,
-block b (B = 16 or 32 weight columns sharing one scale) is B/4 "quads"; quad j holds 64 bytes,
-four consecutive uint8 weight codes of each of the 16 rows:
+block b (B = 16 or 32 weight columns sharing one scale) is B/4 "quads"; quad j is four
+consecutive unsigned weight codes of each of the 16 rows, 64 codes in all:
 
-    q[t, b, j, lane, 0:4] = codes of row 16t + lane, columns b*B + 4j .. b*B + 4j + 3
+    quad j, byte 4 lane + k = code of row 16t + lane, column b*B + 4j + k
 
 so one AVX-512 VNNI instruction (vpdpbusd) multiplies a quad by the matching four int8
 activation codes (broadcast to all lanes) and adds the sums into 16 int32 lanes, one per output
-row. Per block and activation row the lanes then take one float update:
+row. The codes are stored with as many bits as the GGUF format has (`bits`):
+
+- 8 (Q8_0, Q6_K): q[t, b, j, lane, k] is the code of quad j, one byte each;
+- 4 (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K): q[t, b, v, lane, k] holds quad v in its low nibble and quad
+  v + B/8 in its high nibble, so one 64-byte load + and / shift-and gives two quads;
+- 5 (Q5_0, Q5_1, Q5_K): the low four bits as for 4, and the fifth bit of quad j in a bit plane,
+  h[t, b, j] = 8 bytes = one 64-bit mask, bit 4 lane + k (AVX-512BW: a mask register, and a
+  masked or of 16 into the bytes);
+- 6 (Q6_K): the low four bits as for 4 in vectors 0 .. B/8 - 1, then the two high bits of quad
+  j at bits 2 (j % 4) of vector B/8 + j // 4 (a shift and an and put them in place).
+
+Scales: the legacy formats' (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are IEEE halves in the GGUF and stay
+halves (uint16 s, and o for an offset), widened exactly in the kernel (vcvtph2ps). A k-quant's
+block scale is a half per 256 columns times a small integer per block: s holds the integers
+(int8), d the halves [T, K/256, 16], and the kernel forms s = d * float(sc) (o = -(dm *
+float(mn)) for the formats with minimums), the same float32 product the GGUF decoding makes,
+exact. So decode reads about the bytes the GGUF holds. Per block and activation row the lanes
+then take one float update:
 
     isum' = sum(q * a) - zb           (exact int32; zb = zero_point * sum(a) over the block)
     t     = s * float(isum') [+ o * float(sum(a))]
@@ -19,6 +36,9 @@ in order, whatever the number of activation rows M, the tile a thread takes or t
 a row's result is bit-identical alone or in any batch, and `_block_generic` (plain numba, used
 where VNNI is missing and by the tests) does the same operations in the same order, so it
 gives the same bits as the VNNI version.
+
+A format is one integer, `fmt_code(B, bits, has_o, sub)`; `int8_matmul` runs a kernel compiled
+for it alone (a closure over the constant: each format compiles and caches only its own loop).
 """
 from __future__ import annotations
 
@@ -43,7 +63,8 @@ LANES = 16
 def _host_has_vnni() -> bool:
     try:
         f = llb.get_host_cpu_features()
-        return bool(f.get("avx512vnni", False) and f.get("avx512bw", False))
+        return bool(f.get("avx512vnni", False) and f.get("avx512bw", False)
+                    and f.get("f16c", False))
     except Exception:          # no feature query on this platform (e.g. some ARM builds)
         return False
 
@@ -51,22 +72,49 @@ def _host_has_vnni() -> bool:
 HAVE_VNNI = _host_has_vnni()
 
 
+def fmt_code(B: int, bits: int, has_o: bool, sub: bool) -> int:
+    """A kernel format: B columns per scale (16, 32), code bits (4, 5, 6, 8), an offset per
+    block or not, k-quant scales (int8 s, o times half d, dm per 256 columns: sub) or IEEE
+    halves (uint16 s, o)."""
+    assert B in (16, 32) and bits in (4, 5, 6, 8)
+    return B | (bits << 6) | (int(bool(has_o)) << 10) | (int(bool(sub)) << 11)
+
+
+def fmt_parts(fmt: int) -> tuple[int, int, bool, bool]:
+    """(B, bits, has_o, sub) of a format."""
+    return fmt & 63, (fmt >> 6) & 15, bool((fmt >> 10) & 1), bool((fmt >> 11) & 1)
+
+
+def code_planes(B: int, bits: int) -> int:
+    """64-byte code vectors per block of one tile: B/4 quads; two a vector below 8 bits, and
+    the high two bits of four quads a vector for 6."""
+    if bits == 8:
+        return B // 4
+    return B // 8 + (B // 16 if bits == 6 else 0)
+
+
 # -- one tile, as one LLVM IR loop ----------------------------------------------------------
 
 def _make_vnni_tile(rows: int):
     """An intrinsic computing `rows` activation rows x one 16-row weight tile, all blocks.
 
-    Arguments (all intp): out (float32, row r at out + r * out_stride bytes), w, s, o (the tile's
-    first block), a (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the
-    first row's entries of the [nb, M] arrays), M, then B (16 or 32) and has_o. The
-    accumulators stay in registers for the whole row of blocks and each block's weights are
-    loaded once for all the rows. B and has_o pick one of four loops, each fully unrolled.
+    Arguments (intp, then the format literal): out (float32, row r at out + r * out_stride
+    bytes), w, h, s, o (the tile's first block: codes, fifth-bit plane, scales, offsets), a
+    (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the first row's
+    entries of the [nb, M] arrays), M, fmt. The accumulators stay in registers for the whole
+    row of blocks and each block's weights are loaded (and unpacked) once for all the rows.
     """
+    i1 = ir.IntType(1)
+    i8 = ir.IntType(8)
     i32 = ir.IntType(32)
     i64 = ir.IntType(64)
     f32 = ir.FloatType()
     v16i32 = ir.VectorType(i32, LANES)
     v16f32 = ir.VectorType(f32, LANES)
+    v16f16 = ir.VectorType(ir.HalfType(), LANES)
+    v64i8 = ir.VectorType(i8, 64)
+    v64i1 = ir.VectorType(i1, 64)
+    v16i8 = ir.VectorType(i8, LANES)
     zeros = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
 
     def splat(builder, value, vty):
@@ -82,22 +130,25 @@ def _make_vnni_tile(rows: int):
             addr = builder.add(addr, offset)
         return builder.inttoptr(addr, ty.as_pointer())
 
-    def codegen(context, builder, sig, args):
-        B, has_o = args[12], args[13]
-        is32 = builder.icmp_signed("==", B, ir.Constant(i64, 32))
-        off = builder.icmp_signed("!=", has_o, ir.Constant(i64, 0))
-        with builder.if_else(is32) as (b32, b16):
-            for arm, nquads in ((b32, 8), (b16, 4)):
-                with arm:
-                    with builder.if_else(off) as (with_o, without_o):
-                        with with_o:
-                            emit(builder, args, nquads, True)
-                        with without_o:
-                            emit(builder, args, nquads, False)
-        return context.get_dummy_value()
+    def halves(builder, base, i):
+        hv = builder.load(ptr(builder, base, builder.mul(i, ir.Constant(i64, 32)), v16f16), align=1)
+        return builder.fpext(hv, v16f32)
 
-    def emit(builder, args, nquads, with_offset):
-        out_a, out_stride, w_a, s_a, o_a, a_a, K, nb, da_a, bsf_a, zb_a, M = args[:12]
+    def scales(builder, base, dbase, b, sub, per):
+        """The block's 16 scales: halves, or half d (per 256 columns) * float(int8)."""
+        if not sub:
+            return halves(builder, base, b)
+        sc = builder.load(ptr(builder, base, builder.mul(b, ir.Constant(i64, 16)), v16i8), align=1)
+        d = halves(builder, dbase, builder.udiv(b, ir.Constant(i64, per)))
+        return builder.fmul(d, builder.sitofp(builder.sext(sc, v16i32), v16f32))
+
+    def codegen(context, builder, sig, args):
+        B, bits, has_o, sub = fmt_parts(sig.args[-1].literal_value)
+        (out_a, out_stride, w_a, h_a, s_a, o_a, d_a, dm_a, a_a, K, nb, da_a, bsf_a, zb_a,
+         M) = args[:15]
+        per = 256 // B               # blocks per k-quant super-block
+        nquads = B // 4
+        nv = code_planes(B, bits)
         bbytes = nquads * 4          # columns (= activation bytes) per block
         mod = builder.module
         dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512")
@@ -117,11 +168,40 @@ def _make_vnni_tile(rows: int):
             phi = builder.phi(v16f32)
             phi.add_incoming(ir.Constant(v16f32, None), entry)
             accs.append(phi)
-        w_b = builder.add(w_a, builder.mul(b, ir.Constant(i64, 64 * nquads)))
-        wv = [builder.load(ptr(builder, w_b, 64 * j, v16i32), align=1) for j in range(nquads)]
-        sv = builder.load(ptr(builder, s_a, builder.mul(b, ir.Constant(i64, 64)), v16f32), align=1)
-        if with_offset:
-            ov = builder.load(ptr(builder, o_a, builder.mul(b, ir.Constant(i64, 64)), v16f32), align=1)
+        w_b = builder.add(w_a, builder.mul(b, ir.Constant(i64, 64 * nv)))
+        raw = [builder.load(ptr(builder, w_b, 64 * v, v16i32), align=1) for v in range(nv)]
+        if bits == 8:
+            wv = raw
+        else:
+            m4 = ir.Constant(v16i32, [0x0F0F0F0F] * LANES)
+            four = ir.Constant(v16i32, [4] * LANES)
+            nib = raw[:nquads // 2]
+            wv = ([builder.and_(r_, m4) for r_ in nib]
+                  + [builder.and_(builder.lshr(r_, four), m4) for r_ in nib])
+            if bits == 6:
+                m30 = ir.Constant(v16i32, [0x30303030] * LANES)
+                for j in range(nquads):
+                    hv = raw[nquads // 2 + j // 4]
+                    sh = 2 * (j % 4)             # the two bits go to bits 4, 5 of each byte
+                    if sh < 4:
+                        hv = builder.shl(hv, ir.Constant(v16i32, [4 - sh] * LANES))
+                    elif sh > 4:
+                        hv = builder.lshr(hv, ir.Constant(v16i32, [sh - 4] * LANES))
+                    wv[j] = builder.or_(wv[j], builder.and_(hv, m30))
+            if bits == 5:
+                h_b = builder.add(h_a, builder.mul(b, ir.Constant(i64, 8 * nquads)))
+                sixteen = ir.Constant(v64i8, [16] * 64)
+                nothing = ir.Constant(v64i8, [0] * 64)
+                for j in range(nquads):
+                    word = builder.load(ptr(builder, h_b, 8 * j, i64), align=1)
+                    mask = builder.bitcast(word, v64i1)
+                    add = builder.select(mask, sixteen, nothing)
+                    wv[j] = builder.bitcast(builder.or_(builder.bitcast(wv[j], v64i8), add), v16i32)
+        sv = scales(builder, s_a, d_a, b, sub, per)
+        if has_o:
+            ov = scales(builder, o_a, dm_a, b, sub, per)
+            if sub:
+                ov = builder.fneg(ov)                        # o = -(dm * mn)
         ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0] of [nb, M]
         new_accs = []
         for r in range(rows):
@@ -137,7 +217,7 @@ def _make_vnni_tile(rows: int):
             zb = builder.load(ptr(builder, zb_a, off, i32), align=1)
             isum = builder.sub(isum, splat(builder, zb, v16i32))
             t = builder.fmul(sv, builder.sitofp(isum, v16f32))
-            if with_offset:
+            if has_o:
                 bsf = builder.load(ptr(builder, bsf_a, off, f32), align=1)
                 t = builder.fadd(t, builder.fmul(ov, splat(builder, bsf, v16f32)))
             da = builder.load(ptr(builder, da_a, off, f32), align=1)
@@ -153,10 +233,13 @@ def _make_vnni_tile(rows: int):
         for r in range(rows):
             builder.store(new_accs[r], ptr(builder, out_a, builder.mul(out_stride, ir.Constant(i64, r)),
                                            v16f32), align=1)
+        return context.get_dummy_value()
 
     @intrinsic
-    def tile(typingctx, out, out_stride, w, s, o, a, K, nb, da, bsf, zb, M, B, has_o):
-        return types.void(*([types.intp] * 14)), codegen
+    def tile(typingctx, out, out_stride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt):
+        if not isinstance(fmt, types.IntegerLiteral):
+            return None
+        return types.void(*([types.intp] * 15), fmt), codegen
 
     return tile
 
@@ -165,28 +248,92 @@ _tile1, _tile4, _tile8 = _make_vnni_tile(1), _make_vnni_tile(4), _make_vnni_tile
 
 
 @njit(inline="always", nogil=True)
-def _vnni_tile(R, B, has_o, out, ostride, w, s, o, a, K, nb, da, bsf, zb, M):
-    ho = 1 if has_o else 0
+def _vnni_tile(R, fmt, out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M):
     if R == 8:
-        _tile8(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M, B, ho)
+        _tile8(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt)
     elif R == 4:
-        _tile4(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M, B, ho)
+        _tile4(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt)
     else:
-        _tile1(out, ostride, w, s, o, a, K, nb, da, bsf, zb, M, B, ho)
+        _tile1(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt)
+
+
+# -- the portable path ----------------------------------------------------------------------
+
+@intrinsic
+def _bits_f32(typingctx, u):
+    """The float32 whose bits are the uint32 u."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, f):
+    """The bits of the float32 f as uint32."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(f), codegen
 
 
 @njit(inline="always", nogil=True)
-def _block_generic(acc, m, q, t, b, s, o, has_o, qa, a0, B, da, bsf, zb):
+def widen(x):
+    """The IEEE half with bits x as float32, exactly."""
+    h = np.uint32(x)
+    sign = (h >> np.uint32(15)) << np.uint32(31)
+    e = (h >> np.uint32(10)) & np.uint32(31)
+    m = h & np.uint32(1023)
+    if e == 0:              # zero and subnormals: m * 2^-24, exact in float32
+        bits = _f32_bits(np.float32(m) * np.float32(5.960464477539063e-08)) | sign
+    elif e == 31:           # inf, nan
+        bits = sign | np.uint32(0x7F800000) | (m << np.uint32(13))
+    else:
+        bits = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+    return _bits_f32(bits)
+
+
+@njit(inline="always", nogil=True)
+def code_at(q, h, t, b, j, lane, k, nq, bits):
+    """The code of quad j, lane, byte k of block b of tile t (see the module doc)."""
+    if bits == 8:
+        return np.int32(q[t, b, j, lane, k])
+    half = nq // 2
+    byte = np.int32(q[t, b, j % half, lane, k])
+    c = (byte & 15) if j < half else (byte >> 4)
+    if bits == 5:
+        i = lane * 4 + k
+        c |= ((np.int32(h[t, b, j, i >> 3]) >> (i & 7)) & 1) << 4
+    elif bits == 6:
+        c |= ((np.int32(q[t, b, half + j // 4, lane, k]) >> (2 * (j % 4))) & 3) << 4
+    return c
+
+
+@njit(inline="always", nogil=True)
+def scale_at(s, d, t, b, lane, sub, per):
+    """A block's scale (or offset magnitude) as float32: see the module doc."""
+    if sub:
+        return widen(d[t, b // per, lane]) * np.float32(s[t, b, lane])
+    return widen(s[t, b, lane])
+
+
+@njit(inline="always", nogil=True)
+def _block_generic(acc, m, q, h, t, b, s, o, d, dm, fmt, qa, a0, da, bsf, zb):
     """The same update as the VNNI intrinsic, lane by lane, same float operations in order."""
+    B = fmt & 63
+    bits = (fmt >> 6) & 15
+    has_o = (fmt >> 10) & 1
+    sub = (fmt >> 11) & 1
+    per = 256 // B
+    nq = B // 4
     for lane in range(LANES):
         isum = np.int32(0)
-        for j in range(B // 4):
+        for j in range(nq):
             for k in range(4):
-                isum += np.int32(q[t, b, j, lane, k]) * np.int32(qa[m, a0 + 4 * j + k])
+                isum += code_at(q, h, t, b, j, lane, k, nq, bits) * np.int32(qa[m, a0 + 4 * j + k])
         isum -= zb
-        tv = s[t, b, lane] * np.float32(isum)
+        tv = scale_at(s, d, t, b, lane, sub, per) * np.float32(isum)
         if has_o:
-            tv = tv + o[t, b, lane] * bsf
+            ov = scale_at(o, dm, t, b, lane, sub, per)
+            tv = tv + (-ov if sub else ov) * bsf
         acc[m, lane] = acc[m, lane] + da * tv
 
 
@@ -202,65 +349,99 @@ def _fetch_add(typingctx, addr, value):
 
 
 @njit(inline="always", nogil=True)
-def _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni):
+def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni):
     """Output columns 16t .. 16t+15 of every row."""
-    nb, nq = q.shape[1], q.shape[2]
-    B = nq * 4
+    B = fmt & 63
+    bits = (fmt >> 6) & 15
+    sub = (fmt >> 11) & 1
+    nq = B // 4
+    nv = q.shape[2]
+    nb = q.shape[1]
     M, K = qa.shape
     N = out.shape[1]
     n0 = t * LANES
     if use_vnni and n0 + LANES <= N:
-        w = q.ctypes.data + t * nb * B * LANES
-        sb = s.ctypes.data + t * nb * LANES * 4
-        ob = o.ctypes.data + t * nb * LANES * 4
+        w = q.ctypes.data + t * nb * nv * 64
+        hb = h.ctypes.data + (t * nb * nq * 8 if bits == 5 else 0)
+        ssz = 1 if sub else 2
+        sb = s.ctypes.data + t * nb * LANES * ssz
+        ob = o.ctypes.data + t * nb * LANES * ssz
+        nsb = d.shape[1]
+        db = d.ctypes.data + (t * nsb * LANES * 2 if sub else 0)
+        dmb = dm.ctypes.data + (t * nsb * LANES * 2 if sub else 0)
         dst = out.ctypes.data + n0 * 4
         m = 0
         while m < M:
             R = 8 if M - m >= 8 else (4 if M - m >= 4 else 1)
-            _vnni_tile(R, B, has_o, dst + m * N * 4, N * 4, w, sb, ob, qa.ctypes.data + m * K,
-                       K, nb, da.ctypes.data + m * 4, bsf.ctypes.data + m * 4,
-                       zb.ctypes.data + m * 4, M)
+            _vnni_tile(R, fmt, dst + m * N * 4, N * 4, w, hb, sb, ob, db, dmb,
+                       qa.ctypes.data + m * K, K, nb, da.ctypes.data + m * 4,
+                       bsf.ctypes.data + m * 4, zb.ctypes.data + m * 4, M)
             m += R
     else:
         # the portable path, also for a partial last tile: results go through acc
         acc = np.zeros((M, LANES), np.float32)
         for b in range(nb):
             for m in range(M):
-                _block_generic(acc, m, q, t, b, s, o, has_o, qa, b * B, B, da[b, m], bsf[b, m],
-                               zb[b, m])
+                _block_generic(acc, m, q, h, t, b, s, o, d, dm, fmt, qa, b * B, da[b, m],
+                               bsf[b, m], zb[b, m])
         for m in range(M):
             for lane in range(min(LANES, N - n0)):
                 out[m, n0 + lane] = acc[m, lane]
 
 
-@njit(**_PJIT)
-def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw, counter):
-    """out[M, N] = dequant(x) @ W^T from the repacked weight (q, s, o) and the activation codes.
+def _make_matmul(fmt: int):
+    """int8_matmul's kernel for one format: `fmt` is a constant of the closure, so the tile
+    intrinsics see it as a literal and emit that format's loop only (cached per format)."""
+    @njit(**_PJIT)
+    def matmul_fmt(q, h, s, o, d, dm, qa, da, bsf, zb, out, use_vnni, nw, counter):
+        T = q.shape[0]
+        if nw <= 1:         # on the calling thread: products too small to pay a parallel region
+            for t in range(T):
+                _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni)
+            return out
+        # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter,
+        # so a thread the OS preempts (other work on the machine) delays only its current chunk
+        # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
+        per = max(1, T // (nw * 16))
+        nchunks = (T + per - 1) // per
+        c_addr = counter.ctypes.data
+        for _w in prange(nw):
+            while True:
+                c = _fetch_add(c_addr, np.int64(1))
+                if c >= nchunks:
+                    break
+                for t in range(c * per, min(T, (c + 1) * per)):
+                    _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni)
+        return out
+    return matmul_fmt
 
-    q uint8[T, nb, B/4, 16, 4]; s, o float32[T, nb, 16]; qa int8[M, K]; da, bsf float32[nb, M];
-    zb int32[nb, M]; out float32[M, N] with N <= 16 T; nw: threads to use (<= 1: the calling
+
+_MATMULS: dict[int, object] = {}
+
+
+def kernel_for(fmt: int):
+    """The compiled matmul of one format (see _make_matmul)."""
+    fn = _MATMULS.get(fmt)
+    if fn is None:
+        fn = _MATMULS[fmt] = _make_matmul(fmt)
+    return fn
+
+
+def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, counter):
+    """out[M, N] = dequant(x) @ W^T from the repacked weight (q, h, s, o, d, dm of format fmt,
+    see PackedMatrix) and the activation codes.
+
+    q uint8[T, nb, code_planes(B, bits), 16, 4]; h uint8[T, nb, B/4, 8] (the fifth bits; any
+    uint8 4-d array otherwise); s, o uint16 halves, or int8 with d, dm uint16[T, K/256, 16]
+    (k-quants; any uint16 3-d arrays otherwise); qa int8[M, K]; da, bsf float32[nb, M]; zb
+    int32[nb, M]; out float32[M, N] with N <= 16 T; nw: threads to use (<= 1: the calling
     thread only); counter: int64[1] of zero, owned by the caller (an array made here could be
     freed after its last use by name while the threads still add to its address).
     """
-    T = q.shape[0]
-    if nw <= 1:             # on the calling thread: products too small to pay a parallel region
-        for t in range(T):
-            _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni)
-        return out
-    # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter, so
-    # a thread the OS preempts (other work on the machine) delays only its current chunk
-    # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
-    per = max(1, T // (nw * 16))
-    nchunks = (T + per - 1) // per
-    c_addr = counter.ctypes.data
-    for _w in prange(nw):
-        while True:
-            c = _fetch_add(c_addr, np.int64(1))
-            if c >= nchunks:
-                break
-            for t in range(c * per, min(T, (c + 1) * per)):
-                _one_tile(t, q, s, o, has_o, qa, da, bsf, zb, out, use_vnni)
-    return out
+    fn = _MATMULS.get(fmt)
+    if fn is None:
+        fn = kernel_for(fmt)
+    return fn(q, h, s, o, d, dm, qa, da, bsf, zb, out, use_vnni, nw, counter)
 
 
 # -- repacking (see repack.py) --------------------------------------------------------------
@@ -271,25 +452,43 @@ def int8_matmul(q, s, o, has_o, qa, da, bsf, zb, out, use_vnni, nw, counter):
 # the engine's decode step 18-19 ms instead of 12-13 (2 cores).
 
 @njit(**_JIT)
-def tile_codes(codes, out):
-    """codes uint8[16 T, K] -> out uint8[T, nb, B/4, 16, 4] (the tile layout)."""
-    T, nb, nq = out.shape[0], out.shape[1], out.shape[2]
-    B = nq * 4
+def tile_codes(codes, bits, q, h):
+    """codes uint8[16 T, K] -> q, h in the tile layout for `bits` (both zero on entry)."""
+    T, nb = q.shape[0], q.shape[1]
+    B = codes.shape[1] // nb
+    nq = B // 4
+    half = nq // 2
     for t in range(T):
         for b in range(nb):
             for j in range(nq):
                 for lane in range(LANES):
                     for k in range(4):
-                        out[t, b, j, lane, k] = codes[t * LANES + lane, b * B + 4 * j + k]
+                        c = codes[t * LANES + lane, b * B + 4 * j + k]
+                        if bits == 8:
+                            q[t, b, j, lane, k] = c
+                            continue
+                        if j < half:
+                            q[t, b, j, lane, k] |= c & np.uint8(15)
+                        else:
+                            q[t, b, j - half, lane, k] |= (c & np.uint8(15)) << np.uint8(4)
+                        if bits == 5 and c & np.uint8(16):
+                            i = lane * 4 + k
+                            h[t, b, j, i >> 3] |= np.uint8(1 << (i & 7))
+                        elif bits == 6:
+                            q[t, b, half + j // 4, lane, k] |= ((c >> np.uint8(4)) & np.uint8(3)) << np.uint8(2 * (j % 4))
 
 
 @njit(**_JIT)
-def tile_q8_0(blocks, out):
-    """Q8_0 blocks uint8[16 T, nb, 34] -> codes q + 128 in the tile layout, in one pass."""
-    T, nb = out.shape[0], out.shape[1]
+def tile_q8_0(blocks, q, s):
+    """Q8_0 blocks uint8[16 T, nb, 34] -> codes q + 128 and the half scales (uint16 s) in
+    the tile layout, in one pass."""
+    T, nb = q.shape[0], q.shape[1]
     for t in range(T):
         for b in range(nb):
+            for lane in range(LANES):
+                r = t * LANES + lane
+                s[t, b, lane] = np.uint16(blocks[r, b, 0]) | (np.uint16(blocks[r, b, 1]) << np.uint16(8))
             for j in range(8):
                 for lane in range(LANES):
                     for k in range(4):
-                        out[t, b, j, lane, k] = blocks[t * LANES + lane, b, 2 + 4 * j + k] ^ np.uint8(0x80)
+                        q[t, b, j, lane, k] = blocks[t * LANES + lane, b, 2 + 4 * j + k] ^ np.uint8(0x80)

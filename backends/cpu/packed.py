@@ -59,7 +59,7 @@ def _run(codes: ActCodes, w: PackedMatrix, out: np.ndarray | None, vnni: bool, n
     M = codes.qa.shape[0]
     if out is None:
         out = np.empty((M, w.N), np.float32)
-    _int8.int8_matmul(w.q, w.s, w.o, w.has_o, codes.qa, codes.da, codes.bsf,
+    _int8.int8_matmul(w.q, w.h, w.s, w.o, w.d, w.dm, w.fmt, codes.qa, codes.da, codes.bsf,
                       codes.zb_for(w.zero_point), out, vnni, nw, np.zeros(1, np.int64))
     return out
 

@@ -2,10 +2,13 @@
 
 Every supported block format is, exactly, `w = s * (code - zero_point) + o` per small block of
 B = 32 (legacy quants, Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K) columns, with an unsigned code of
-at most 8 bits, a float32 scale s and, for the formats with minimums, a float32 offset o. The
-repacked matrix keeps those codes one per byte in 16-row tiles, so one VNNI instruction handles
-four columns of sixteen rows. Costs memory for the sub-8-bit formats (a Q4_K weight goes from
-4.5 to 10 bits), which is why `CpuOps` repacks only while the model stays within a budget.
+at most 8 bits, a scale s and, for the formats with minimums, an offset o. The repacked matrix
+keeps those codes in 16-row tiles, so one VNNI instruction handles four columns of sixteen
+rows, with the bits the format has: two 4-bit codes a byte (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K),
+that plus a bit plane of fifth bits (Q5_0, Q5_1, Q5_K), a byte (Q8_0, Q6_K). Scales that are
+IEEE halves in the GGUF (the legacy formats) stay halves; the k-quants' products of a half and
+a 6- or 8-bit scale are float32. So decode reads about the bytes the GGUF holds: the same for
+Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, 6 bits a weight for Q4_K (4.5), 10 for Q6_K (6.56).
 Decoding a repacked row (`rows`) is bit-exact with gguf.quants.dequantize.
 """
 from __future__ import annotations
@@ -29,11 +32,24 @@ _COLS = {int(t): (16 if t in (Q.Q2_K, Q.Q3_K, Q.Q6_K) else 32) for t in map(Q, R
 _WITH_OFFSET = frozenset(int(t) for t in (Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K))
 
 
+# code bits kept per format; the legacy formats' scales stay halves, the k-quants' are a half
+# per super-block times an int8 per block (see _int8.py)
+_BITS = {**{int(t): 4 for t in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K)},
+         **{int(t): 5 for t in (Q.Q5_0, Q.Q5_1, Q.Q5_K)},
+         int(Q.Q6_K): 6, int(Q.Q8_0): 8}
+_SUB = frozenset(int(t) for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+
+
 def packed_nbytes(qtype, K: int, N: int) -> int:
     """Bytes a K x N matrix of this type takes repacked (codes, scales, offsets, padded rows)."""
     code = int(qtype)
     scales = 2 if code in _WITH_OFFSET else 1
-    return -(-N // LANES) * LANES * (K + K // _COLS[code] * 4 * scales)
+    per_row = K * _BITS[code] // 8
+    if code in _SUB:
+        per_row += scales * (K // _COLS[code] + 2 * (K // 256))
+    else:
+        per_row += scales * 2 * (K // _COLS[code])
+    return -(-N // LANES) * LANES * per_row
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -62,6 +78,20 @@ def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def unpack(w: QuantMatrix):
     """(codes uint8[N, K], s float32[N, K/B], o float32[N, K/B] or None, zero_point), with
     B = _COLS[type] columns per scale."""
+    codes, zp, d, sc, dm, mn = unpack_parts(w)
+    if sc is None:
+        return codes, d, dm, zp
+    N, nsb = d.shape
+    s = (d[:, :, None] * sc.reshape(N, nsb, -1)).reshape(N, -1)
+    o = None if dm is None else (-(dm[:, :, None] * mn.reshape(N, nsb, -1))).reshape(N, -1)
+    return codes, s, o, zp
+
+
+def unpack_parts(w: QuantMatrix):
+    """(codes uint8[N, K], zero_point, d, sc, dm, mn). Legacy formats: d = s float32[N, K/B]
+    and dm = o (or None), halves, sc = mn = None. K-quants: d, dm float32[N, K/256] halves, sc,
+    mn float32[N, K/B] small integers (dm, mn None without minimums): s = d * sc and
+    o = -(dm * mn)."""
     code = int(w.qtype)
     N, K = w.N, w.K
     blk = w.blocks.reshape(-1, w.blocks.shape[2])        # one GGUF block per row
@@ -69,17 +99,17 @@ def unpack(w: QuantMatrix):
     if code == Q.Q8_0:
         d = _f16(blk[:, 0:2])
         codes = blk[:, 2:34] ^ np.uint8(0x80)          # int8 q -> q + 128, one pass
-        return codes.reshape(N, K), d.reshape(N, -1), None, 128
+        return codes.reshape(N, K), 128, d.reshape(N, -1), None, None, None
     if code == Q.Q4_0:
-        return _nibbles(blk[:, 2:18]).reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1), None, 8
+        return _nibbles(blk[:, 2:18]).reshape(N, K), 8, _f16(blk[:, 0:2]).reshape(N, -1), None, None, None
     if code == Q.Q4_1:
-        return (_nibbles(blk[:, 4:20]).reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1),
-                _f16(blk[:, 2:4]).reshape(N, -1), 0)
+        return (_nibbles(blk[:, 4:20]).reshape(N, K), 0, _f16(blk[:, 0:2]).reshape(N, -1), None,
+                _f16(blk[:, 2:4]).reshape(N, -1), None)
     if code in (Q.Q5_0, Q.Q5_1):
         off = 2 if code == Q.Q5_0 else 4
         codes = _nibbles(blk[:, off + 4:off + 20]) | (_high_bits(blk[:, off:off + 4], 32) << 4)
         o = None if code == Q.Q5_0 else _f16(blk[:, 2:4]).reshape(N, -1)
-        return codes.reshape(N, K), _f16(blk[:, 0:2]).reshape(N, -1), o, (16 if o is None else 0)
+        return codes.reshape(N, K), (16 if o is None else 0), _f16(blk[:, 0:2]).reshape(N, -1), None, o, None
     if code in (Q.Q4_K, Q.Q5_K):
         d, dmin = _f16(blk[:, 0:2]), _f16(blk[:, 2:4])
         sc, mn = _scale_min_k4(blk[:, 4:16])
@@ -92,9 +122,8 @@ def unpack(w: QuantMatrix):
             low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 8, 32)
             high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
             codes = (low | (high << 4)).reshape(n, 256)
-        s = d * sc
-        o = -(dmin * mn)
-        return codes.reshape(N, K), s.reshape(N, -1), o.reshape(N, -1), 0
+        return (codes.reshape(N, K), 0, d.reshape(N, -1), sc.reshape(N, -1),
+                dmin.reshape(N, -1), mn.reshape(N, -1))
     if code == Q.Q6_K:
         ql, qh = blk[:, 0:128], blk[:, 128:192]
         sc = blk[:, 192:208].view(np.int8).astype(np.float32)
@@ -104,14 +133,13 @@ def unpack(w: QuantMatrix):
         low = np.concatenate([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F,
                               ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2).reshape(n, 2, 4, 32)
         codes = (low | ((qh & 3) << 4)).reshape(n, 256)
-        return codes.reshape(N, K), (d * sc).reshape(N, -1), None, 32
+        return codes.reshape(N, K), 32, d.reshape(N, -1), sc.reshape(N, -1), None, None
     if code == Q.Q2_K:
         sc, qs = blk[:, 0:16], blk[:, 16:80]
         d, dmin = _f16(blk[:, 80:82]), _f16(blk[:, 82:84])
         codes = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-        s = d * (sc & 0x0F).astype(np.float32)
-        o = -(dmin * (sc >> 4).astype(np.float32))
-        return codes.reshape(N, K), s.reshape(N, -1), o.reshape(N, -1), 0
+        return (codes.reshape(N, K), 0, d.reshape(N, -1), (sc & 0x0F).astype(np.float32).reshape(N, -1),
+                dmin.reshape(N, -1), (sc >> 4).astype(np.float32).reshape(N, -1))
     if code == Q.Q3_K:
         hmask, qs, scb = blk[:, 0:32], blk[:, 32:96], blk[:, 96:108]
         d = _f16(blk[:, 108:110])
@@ -121,16 +149,19 @@ def unpack(w: QuantMatrix):
         low = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
         high = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
         codes = low.reshape(n, 8, 32) | (high << 2)        # q + 4, in 0..7
-        return codes.reshape(N, K), (d * scales).reshape(N, -1), None, 4
+        return codes.reshape(N, K), 4, d.reshape(N, -1), scales.reshape(N, -1), None, None
     raise ValueError(f"{w.qtype.name} cannot be repacked")
 
 
 @dataclass(frozen=True, eq=False)
 class PackedMatrix:
     """A weight of N rows of K values, repacked for `_int8.int8_matmul` (see module doc)."""
-    q: np.ndarray            # uint8[T, nb, B/4, 16, 4]
-    s: np.ndarray            # float32[T, nb, 16]
-    o: np.ndarray            # float32[T, nb, 16] (s itself when the format has no offset)
+    q: np.ndarray            # uint8[T, nb, code_planes(B, bits), 16, 4]: the codes
+    h: np.ndarray            # uint8[T, nb, B/4, 8]: fifth bits (5-bit formats; else a dummy)
+    s: np.ndarray            # [T, nb, 16] scales: uint16 halves, or int8 (k-quants, times d)
+    o: np.ndarray            # as s: offsets (minimums for k-quants); s itself without them
+    d: np.ndarray            # uint16[T, K/256, 16] k-quant super-block scales (else a dummy)
+    dm: np.ndarray           # as d, for the minimums (d itself without them)
     has_o: bool
     zero_point: int
     B: int                   # columns per scale
@@ -138,40 +169,66 @@ class PackedMatrix:
     qtype: Q
     K: int
     N: int
+    bits: int                # code bits: 4, 5, 6 or 8
+    fmt: int                 # _int8.fmt_code(B, bits, has_o, k-quant scales)
+
+    @property
+    def sub(self) -> bool:
+        return self.s.dtype == np.int8
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.s.nbytes + (self.o.nbytes if self.has_o else 0)
+        n = self.q.nbytes + (self.h.nbytes if self.bits == 5 else 0) + self.s.nbytes
+        if self.sub:
+            n += self.d.nbytes + (self.dm.nbytes if self.has_o else 0)
+        return n + (self.o.nbytes if self.has_o else 0)
 
     @classmethod
     def from_quant(cls, w: QuantMatrix) -> "PackedMatrix":
-        N, K, B = w.N, w.K, _COLS[int(w.qtype)]
+        code = int(w.qtype)
+        N, K, B, bits = w.N, w.K, _COLS[code], _BITS[code]
+        sub = code in _SUB
         T = -(-N // LANES)
         pad = T * LANES - N
+        nb = K // B
+        q = np.zeros((T, nb, _int8.code_planes(B, bits), LANES, 4), np.uint8)
+        h = np.zeros((T, nb, B // 4, 8) if bits == 5 else (1, 1, 1, 8), np.uint8)
+        dummy = np.zeros((1, 1, LANES), np.uint16)
+
+        def tiles(a, dtype):      # [T*16, n] -> [T, n, 16]: halves (exact: they were), int8
+            if pad:   # zero rows (scales 0) fill the last tile; their outputs are never written
+                a = np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)])
+            a = a.reshape(T, LANES, -1).transpose(0, 2, 1)
+            a = a.astype(np.float16).view(np.uint16) if dtype == np.uint16 else a.astype(dtype)
+            return np.ascontiguousarray(a)
+
         if w.qtype == Q.Q8_0 and not pad:
             # the common output-head format: straight from the GGUF bytes in one pass
-            blocks = w.blocks
-            nb, zp, o = K // B, 128, None
-            s = _f16(blocks[:, :, 0:2]).reshape(N, nb)
-            q = np.empty((T, nb, B // 4, LANES, 4), np.uint8)
-            _int8.tile_q8_0(blocks, q)
+            zp, s, o, d, dm = 128, np.empty((T, nb, LANES), np.uint16), None, dummy, dummy
+            _int8.tile_q8_0(w.blocks, q, s)
         else:
-            codes, s, o, zp = unpack(w)
-            if pad:    # zero rows (s = o = 0) fill the last tile; their outputs are never written
+            codes, zp, d, sc, dm, mn = unpack_parts(w)
+            if pad:
                 codes = np.concatenate([codes, np.full((pad, K), zp, np.uint8)])
-                s = np.concatenate([s, np.zeros((pad, s.shape[1]), np.float32)])
-                if o is not None:
-                    o = np.concatenate([o, np.zeros((pad, o.shape[1]), np.float32)])
-            nb = K // B
-            q = np.empty((T, nb, B // 4, LANES, 4), np.uint8)
-            _int8.tile_codes(np.ascontiguousarray(codes), q)
+            _int8.tile_codes(np.ascontiguousarray(codes), bits, q, h)
+            if sub:
+                s, d = tiles(sc, np.int8), tiles(d, np.uint16)
+                o, dm = (tiles(mn, np.int8), tiles(dm, np.uint16)) if dm is not None else (None, d)
+            else:
+                s, o, d = tiles(d, np.uint16), (tiles(dm, np.uint16) if dm is not None else None), dummy
+                dm = d
+        has_o = o is not None
+        return cls(q, h, s, o if has_o else s, d, dm, has_o, zp, B, _ACT_BLOCK[code], Q(code),
+                   K, N, bits, _int8.fmt_code(B, bits, has_o, sub))
 
-        def tiles(a):      # [T*16, nb] -> [T, nb, 16]
-            return np.ascontiguousarray(a.astype(np.float32).reshape(T, LANES, nb).transpose(0, 2, 1))
-
-        st = tiles(s)
-        return cls(q, st, tiles(o) if o is not None else st, o is not None, zp, B,
-                   _ACT_BLOCK[int(w.qtype)], Q(int(w.qtype)), K, N)
+    def _scales(self, a: np.ndarray, d: np.ndarray, t: np.ndarray, lane: np.ndarray) -> np.ndarray:
+        """float32[n, nb] of one row per (t, lane): the same float32 products the kernel forms."""
+        if not self.sub:
+            return a[t, :, lane].view(np.float16).astype(np.float32)
+        per = 256 // self.B
+        dd = d[t, :, lane].view(np.float16).astype(np.float32)          # [n, K/256]
+        return (dd[:, :, None] * a[t, :, lane].astype(np.float32).reshape(t.size, -1, per)
+                ).reshape(t.size, -1)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """float32[len(ids), K]: decoded rows (embedding lookup), bit-exact with gguf's."""
@@ -179,10 +236,27 @@ class PackedMatrix:
         if ids.size and (ids.min() < 0 or ids.max() >= self.N):
             raise IndexError(f"row id out of range [0, {self.N})")
         t, lane = ids // LANES, ids % LANES
-        codes = self.q[t, :, :, lane, :].reshape(ids.size, self.K // self.B, self.B)
-        vals = codes.astype(np.int32) - self.zero_point
-        s = self.s[t, :, lane][:, :, None]
+        nb = self.K // self.B
+        codes = self.q[t, :, :, lane, :]                       # [n, nb, planes, 4]
+        if self.bits != 8:
+            nq = self.B // 4
+            nib = codes[:, :, :nq // 2]
+            quads = np.concatenate([nib & 0x0F, nib >> 4], axis=2)          # [n, nb, nq, 4]
+            if self.bits == 5:
+                plane = self.h[t, :, :, lane // 2]             # [n, nb, nq]: byte (4 lane + k) / 8
+                shift = ((lane % 2) * 4)[:, None, None, None] + np.arange(4, dtype=np.int64)
+                quads = quads | (((plane[..., None] >> shift) & 1) << 4).astype(np.uint8)
+            elif self.bits == 6:
+                high = codes[:, :, nq // 2:]                   # [n, nb, nq / 4, 4]
+                sh = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]
+                two = (high[:, :, None] >> sh) & 3             # [n, nb, 4 (j % 4), nq / 4, 4]
+                two = two.transpose(0, 1, 3, 2, 4).reshape(quads.shape)     # quad j = 4 (j // 4) + j % 4
+                quads = quads | (two << 4)
+            codes = quads
+        vals = codes.reshape(ids.size, nb, self.B).astype(np.int32) - self.zero_point
+        s = self._scales(self.s, self.d, t, lane)[:, :, None]
         out = s * vals.astype(np.float32)
         if self.has_o:
-            out = out + self.o[t, :, lane][:, :, None]
+            o = self._scales(self.o, self.dm, t, lane)
+            out = out + (-o if self.sub else o)[:, :, None]
         return out.reshape(ids.size, self.K).astype(np.float32)
