@@ -1,11 +1,20 @@
-"""Native engine vs llama.cpp on one model, same run, same threads.
+"""Native engine vs llama.cpp on one model, same run, same threads, interleaved rounds.
 
-    .venv/bin/python benchmarks/generate.py [--model PATH] [--threads 2] [--repeats 3]
+    .venv/bin/python benchmarks/generate.py [--model PATH] [--threads 2] [--rounds 3]
+        [--depths 0,2048,8192] [--rss-context 32768]
 
-Each engine runs in its own fresh worker process (so peak RSS and cold start are its own):
-cold start = process start to first generated token (model load included); prefill tok/s on a
-~600-token prompt; decode tok/s over 128 greedy tokens. llama.cpp runs through
-llama-cpp-python with the same thread count. Prints a table with native/llama.cpp ratios.
+Each round runs one fresh worker process per engine (their order alternates between rounds,
+so drift on a shared machine hits both alike); the table gives the median of the rounds,
+the range, and the ratio of the medians. A worker measures, llama-bench style:
+- cold start: process start to the first generated token (model load included);
+- prefill tok/s of a 512-token chunk (pp512) after `depth` tokens already in the context
+  (ours: a prefix-cache hit; llama.cpp: the same tokens evaluated just before);
+- decode tok/s of 128 greedy tokens (tg128) at that depth;
+- peak RSS of the process after its deepest context.
+Prompts are the same random token ids for both engines (ordinary vocabulary, no specials).
+Prompt-lookup speculation is off here (benchmarks/speculative.py measures it): this is plain
+decoding. --rss-context N adds one more round that only fills an N-token context and reports
+each engine's peak RSS (slow: N tokens of prefill on each engine).
 """
 from __future__ import annotations
 
@@ -13,14 +22,14 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
 
-PROMPT = " ".join(
-    f"Section {i}: the {['quick', 'lazy', 'curious'][i % 3]} {['fox', 'dog', 'cat'][i % 3]} "
-    f"counted {i * 7 % 31} stones by the river and wrote the number down." for i in range(40))
-DECODE_TOKENS = 128
+PP = 512
+TG = 128
+SEED = 1234
 
 
 def _since_process_start() -> float:
@@ -28,99 +37,180 @@ def _since_process_start() -> float:
     return time.time() - psutil.Process().create_time()
 
 
-def worker_native(model: str) -> dict:
+def _tokens(n: int, vocab: int) -> list[int]:
+    import numpy as np
+    rng = np.random.default_rng(SEED)
+    hi = min(vocab, 200_000)
+    return [int(t) for t in rng.integers(1000, hi, n)]
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _kv_budget(model: str, ctx: int) -> int:
+    """A pool of one context (as llama.cpp's n_ctx): with the prefix cache keeping earlier
+    prompts, a larger pool would keep touching fresh pages and inflate our RSS."""
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import load_model_config
+    cfg = load_model_config(read_gguf(model))
+    return ctx * cfg.kv_bytes_per_token(2)
+
+
+def worker_native(model: str, depths: list[int], ctx: int) -> dict:
     from edgeinfer.engine.core import Engine, EngineConfig
     from edgeinfer.engine.sampling import SamplingParams
-    engine = Engine(model, EngineConfig(max_model_len=2048, kv_budget_bytes=256 << 20,
-                                        max_tokens_per_step=1024))
-    ids = engine.encode_raw("Hello")
-    engine.generate(ids, SamplingParams(temperature=0, max_tokens=1))
-    cold = _since_process_start()
-    prompt = engine.encode_raw(PROMPT)[:600]
-    best_prefill, best_decode = 0.0, 0.0
-    for i in range(REPEATS):
-        p = [prompt[0], prompt[1] + i + 1] + prompt[2:]  # a new first block: no prefix-cache hit
+    engine = Engine(model, EngineConfig(max_model_len=ctx, kv_budget_bytes=_kv_budget(model, ctx),
+                                        max_tokens_per_step=PP, speculative=False))
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    engine.generate(engine.encode_raw("Hello"), greedy)
+    res: dict = {"cold_start_s": _since_process_start()}
+    vocab = engine.runner.cfg.vocab_size
+    engine.generate(_tokens(PP + 16, vocab)[16:], greedy)      # warm-up, as llama-bench does
+    for d in depths:
+        ids = _tokens(d + PP, vocab)
+        if d:
+            engine.generate(ids[:d], greedy)          # the context, then a prefix-cache hit
         t = time.perf_counter()
-        engine.generate(p, SamplingParams(temperature=0, max_tokens=1))
-        best_prefill = max(best_prefill, len(p) / (time.perf_counter() - t))
-        out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=DECODE_TOKENS,
-                                                  ignore_eos=True))
-        n = out.num_output_tokens - 1
-        best_decode = max(best_decode, n / (out.finish_time - out.first_token_time))
-    return {"cold_start_s": cold, "prefill_tok_s": best_prefill, "decode_tok_s": best_decode,
-            "prompt_tokens": len(prompt)}
+        engine.generate(ids, greedy)
+        res[f"pp{PP}@{d}"] = PP / (time.perf_counter() - t)
+        out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG, ignore_eos=True))
+        res[f"tg{TG}@{d}"] = (out.num_output_tokens - 1) / (out.finish_time - out.first_token_time)
+    res["peak_rss_mb"] = _rss_mb()
+    return res
 
 
-def worker_llamacpp(model: str, threads: int) -> dict:
+def worker_llamacpp(model: str, depths: list[int], ctx: int, threads: int, fa: bool) -> dict:
     import llama_cpp
     import numpy as np
-    llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=1024, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
-    ids = llm.tokenize(b"Hello", add_bos=True)
-    llm.eval(ids)
-    cold = _since_process_start()
-    prompt = llm.tokenize(PROMPT.encode(), add_bos=True)[:600]
-    best_prefill, best_decode = 0.0, 0.0
-    for _ in range(REPEATS):
+    llm = llama_cpp.Llama(model_path=model, n_ctx=ctx, n_batch=PP, n_ubatch=PP,
+                          n_threads=threads, n_threads_batch=threads, flash_attn=fa,
+                          swa_full=False, verbose=False)
+    llm.eval(llm.tokenize(b"Hello", add_bos=True))
+    res: dict = {"cold_start_s": _since_process_start()}
+    n_vocab = llm.n_vocab()
+    llm.reset()
+    llm.eval(_tokens(PP, n_vocab))      # warm-up, as llama-bench does
+
+    def last_argmax() -> int:
+        # the last position's logits straight from the context (llama-cpp-python keeps
+        # `scores` only with logits_all)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+    for d in depths:
+        ids = _tokens(d + PP, llm.n_vocab())
         llm.reset()
+        if d:
+            llm.eval(ids[:d])
         t = time.perf_counter()
-        llm.eval(prompt)
-        best_prefill = max(best_prefill, len(prompt) / (time.perf_counter() - t))
-        llm.reset()
-        llm.eval(ids)
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval(ids[d:])
+        res[f"pp{PP}@{d}"] = PP / (time.perf_counter() - t)
+        tok = last_argmax()
         t = time.perf_counter()
-        for _ in range(DECODE_TOKENS - 1):
+        for _ in range(TG - 1):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        best_decode = max(best_decode, (DECODE_TOKENS - 1) / (time.perf_counter() - t))
-    return {"cold_start_s": cold, "prefill_tok_s": best_prefill, "decode_tok_s": best_decode,
-            "prompt_tokens": len(prompt)}
+            tok = last_argmax()
+        res[f"tg{TG}@{d}"] = (TG - 1) / (time.perf_counter() - t)
+    res["peak_rss_mb"] = _rss_mb()
+    return res
 
 
-REPEATS = 3
+def worker_fill_native(model: str, n: int) -> dict:
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.engine.sampling import SamplingParams
+    engine = Engine(model, EngineConfig(max_model_len=n + 64,
+                                        kv_budget_bytes=_kv_budget(model, n + 64),
+                                        max_tokens_per_step=PP, speculative=False))
+    vocab = engine.runner.cfg.vocab_size
+    engine.generate(_tokens(n, vocab), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    return {"peak_rss_mb": _rss_mb(), "kv_mb": engine.runner.kv_bytes / 2**20}
 
 
-def run_worker(engine: str, model: str, threads: int, repeats: int) -> dict:
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-    r = subprocess.run([sys.executable, __file__, "--worker", engine, "--model", model,
-                        "--threads", str(threads), "--repeats", str(repeats)],
+def worker_fill_llamacpp(model: str, n: int, threads: int, fa: bool) -> dict:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=model, n_ctx=n + 64, n_batch=PP, n_ubatch=PP,
+                          n_threads=threads, n_threads_batch=threads, flash_attn=fa,
+                          swa_full=False, verbose=False)
+    llm.eval(_tokens(n, llm.n_vocab()))
+    return {"peak_rss_mb": _rss_mb(), "kv_mb": float("nan")}
+
+
+def run_worker(args: argparse.Namespace, engine: str, extra: list[str] = ()) -> dict:
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    r = subprocess.run([sys.executable, __file__, "--worker", engine, "--model", args.model,
+                        "--threads", str(args.threads), "--depths", args.depths,
+                        "--flash-attn", args.flash_attn, *extra],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _fmt(values: list[float]) -> str:
+    m = statistics.median(values)
+    if len(values) == 1:
+        return f"{m:.1f}"
+    return f"{m:.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
 def main() -> None:
-    global REPEATS
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--worker", choices=["native", "llamacpp"])
+    ap.add_argument("--rounds", "--repeats", type=int, default=3, dest="rounds")
+    ap.add_argument("--depths", default="0,2048,8192", help="context depths for pp/tg")
+    ap.add_argument("--rss-context", type=int, default=0, help="also fill this context once")
+    ap.add_argument("--worker", choices=["native", "llamacpp", "fill-native", "fill-llamacpp"])
+    ap.add_argument("--fill", type=int, default=0)
+    ap.add_argument("--flash-attn", choices=["on", "off"], default="on",
+                    help="llama.cpp's flash attention (on: llama.cpp's own default on CPU; "
+                         "llama-cpp-python defaults to off). Its sliding-window layers keep "
+                         "only their window (swa_full=False, llama.cpp's CLI default; the "
+                         "C API's default keeps the whole context for them)")
     args = ap.parse_args()
-    REPEATS = args.repeats
-    model = args.model
-    if model is None:
+    if args.model is None:
         from edgeinfer.store.model_store import Store
-        model = str(Store().resolve("gemma3:270m").path)
+        args.model = str(Store().resolve("gemma3:270m").path)
+    depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    ctx = max(depths) + PP + TG + 64
+    fa = args.flash_attn == "on"
     if args.worker:
-        res = worker_native(model) if args.worker == "native" else worker_llamacpp(model, args.threads)
-        res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        res = {"native": lambda: worker_native(args.model, depths, ctx),
+               "llamacpp": lambda: worker_llamacpp(args.model, depths, ctx, args.threads, fa),
+               "fill-native": lambda: worker_fill_native(args.model, args.fill),
+               "fill-llamacpp": lambda: worker_fill_llamacpp(args.model, args.fill, args.threads, fa),
+               }[args.worker]()
         print(json.dumps(res))
         return
-    print(f"model {model}, {args.threads} threads, best of {args.repeats}, load average "
-          f"{os.getloadavg()[0]:.1f}")
-    native = run_worker("native", model, args.threads, args.repeats)
-    ref = run_worker("llamacpp", model, args.threads, args.repeats)
-    rows = [("prefill tok/s (~600-token prompt)", "prefill_tok_s", True),
-            ("decode tok/s (128 tokens)", "decode_tok_s", True),
-            ("peak RSS MB", "peak_rss_mb", False),
-            ("cold start s (load + first token)", "cold_start_s", False)]
-    print(f"| {'metric':36} | {'native':>9} | {'llama.cpp':>9} | {'ratio':>6} |")
-    print(f"|{'-' * 38}|{'-' * 11}|{'-' * 11}|{'-' * 8}|")
-    for label, key, _ in rows:
-        print(f"| {label:36} | {native[key]:9.1f} | {ref[key]:9.1f} | {native[key] / ref[key]:6.2f} |")
+    print(f"model {args.model}, {args.threads} threads, {args.rounds} interleaved rounds, "
+          f"llama.cpp flash attention {args.flash_attn}, load average {os.getloadavg()[0]:.1f}")
+    runs: dict[str, list[dict]] = {"native": [], "llamacpp": []}
+    for r in range(args.rounds):
+        order = ["native", "llamacpp"] if r % 2 == 0 else ["llamacpp", "native"]
+        for engine in order:
+            runs[engine].append(run_worker(args, engine))
+        print(f"round {r + 1}: " + ", ".join(
+            f"{e} tg@0 {runs[e][-1][f'tg{TG}@{depths[0]}']:.1f}" for e in runs), flush=True)
+    keys = ([f"pp{PP}@{d}" for d in depths] + [f"tg{TG}@{d}" for d in depths]
+            + ["peak_rss_mb", "cold_start_s"])
+    labels = {"peak_rss_mb": f"peak RSS MB (context {ctx})", "cold_start_s": "cold start s"}
+    for d in depths:
+        labels[f"pp{PP}@{d}"] = f"prefill tok/s, pp{PP} at depth {d}"
+        labels[f"tg{TG}@{d}"] = f"decode tok/s, tg{TG} at depth {d}"
+    print(f"\n| {'metric':34} | {'edgeinfer':>22} | {'llama.cpp':>22} | {'ratio':>5} |")
+    print(f"|{'-' * 36}|{'-' * 24}|{'-' * 24}|{'-' * 7}|")
+    for k in keys:
+        a = [x[k] for x in runs["native"]]
+        b = [x[k] for x in runs["llamacpp"]]
+        ratio = statistics.median(a) / statistics.median(b)
+        print(f"| {labels[k]:34} | {_fmt(a):>22} | {_fmt(b):>22} | {ratio:5.2f} |")
+    if args.rss_context:
+        n = args.rss_context
+        fill = {e: run_worker(args, f"fill-{e}", ["--fill", str(n)]) for e in ("native", "llamacpp")}
+        print(f"\ncontext of {n} tokens: peak RSS MB edgeinfer {fill['native']['peak_rss_mb']:.0f} "
+              f"(KV pool {fill['native']['kv_mb']:.0f} MB), llama.cpp "
+              f"{fill['llamacpp']['peak_rss_mb']:.0f}, ratio "
+              f"{fill['native']['peak_rss_mb'] / fill['llamacpp']['peak_rss_mb']:.2f}")
 
 
 if __name__ == "__main__":
