@@ -286,3 +286,27 @@ def test_subnormal_and_signed_half_scales(qtype):
         np.testing.assert_array_equal(packed_matmul(x, p, use_vnni=True).view(np.uint32),
                                       y.view(np.uint32))
     assert np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("qtypes", [(T.Q5_0, T.Q5_0, T.Q8_0), (T.Q5_0, T.Q5_0), (T.Q4_K, T.Q6_K, T.Q8_0)],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+def test_int8_matmul_many_gives_each_matrix_its_own_bits(qtypes):
+    """Several matrices in one parallel region: each output as int8_matmul alone gives it."""
+    nthreads = _threads_for_parallel()
+    x = np.random.default_rng(31).standard_normal((3, 512)).astype(np.float32)
+    ps = [PackedMatrix.from_quant(make(t, n, 512, seed=n)) for t, n in zip(qtypes, (70, 16, 40))]
+    jobs, alone = [], []
+    for p in ps:
+        qa, da, bsf, zb = _act_codes(x, p)
+        out = np.full((3, p.N), np.nan, np.float32)
+        jobs.append((p.q, p.h, p.s, p.o, p.d, p.dm, p.fmt, qa, da, bsf, zb, out))
+        ref = np.empty((3, p.N), np.float32)
+        _int8.int8_matmul(p.q, p.h, p.s, p.o, p.d, p.dm, p.fmt, qa, da, bsf, zb, ref,
+                          _int8.HAVE_VNNI, 1, np.zeros(1, np.int64))
+        alone.append(ref)
+    for nw in (1, nthreads):
+        for j in jobs:
+            j[-1][:] = np.nan
+        _int8.int8_matmul_many(jobs, _int8.HAVE_VNNI, nw, np.zeros(1, np.int64))
+        for j, ref in zip(jobs, alone):
+            np.testing.assert_array_equal(j[-1].view(np.uint32), ref.view(np.uint32))

@@ -444,6 +444,78 @@ def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, coun
     return fn(q, h, s, o, d, dm, qa, da, bsf, zb, out, use_vnni, nw, counter)
 
 
+def _make_many(fmts: tuple[int, ...]):
+    """One parallel region over the tiles of two or three matrices of formats `fmts` (each
+    with its own activation codes and output): the tiles of all of them are chunks of one
+    shared counter, each computed by _one_tile exactly as int8_matmul would."""
+    n = len(fmts)
+    f0, f1 = fmts[0], fmts[1]
+    f2 = fmts[2] if n > 2 else fmts[1]
+
+    @njit(**_PJIT)
+    def many(q0, h0, s0, o0, d0, dm0, qa0, da0, bsf0, zb0, out0,
+             q1, h1, s1, o1, d1, dm1, qa1, da1, bsf1, zb1, out1,
+             q2, h2, s2, o2, d2, dm2, qa2, da2, bsf2, zb2, out2, use_vnni, nw, counter):
+        T0, T1 = q0.shape[0], q1.shape[0]
+        T2 = q2.shape[0] if n > 2 else 0
+        if nw <= 1:
+            for t in range(T0):
+                _one_tile(t, q0, h0, s0, o0, d0, dm0, f0, qa0, da0, bsf0, zb0, out0, use_vnni)
+            for t in range(T1):
+                _one_tile(t, q1, h1, s1, o1, d1, dm1, f1, qa1, da1, bsf1, zb1, out1, use_vnni)
+            for t in range(T2):
+                _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2, use_vnni)
+            return
+        per = max(1, (T0 + T1 + T2) // (nw * 16))
+        c0 = (T0 + per - 1) // per
+        c1 = (T1 + per - 1) // per
+        c2 = (T2 + per - 1) // per
+        c_addr = counter.ctypes.data
+        for _w in prange(nw):
+            while True:
+                c = _fetch_add(c_addr, np.int64(1))
+                if c >= c0 + c1 + c2:
+                    break
+                if c < c0:
+                    for t in range(c * per, min(T0, (c + 1) * per)):
+                        _one_tile(t, q0, h0, s0, o0, d0, dm0, f0, qa0, da0, bsf0, zb0, out0,
+                                  use_vnni)
+                elif c < c0 + c1:
+                    c -= c0
+                    for t in range(c * per, min(T1, (c + 1) * per)):
+                        _one_tile(t, q1, h1, s1, o1, d1, dm1, f1, qa1, da1, bsf1, zb1, out1,
+                                  use_vnni)
+                else:
+                    c -= c0 + c1
+                    for t in range(c * per, min(T2, (c + 1) * per)):
+                        _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2,
+                                  use_vnni)
+    return many
+
+
+_MANY: dict[tuple[int, ...], object] = {}
+
+
+def int8_matmul_many(jobs, use_vnni, nw, counter):
+    """Several int8_matmuls in one parallel region (q/k/v, gate/up: one wake-up of the
+    threads instead of one per matrix, and small matrices parallel too). jobs: one to three
+    tuples (q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out), int8_matmul's arguments; each out
+    gets the same bits as int8_matmul gives it. counter: int64[1] of zero, as int8_matmul's.
+    """
+    if len(jobs) == 1:
+        return int8_matmul(*jobs[0], use_vnni, nw, counter)
+    if len(jobs) > 3:
+        raise ValueError("int8_matmul_many takes one to three matrices")
+    fmts = tuple(int(j[6]) for j in jobs)
+    fn = _MANY.get(fmts)
+    if fn is None:
+        fn = _MANY[fmts] = _make_many(fmts)
+    args = [a for j in jobs for a in j[:6] + j[7:]]
+    if len(jobs) == 2:
+        args += args[11:22]          # typed but never run: no tiles of a third matrix
+    fn(*args, use_vnni, nw, counter)
+
+
 # -- repacking (see repack.py) --------------------------------------------------------------
 # Serial on purpose: a model loads on one thread (the daemon's loader) and runs on another (the
 # engine's). Every thread that starts a parallel region gets an OpenMP team of its own that
