@@ -41,18 +41,20 @@ class ActCodes:
     def zb_for(self, zp: int) -> np.ndarray:
         zb = self.zb.get(zp)
         if zb is None:          # bsf holds the exact integer sums (|sum| <= 127 * 32)
-            zb = self.bsf.astype(np.int32)
-            zb *= np.int32(zp)
-            self.zb[zp] = zb
+            zb = self.zb[zp] = np.multiply(self.bsf, zp, dtype=np.int32, casting="unsafe")
         return zb
 
 
 def _as_rows(x: np.ndarray) -> np.ndarray:
+    if x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous:
+        return x
     return np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
 
 
-def _threads(M: int, K: int, N: int) -> int:
-    return 1 if M * K * N < SERIAL_MACS else numba.get_num_threads()
+def _threads(M: int, K: int, N: int, threads: int) -> int:
+    """Threads for an [M, K] x [K, N] product (numba.get_num_threads() costs a microsecond or
+    two per call: callers ask once)."""
+    return 1 if M * K * N < SERIAL_MACS else threads
 
 
 def _run(codes: ActCodes, w: PackedMatrix, out: np.ndarray | None, vnni: bool, nw: int):
@@ -72,7 +74,7 @@ def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
     if K != w.K:
         raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
     vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
-    nw = _threads(M, K, w.N)
+    nw = _threads(M, K, w.N, numba.get_num_threads())
     codes = ActCodes(x2, w.A, w.B, w.zero_point, nw > 1 and M * K >= SERIAL_QUANT)
     return _run(codes, w, out, vnni, nw)
 
@@ -86,13 +88,14 @@ def packed_matmuls(x: np.ndarray, ws: Sequence[PackedMatrix],
         if K != w.K:
             raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
     vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
-    par_quant = (numba.get_num_threads() > 1 and M * K >= SERIAL_QUANT
-                 and max(_threads(M, K, w.N) for w in ws) > 1)
+    threads = numba.get_num_threads()
+    nws = [_threads(M, K, w.N, threads) for w in ws]
+    par_quant = max(nws) > 1 and M * K >= SERIAL_QUANT
     formats: dict[tuple[int, int], ActCodes] = {}
     outs = []
-    for w in ws:
+    for w, nw in zip(ws, nws):
         codes = formats.get((w.A, w.B))
         if codes is None:
             codes = formats[(w.A, w.B)] = ActCodes(x2, w.A, w.B, w.zero_point, par_quant)
-        outs.append(_run(codes, w, None, vnni, _threads(M, K, w.N)))
+        outs.append(_run(codes, w, None, vnni, nw))
     return outs
