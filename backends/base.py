@@ -32,10 +32,27 @@ class ForwardBatch:
     cache: dict = field(default_factory=dict)
     hidden_indices: np.ndarray | None = None    # int64 [P]: rows whose hidden states to keep
     hidden: np.ndarray | None = None            # out: float32 [P, E]
+    # a sliding-window layer group with its own pool (KVPlan.window_layers): its layers
+    # (window_layer[layer] True) write through window_slots and read through window_tables
+    window_tables: np.ndarray | None = None     # int32 [S, max_blocks]
+    window_slots: np.ndarray | None = None      # int64 [T]
+    window_layer: tuple[bool, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    def tables_for(self, layer: int) -> np.ndarray:
+        """The block tables `layer` reads its K/V through."""
+        if self.window_tables is not None and self.window_layer[layer]:
+            return self.window_tables
+        return self.block_tables
+
+    def slots_for(self, layer: int) -> np.ndarray:
+        """The slots `layer` writes this step's K/V to."""
+        if self.window_slots is not None and self.window_layer[layer]:
+            return self.window_slots
+        return self.slot_mapping
 
 
 class Ops(Protocol):
@@ -91,7 +108,8 @@ class Ops(Protocol):
     def scale(self, x: Any, s: float) -> Any: ...             # in place on x
     def take_rows(self, x: Any, rows: Any) -> Any: ...
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
-                     head_dim: int) -> Any: ...
+                     head_dim: int, layer_blocks: Any = None) -> Any: ...
+    # ^ layer_blocks: blocks per layer when they differ (a sliding-window group's pool)
     def attention(self, q: Any, k: Any, v: Any, cache: Any, layer: int, batch: ForwardBatch,
                   scale: float, window: int) -> Any: ...
     def to_numpy(self, x: Any) -> np.ndarray: ...

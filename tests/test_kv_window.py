@@ -187,3 +187,40 @@ def test_window_pool_shortage_refuses_the_write_atomically():
     assert a.window_table == [] and kv.window_pool.num_free == 3
     assert kv.prepare_write(a, 0, 12)
     kv.check_invariants([a])
+
+
+def test_plan_sizes_the_window_pool_by_the_scheduler_and_the_rest_by_the_budget(gemma3_path):
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import load_model_config
+    from edgeinfer.runners.base import plan_kv, window_layers_of
+    gf = read_gguf(str(gemma3_path))
+    cfg = load_model_config(gf)
+    gf.close()
+    assert window_layers_of(cfg) == tuple(i for i in range(18) if (i + 1) % 6)
+    one = plan_kv(cfg, 1 << 30, 2, 16)
+    assert one.window_blocks == 0 and one.bytes_per_token == 18432
+    two = plan_kv(cfg, 1 << 30, 2, 16, windowed=True, max_running_seqs=16,
+                  max_tokens_per_step=512)
+    assert (two.bytes_per_token, two.window_bytes_per_token) == (3072, 15360)
+    assert two.window_blocks == 16 * 34 + 32 and two.nbytes <= 1 << 30
+    assert two.capacity_tokens > 5 * one.capacity_tokens
+    # a 32K context: 3 layers for every token, 15 for one window (33 blocks)
+    assert two.context_bytes(32768) == 32768 * 3072 + 33 * 16 * 15360
+    assert one.context_bytes(32768) == 32768 * 18432
+    # small budgets: both pools the same size, so the window pool is never the shortage
+    small = plan_kv(cfg, 8 << 20, 2, 16, windowed=True)
+    assert small.window_blocks == small.num_blocks == (8 << 20) // (16 * 18432)
+    # min_tokens still wins
+    assert plan_kv(cfg, 0, 2, 16, min_tokens=1000, windowed=True).capacity_tokens >= 1000
+
+
+def test_show_and_ps_say_what_the_window_layers_keep(gemma3_path):
+    from edgeinfer.cli.manage import format_ps
+    from edgeinfer.cli.show import kv_row, load_summary
+    _, text = kv_row(load_summary(str(gemma3_path)), "cpu", "f16")
+    assert text.startswith("18,432 bytes/token (f16 on cpu)")
+    assert "15 of 18 layers see only the last 512 tokens" in text
+    assert "3,072 bytes/token past them, 104 MB for a 32K context" in text
+    out = format_ps([{"name": "gemma3:270m", "digest": "a" * 64, "size": 1, "backend": "cpu",
+                      "kv_cache_type": "f16", "kv_bytes_per_token": 3072, "kv_window": 512}])
+    assert "f16 3,072 B/tok + 512-tok window" in out

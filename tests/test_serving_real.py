@@ -156,7 +156,9 @@ def test_preemption_under_tiny_pool(path):
     expected = [alone(ref, p, 32) for p in prompts]
 
     block = 16
-    per_token = ref.runner.kv_plan.bytes_per_token
+    plan = ref.runner.kv_plan
+    # a pool this small holds as many window blocks as full ones (plan_kv)
+    per_token = plan.bytes_per_token + plan.window_bytes_per_token
     # 10 blocks: each request needs 4 at its end (prompt + 32 outputs), all four need 16
     engine = make(path, kv_budget_bytes=10 * block * per_token)
     assert engine.runner.kv_plan.num_blocks == 10

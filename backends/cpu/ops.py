@@ -76,6 +76,7 @@ def _ram_bytes() -> int:
 
 class CpuOps:
     name = "cpu"
+    kv_window_group = True          # sliding-window layers in a pool of their own (plan_kv)
     kv_bytes_per_value: float = 4   # per instance: 2 with the f16 pool, 34/32 with q8_0
 
     def __init__(self, numerics: str = "ggml", batch_invariant: bool = False,
@@ -284,16 +285,18 @@ class CpuOps:
 
     # -- paged KV cache --------------------------------------------------------------------
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
-                     head_dim: int) -> CpuKVCache:
-        shape = (num_blocks, block_size, n_kv_head, K.kv_row_width(self.kv_cache_type, head_dim))
+                     head_dim: int, layer_blocks=None) -> CpuKVCache:
+        """layer_blocks: blocks per layer (a sliding-window group's smaller pool)."""
+        blocks = list(layer_blocks) if layer_blocks is not None else [num_blocks] * n_layers
+        row = (block_size, n_kv_head, K.kv_row_width(self.kv_cache_type, head_dim))
         dtype = K.kv_dtype(self.kv_cache_type)
-        return CpuKVCache([np.zeros(shape, dtype) for _ in range(n_layers)],
-                          [np.zeros(shape, dtype) for _ in range(n_layers)], block_size)
+        return CpuKVCache([np.zeros((b, *row), dtype) for b in blocks],
+                          [np.zeros((b, *row), dtype) for b in blocks], block_size)
 
     def attention(self, q, k, v, cache: CpuKVCache, layer: int, batch: ForwardBatch,
                   scale: float, window: int) -> np.ndarray:
         """Write this step's K/V into the cache, then attend through the block tables."""
-        K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slot_mapping)
+        K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slots_for(layer))
         out = np.empty_like(q)
         T, H, D = q.shape
         longest = batch.cache.get("longest")
@@ -310,6 +313,6 @@ class CpuOps:
             q2 = q.reshape(T * H, D)
             q = K.act_round_q8_0(q2, np.empty_like(q2)).reshape(T, H, D)
             ggml_rounding = False
-        return A.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
+        return A.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
                                  batch.token_seq, batch.positions, window, np.float32(scale),
                                  ggml_rounding, out, par, nh)

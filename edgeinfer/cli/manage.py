@@ -157,7 +157,9 @@ def _kv_cell(m: dict) -> str:
     if not kind:
         return "-"
     per_token = m.get("kv_bytes_per_token")
-    return f"{kind} {per_token:,} B/tok" if per_token else kind
+    cell = f"{kind} {per_token:,} B/tok" if per_token else kind
+    # Gemma 3's sliding-window layers hold only their window: per_token is the rest's
+    return cell + (f" + {m['kv_window']}-tok window" if m.get("kv_window") else "")
 
 
 def format_ps(models: list[dict]) -> str:

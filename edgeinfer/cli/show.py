@@ -101,8 +101,12 @@ def kv_row(s: ModelSummary, backend: str | None,
         return "KV cache", "-"
     per_token = round(2 * s.n_layers * s.n_kv_head * s.head_dim * per_value)
     per_value_s = "34/32" if name == "q8_0" else f"{per_value:g}"
-    return "KV cache", (f"{per_token:,} bytes/token ({where}) = 2 x {s.n_layers} layers x "
-                        f"{s.n_kv_head} KV heads x {s.head_dim} head dim x {per_value_s} bytes")
+    text = (f"{per_token:,} bytes/token ({where}) = 2 x {s.n_layers} layers x "
+            f"{s.n_kv_head} KV heads x {s.head_dim} head dim x {per_value_s} bytes")
+    if backend is not None and backend.partition(":")[0] == "cpu":
+        from edgeinfer.runners.base import window_note
+        text += window_note(s.path, per_value)
+    return "KV cache", text
 
 
 def _auto_backend(s: ModelSummary) -> str | None:

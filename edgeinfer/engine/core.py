@@ -140,7 +140,8 @@ class Engine:
             # the runner says what its block ids mean: shared prefix blocks (native) or only
             # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
             kv = KVCacheManager(plan.num_blocks, plan.block_size,
-                                enable_prefix_cache=self.runner.prefix_caching)
+                                enable_prefix_cache=self.runner.prefix_caching,
+                                window=plan.window, window_blocks=plan.window_blocks)
             self.scheduler = Scheduler(
                 SchedulerConfig(num_blocks=plan.num_blocks, block_size=plan.block_size,
                                 max_running_seqs=config.max_running_seqs,
@@ -432,7 +433,8 @@ class Engine:
             spans.append(ScheduledSpan(rid, c.start, tuple(c.token_ids), tuple(seq.block_table),
                                        c.needs_logits and st.pooling is None, mask,
                                        st.scoring.k if st.scoring and st.scoring.wants else None,
-                                       num_draft=c.num_draft))
+                                       num_draft=c.num_draft,
+                                       window_table=tuple(seq.window_table)))
         gone, self._gone = self._gone, []
         return StepPlan(tuple(spans), tuple(new),
                         preempted=tuple(s.seq_id for s in out.preempted),

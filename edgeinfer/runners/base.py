@@ -24,10 +24,18 @@ from edgeinfer.runners.logprobs import PromptLogprobs
 
 @dataclass(frozen=True)
 class KVPlan:
-    """The KV pool's shape, fixed at load: `num_blocks` blocks of `block_size` tokens."""
+    """The KV pool's shape, fixed at load: `num_blocks` blocks of `block_size` tokens for the
+    full-attention layers (`bytes_per_token` for them all), and for models with
+    sliding-window layers that the runner keeps apart (`window_layers`, which attend to the
+    last `window` positions) a second pool of `window_blocks` blocks at
+    `window_bytes_per_token` (see edgeinfer.engine.kv_manager)."""
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    window: int = 0
+    window_blocks: int = 0
+    window_bytes_per_token: int = 0
+    window_layers: tuple[int, ...] = ()
 
     @property
     def capacity_tokens(self) -> int:
@@ -35,15 +43,90 @@ class KVPlan:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity_tokens * self.bytes_per_token
+        return (self.capacity_tokens * self.bytes_per_token
+                + self.window_blocks * self.block_size * self.window_bytes_per_token)
+
+    @property
+    def window_span_blocks(self) -> int:
+        """Window blocks one sequence holds at most while it decodes."""
+        return -(-(self.window - 1) // self.block_size) + 1 if self.window else 0
+
+    def context_bytes(self, num_tokens: int) -> int:
+        """KV bytes one sequence of `num_tokens` tokens holds while it decodes."""
+        blocks = -(-num_tokens // self.block_size)
+        return self.block_size * (blocks * self.bytes_per_token
+                                  + min(blocks, self.window_span_blocks)
+                                  * self.window_bytes_per_token)
+
+    @property
+    def context_bytes_per_token(self) -> float:
+        """What each token of a long context costs: the full-attention layers' bytes (the
+        window layers' part stays at one window)."""
+        return float(self.bytes_per_token)
 
 
-def plan_kv(cfg: ModelConfig, budget_bytes: int, bytes_per_value: int, block_size: int = 16,
-            min_tokens: int = 0) -> KVPlan:
-    """Size the pool from a memory budget with 2 x layers x kv_heads x head_dim x bytes."""
-    per_token = cfg.kv_bytes_per_token(bytes_per_value)
-    tokens = max(budget_bytes // per_token, min_tokens)
-    return KVPlan(max(1, tokens // block_size), block_size, per_token)
+def window_layers_of(cfg: ModelConfig) -> tuple[int, ...]:
+    """The layers a separate sliding-window group can hold: sliding layers of a causal model
+    that also has full-attention layers (Gemma 3's local layers), else none."""
+    if not cfg.causal or not cfg.sliding_window:
+        return ()
+    layers = tuple(i for i in range(cfg.n_layers) if cfg.is_sliding(i))
+    return layers if 0 < len(layers) < cfg.n_layers else ()
+
+
+def window_note(path: str, bytes_per_value: float, block_size: int = 16) -> str:
+    """For `show`: what a backend that keeps sliding-window layers apart stores per token
+    of a long context, and a 32K context's KV ("" for models without such layers)."""
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import load_model_config
+    try:
+        gf = read_gguf(path)
+        try:
+            cfg = load_model_config(gf)
+        finally:
+            gf.close()
+    except Exception:       # a description only: never fail `show` over it
+        return ""
+    wl = window_layers_of(cfg)
+    if not wl:
+        return ""
+    per_layer = 2 * cfg.n_kv_head * cfg.head_dim * bytes_per_value
+    plan = KVPlan(1, block_size, round((cfg.n_layers - len(wl)) * per_layer),
+                  cfg.sliding_window, 0, round(len(wl) * per_layer), wl)
+    return (f"; {len(wl)} of {cfg.n_layers} layers see only the last {cfg.sliding_window} "
+            f"tokens and keep only those: {plan.bytes_per_token:,} bytes/token past them, "
+            f"{plan.context_bytes(32768) / 2**20:.0f} MB for a 32K context")
+
+
+def plan_kv(cfg: ModelConfig, budget_bytes: int, bytes_per_value: float, block_size: int = 16,
+            min_tokens: int = 0, windowed: bool = False, max_running_seqs: int = 16,
+            max_tokens_per_step: int = 512) -> KVPlan:
+    """Size the pool from a memory budget with 2 x layers x kv_heads x head_dim x bytes.
+
+    `windowed` (the backend keeps sliding-window layers apart): their pool is sized for
+    what the scheduler can use of it at most (each running sequence one window of blocks
+    and a spare, plus one step's tokens), never more blocks than the full pool; the rest
+    of the budget goes to the full-attention layers, so the context that fits grows by
+    up to n_layers / full layers (6x for Gemma 3)."""
+    per_layer = 2 * cfg.n_kv_head * cfg.head_dim * bytes_per_value
+    wl = window_layers_of(cfg) if windowed else ()
+    if not wl:
+        per_token = -(-cfg.kv_bytes_per_token(bytes_per_value) // 1)
+        per_token = int(per_token)
+        tokens = max(budget_bytes // per_token, min_tokens)
+        return KVPlan(max(1, tokens // block_size), block_size, per_token)
+    full = int(-(-(cfg.n_layers - len(wl)) * per_layer // 1))
+    win = int(-(-len(wl) * per_layer // 1))
+    window = int(cfg.sliding_window)
+    span = -(-(window - 1) // block_size) + 1
+    cap = max_running_seqs * (span + 1) + -(-max_tokens_per_step // block_size)
+    both = block_size * (full + win)
+    if budget_bytes <= cap * both:
+        num_blocks = budget_bytes // both
+    else:
+        num_blocks = cap + (budget_bytes - cap * both) // (block_size * full)
+    num_blocks = max(1, num_blocks, -(-min_tokens // block_size))
+    return KVPlan(num_blocks, block_size, full, window, min(num_blocks, cap), win, wl)
 
 
 @dataclass(frozen=True)
@@ -84,6 +167,9 @@ class ScheduledSpan:
     token_mask: np.ndarray | None = None
     prompt_logprobs: int | None = None
     num_draft: int = 0
+    # the sliding-window layers' table (KVPlan.window_layers), indexed like block_table; its
+    # entries out of every window of the span are -1 and never read
+    window_table: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:

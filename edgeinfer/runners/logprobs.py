@@ -88,7 +88,7 @@ def score_spans(spans, prompts, run_rows, vocab: int):
         for a in range(span.start, span.end, CHUNK_ROWS):
             b = min(a + CHUNK_ROWS, span.end)
             piece = ScheduledSpan(span.req_id, a, span.token_ids[a - span.start:b - span.start],
-                                  span.block_table, False)
+                                  span.block_table, False, window_table=span.window_table)
             want = wanted_positions(a, b, len(prompt))
             rows = [p - a for p in want]
             last = span.sample and b == span.end

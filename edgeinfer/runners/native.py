@@ -35,13 +35,19 @@ def make_ops(backend: str, batch_invariant: bool = False, governor=None,
     raise ValueError(f"unknown native backend {backend!r}")
 
 
-def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int) -> ForwardBatch:
+def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int,
+                        window_layer: tuple[bool, ...] = ()) -> ForwardBatch:
+    """The step's spans as one flat batch. `window_layer` (a plan with a sliding-window
+    group): per layer, whether it reads and writes through the spans' window tables; a
+    span without one (tests and benchmarks that hand out blocks themselves) uses its block
+    table there too."""
     n = sum(len(s.token_ids) for s in spans)
     token_ids = np.empty(n, np.int32)
     positions = np.empty(n, np.int32)
     token_seq = np.empty(n, np.int32)
     max_blocks = max(len(s.block_table) for s in spans)
     tables = np.zeros((len(spans), max_blocks), np.int32)
+    wtables = np.zeros((len(spans), max_blocks), np.int32) if window_layer else None
     logits_rows = []
     t = 0
     for i, s in enumerate(spans):
@@ -50,13 +56,24 @@ def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int) -> Forw
         positions[t:t + m] = np.arange(s.start, s.start + m, dtype=np.int32)
         token_seq[t:t + m] = i
         tables[i, :len(s.block_table)] = s.block_table
+        if wtables is not None:
+            w = s.window_table or s.block_table
+            # released entries (-1) are never read: block 0 keeps every address in the pool
+            wtables[i, :len(w)] = w
         t += m
         if s.sample:
             logits_rows.extend(range(t - 1 - s.num_draft, t))
     blocks = tables[token_seq, positions // block_size].astype(np.int64)
     slots = blocks * block_size + positions % block_size
-    return ForwardBatch(token_ids, positions, slots, token_seq, tables,
-                        np.array(logits_rows, np.int64))
+    batch = ForwardBatch(token_ids, positions, slots, token_seq, tables,
+                         np.array(logits_rows, np.int64))
+    if wtables is not None:
+        np.maximum(wtables, 0, out=wtables)
+        wblocks = wtables[token_seq, positions // block_size].astype(np.int64)
+        batch.window_tables = wtables
+        batch.window_slots = wblocks * block_size + positions % block_size
+        batch.window_layer = window_layer
+    return batch
 
 
 class ModelRunner:
@@ -72,8 +89,19 @@ class ModelRunner:
         self.model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now
-        self.kv = ops.new_kv_cache(cfg.n_layers, kv_plan.num_blocks, kv_plan.block_size,
-                                   cfg.n_kv_head, cfg.head_dim)
+        # per layer: whether it keeps its K/V in the sliding-window group's pool
+        self.window_layer: tuple[bool, ...] = ()
+        layer_blocks = None
+        if kv_plan.window_layers:
+            wl = set(kv_plan.window_layers)
+            self.window_layer = tuple(i in wl for i in range(cfg.n_layers))
+            layer_blocks = [kv_plan.window_blocks if w else kv_plan.num_blocks
+                            for w in self.window_layer]
+            self.kv = ops.new_kv_cache(cfg.n_layers, kv_plan.num_blocks, kv_plan.block_size,
+                                       cfg.n_kv_head, cfg.head_dim, layer_blocks=layer_blocks)
+        else:
+            self.kv = ops.new_kv_cache(cfg.n_layers, kv_plan.num_blocks, kv_plan.block_size,
+                                       cfg.n_kv_head, cfg.head_dim)
         self._tokenizer = None
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
         self._prompts: dict[int, tuple[int, ...]] = {}   # prompt logprobs' targets
@@ -91,15 +119,20 @@ class ModelRunner:
              block_size: int = 16, min_kv_tokens: int = 0, batch_invariant: bool = False,
              governor=None, repack: bool | None = None,
              torch_dtype: str | None = None,
-             kv_cache_type: str | None = None) -> "ModelRunner":
+             kv_cache_type: str | None = None, max_running_seqs: int = 16,
+             max_tokens_per_step: int = 512) -> "ModelRunner":
         gf = read_gguf(path)
         try:
             cfg = load_model_config(gf)
             ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype,
                            kv_cache_type)
             kv_budget_bytes = ops.fit_kv_budget(gf, kv_budget_bytes)
+            # backends whose attention reads per-layer block tables keep Gemma 3's
+            # sliding-window layers in a pool of their own (ForwardBatch.tables_for)
             plan = plan_kv(cfg, kv_budget_bytes, ops.kv_bytes_per_value, block_size,
-                           min_kv_tokens)
+                           min_kv_tokens, windowed=getattr(ops, "kv_window_group", False),
+                           max_running_seqs=max_running_seqs,
+                           max_tokens_per_step=max_tokens_per_step)
             return cls(gf, cfg, ops, plan)
         except BaseException:
             gf.close()          # a failed load keeps no mapping open
@@ -135,7 +168,7 @@ class ModelRunner:
         self.hidden = {}
         if not spans:
             return np.empty((0, self.cfg.vocab_size), np.float32)
-        batch = build_forward_batch(spans, self.kv_plan.block_size)
+        batch = build_forward_batch(spans, self.kv_plan.block_size, self.window_layer)
         if hidden_of:
             return self._forward_hidden(spans, batch, hidden_of)
         if not len(batch.logits_indices):
@@ -198,7 +231,7 @@ class ModelRunner:
 
     def _logits_rows(self, span: ScheduledSpan, rows) -> np.ndarray:
         """One span alone through the model; float32 logits of the given rows of it."""
-        batch = build_forward_batch([span], self.kv_plan.block_size)
+        batch = build_forward_batch([span], self.kv_plan.block_size, self.window_layer)
         batch.logits_indices = np.asarray(rows, np.int64)
         return self.ops.to_numpy(self.model.forward(batch, self.kv))
 

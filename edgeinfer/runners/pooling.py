@@ -94,7 +94,8 @@ class Pooler:
                     continue
                 del self._held[s.req_id]
                 ids = tuple(t for h in held for t in h.token_ids)
-                s = ScheduledSpan(s.req_id, held[0].start, ids, s.block_table, False)
+                s = ScheduledSpan(s.req_id, held[0].start, ids, s.block_table, False,
+                                  window_table=s.window_table)
             run.append(s)
             pooled.append(s)
         return run, pooled

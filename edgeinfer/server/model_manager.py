@@ -91,6 +91,7 @@ class LoadedModel:
     expires_at: float = float("inf")  # wall clock; inf while busy or kept forever
     kv_cache_type: str = "f16"      # the KV pool's element type (f16, q8_0; f32)
     kv_bytes_per_token: int = 0     # what one token of context takes in that pool
+    kv_window: int = 0              # sliding-window layers kept apart: they hold this many
 
     @property
     def size(self) -> int:
@@ -404,7 +405,8 @@ class ModelManager:
                     weights_bytes=runner.weights_bytes, kv_bytes=runner.kv_bytes,
                     loaded_at=time.time(), load_duration=time.monotonic() - t0,
                     keep_alive=cfg.keep_alive, kv_cache_type=kv_cache_type,
-                    kv_bytes_per_token=int(getattr(runner.kv_plan, "bytes_per_token", 0)))
+                    kv_bytes_per_token=int(getattr(runner.kv_plan, "bytes_per_token", 0)),
+                    kv_window=int(getattr(runner.kv_plan, "window", 0)))
             except BaseException:
                 await asyncio.to_thread(close_engine, engine)
                 del engine

@@ -352,7 +352,8 @@ async def ps(request: Request):
                     "backend": lm.backend, "device": lm.device,
                     "weights_format": lm.weights_format, "active_requests": lm.active,
                     "kv_cache_type": lm.kv_cache_type,
-                    "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_bytes": lm.kv_bytes})
+                    "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_bytes": lm.kv_bytes,
+                    "kv_window": lm.kv_window})
     return {"models": out}
 
 
