@@ -5,11 +5,12 @@ tiles: a run of up to TILE consecutive query tokens of one sequence, times the q
 of one KV head that a work item takes (`heads_per_item`). A tile reads the K and V rows of
 its keys through the block table, and
 
-1. scores every (query row, key) pair in blocks of 4 rows x 2 keys, so each widened K chunk
-   feeds four dot products and eight accumulators stay in registers;
+1. scores every (query row, key) pair in blocks of 4 rows x 2 keys (2 or 1 rows at the
+   end), so each widened K chunk feeds four dot products and eight accumulators stay in
+   registers;
 2. takes each row's softmax over that row's own keys (its causal / sliding-window range);
-3. sums the V rows in blocks of 4 rows x 64 columns held in registers across all keys, so
-   the output row is stored once, not loaded and stored again for every key.
+3. sums the V rows in blocks of 4 (or 2, 1) rows x 64 columns held in registers across
+   all keys, so the output row is stored once, not loaded and stored again for every key.
 
 Every query row's numbers come from one fixed sequence of operations, whatever tile, block or
 batch it lands in, so a token's output is the same bits alone (decode), in a prefill chunk of
@@ -284,6 +285,31 @@ def _qk_4x2(qv, r, kc, kb, j0, j1, D, sc, scale):
 
 
 @njit(inline="always", nogil=True)
+def _qk_2x2(qv, r, kc, kb, j0, j1, D, sc, scale):
+    """Scores of rows r, r+1 against keys j0 and j1 (j1 may equal j0)."""
+    a0 = vzero()
+    a1 = vzero()
+    b0 = vzero()
+    b1 = vzero()
+    q0 = r * D
+    k0 = kb[j0]
+    k1 = kb[j1]
+    for d in range(0, D, 16):
+        x0 = kv_vec(kc, k0 + d)
+        x1 = kv_vec(kc, k1 + d)
+        y = vload(qv, q0 + d)
+        a0 = vfma(y, x0, a0)
+        b0 = vfma(y, x1, b0)
+        y = vload(qv, q0 + D + d)
+        a1 = vfma(y, x0, a1)
+        b1 = vfma(y, x1, b1)
+    sc[r, j0] = vhsum(a0) * scale
+    sc[r + 1, j0] = vhsum(a1) * scale
+    sc[r, j1] = vhsum(b0) * scale
+    sc[r + 1, j1] = vhsum(b1) * scale
+
+
+@njit(inline="always", nogil=True)
 def _qk_1x2(qv, r, kc, kb, j0, j1, D, sc, scale):
     """Scores of row r against keys j0 and j1 (j1 may equal j0)."""
     a0 = vzero()
@@ -368,6 +394,45 @@ def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D):
 
 
 @njit(inline="always", nogil=True)
+def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D):
+    """Output columns c..c+63 of rows r, r+1 (see _pv_4x4)."""
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    b0 = vzero()
+    b1 = vzero()
+    b2 = vzero()
+    b3 = vzero()
+    for j in range(jlo, jhi + 1):
+        base = kb[j] + c
+        x0 = kv_vec(vc, base)
+        x1 = kv_vec(vc, base + 16)
+        x2 = kv_vec(vc, base + 32)
+        x3 = kv_vec(vc, base + 48)
+        w = vsplat(sc[r, j])
+        a0 = vadd(a0, vmul(w, x0))
+        a1 = vadd(a1, vmul(w, x1))
+        a2 = vadd(a2, vmul(w, x2))
+        a3 = vadd(a3, vmul(w, x3))
+        w = vsplat(sc[r + 1, j])
+        b0 = vadd(b0, vmul(w, x0))
+        b1 = vadd(b1, vmul(w, x1))
+        b2 = vadd(b2, vmul(w, x2))
+        b3 = vadd(b3, vmul(w, x3))
+    o = o0 + c
+    vstore(out, o, a0)
+    vstore(out, o + 16, a1)
+    vstore(out, o + 32, a2)
+    vstore(out, o + 48, a3)
+    o += D
+    vstore(out, o, b0)
+    vstore(out, o + 16, b1)
+    vstore(out, o + 32, b2)
+    vstore(out, o + 48, b3)
+
+
+@njit(inline="always", nogil=True)
 def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0):
     """Output columns c..c+63 of row r (see _pv_4x4)."""
     a0 = vzero()
@@ -422,18 +487,18 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
     # 1. scores, over the keys of the rows' tokens together (a row's own are a subrange)
     r = 0
     while r < R:
-        four = R - r >= 4
-        ta = r // nh
-        tb = (r + 3) // nh if four else ta
-        jlo = _window_start(positions[t0 + ta], window) - lo
-        jhi = positions[t0 + tb] - lo
+        rows = 4 if R - r >= 4 else (2 if R - r >= 2 else 1)
+        jlo = _window_start(positions[t0 + r // nh], window) - lo
+        jhi = positions[t0 + (r + rows - 1) // nh] - lo
         for j in range(jlo, jhi + 1, 2):
             j1 = j + 1 if j < jhi else j
-            if four:
+            if rows == 4:
                 _qk_4x2(qv, r, kc, kb, j, j1, D, sc, scale)
+            elif rows == 2:
+                _qk_2x2(qv, r, kc, kb, j, j1, D, sc, scale)
             else:
                 _qk_1x2(qv, r, kc, kb, j, j1, D, sc, scale)
-        r += 4 if four else 1
+        r += rows
     # 2. softmax of each row over its own keys
     for r in range(R):
         pos = positions[t0 + r // nh]
@@ -457,6 +522,15 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
                     for cc in range(c, D, 16):
                         _pv_1x1(sc, r + k, vc, kb, jlo, jhi, cc, out, o0 + k * D)
                 i += 4
+            elif nh - i >= 2:
+                c = 0
+                while c + 64 <= D:
+                    _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D)
+                    c += 64
+                for k in range(2):
+                    for cc in range(c, D, 16):
+                        _pv_1x1(sc, r + k, vc, kb, jlo, jhi, cc, out, o0 + k * D)
+                i += 2
             else:
                 c = 0
                 while c + 64 <= D:
