@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="passes per round (best of them)")
     ap.add_argument("--rows", default="1,8,512")
     ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--isa", default=None, help="our tile kernel: avx512vnni, avxvnni, avx2 "
+                    "(default: this CPU's best; the base's is its VNNI one)")
     args = ap.parse_args()
     old8, oldrp = load_base(args.base)
     from edgeinfer.formats.gguf_file import read_gguf
@@ -97,6 +99,7 @@ def main() -> None:
               f"  (ours/GGUF {c / a:.3f})")
     nw = numba.get_num_threads()
     vnni = _int8.HAVE_VNNI
+    ours = args.isa or True
     rng = np.random.default_rng(0)
     for M in [int(r) for r in args.rows.split(",")]:
         xs = {w.K: rng.standard_normal((M, w.K)).astype(np.float32) for w in mats}
@@ -116,7 +119,7 @@ def main() -> None:
         def run_new():
             for po, pn, qa, da, bsf, zb, _oo, on in work:
                 t = nw if qa.shape[0] * pn.K * pn.N >= 1 << 18 else 1
-                _int8.int8_matmul(pn.q, pn.h, pn.s, pn.o, pn.d, pn.dm, pn.fmt, qa, da, bsf, zb, on, vnni, t,
+                _int8.int8_matmul(pn.q, pn.h, pn.s, pn.o, pn.d, pn.dm, pn.fmt, qa, da, bsf, zb, on, ours, t,
                                   np.zeros(1, np.int64))
 
         run_old()
@@ -135,7 +138,7 @@ def main() -> None:
         print(f"M={M:<4} same bits: {same}   base {mo * 1e3:8.2f} ms [{min(told) * 1e3:.2f}-"
               f"{max(told) * 1e3:.2f}]   ours {mn * 1e3:8.2f} ms [{min(tnew) * 1e3:.2f}-"
               f"{max(tnew) * 1e3:.2f}]   ours/base {mn / mo:.3f}   ({nw} threads, "
-              f"{'VNNI' if vnni else 'portable'})")
+              f"base {'VNNI' if vnni else 'portable'}, ours {args.isa or 'best'})")
 
 
 if __name__ == "__main__":

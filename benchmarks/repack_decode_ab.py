@@ -59,6 +59,7 @@ def main() -> None:
 
     class Shim:
         HAVE_VNNI = _int8.HAVE_VNNI
+        HAVE_SIMD = _int8.HAVE_SIMD
 
         @staticmethod
         def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, vnni, nw, counter):

@@ -310,3 +310,31 @@ def test_int8_matmul_many_gives_each_matrix_its_own_bits(qtypes):
         _int8.int8_matmul_many(jobs, _int8.HAVE_VNNI, nw, np.zeros(1, np.int64))
         for j, ref in zip(jobs, alone):
             np.testing.assert_array_equal(j[-1].view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("isa", sorted(set(_int8.HOST_ISAS) - {_int8.PORTABLE}),
+                         ids=lambda i: {v: k for k, v in _int8.ISA_NAMES.items()}[i])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K],
+                         ids=lambda t: t.name)
+def test_every_vector_kernel_of_this_cpu_equals_the_portable_one(qtype, isa):
+    """AVX2 (vpmaddubsw; 8-bit codes through the sign trick), AVX-VNNI and AVX-512 VNNI tile
+    kernels, forced one by one: the portable loop's bits, 1 to 13 rows."""
+    name = {v: k for k, v in _int8.ISA_NAMES.items()}[isa]
+    w = make(qtype, 48, 512, seed=12)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(13).standard_normal((13, w.K)).astype(np.float32) * 4
+    x[2, :40] = 0.0
+    for m in (1, 5, 13):
+        np.testing.assert_array_equal(packed_matmul(x[:m], p, use_vnni=name).view(np.uint32),
+                                      packed_matmul(x[:m], p, use_vnni=False).view(np.uint32))
+
+
+def test_isa_detection_is_honest():
+    feats = _int8._FEATURES
+    assert _int8.HAVE_VNNI == bool(feats.get("avx512vnni") and feats.get("avx512bw"))
+    assert (_int8.AVX2 in _int8.HOST_ISAS) == bool(feats.get("avx2") and feats.get("f16c"))
+    assert _int8.isa_of(True) == _int8.BEST_ISA and _int8.isa_of(False) == _int8.PORTABLE
+    for name, isa in _int8.ISA_NAMES.items():
+        if isa not in _int8.HOST_ISAS:
+            with pytest.raises(ValueError):
+                _int8.isa_of(name)

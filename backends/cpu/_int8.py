@@ -60,16 +60,40 @@ _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 LANES = 16
 
 
-def _host_has_vnni() -> bool:
+# Tile kernels by instruction set (each a kernel of its own, compiled for it alone):
+# AVX-512 VNNI (vpdpbusd on 16 lanes), AVX-VNNI (vpdpbusd on two 8-lane halves), AVX2
+# (vpmaddubsw + vpmaddwd: exact, as the codes below 8 bits are < 128 and 8-bit codes go
+# through ggml's sign trick), or none: the portable numba loop.
+PORTABLE, AVX2, AVXVNNI, AVX512VNNI = 0, 1, 2, 3
+ISA_NAMES = {"portable": PORTABLE, "avx2": AVX2, "avxvnni": AVXVNNI, "avx512vnni": AVX512VNNI}
+_NEEDS = {AVX2: ("avx2", "f16c"), AVXVNNI: ("avx2", "f16c", "avxvnni"),
+          AVX512VNNI: ("avx512f", "avx512bw", "avx512vnni", "f16c")}
+
+
+def _host_features() -> dict:
     try:
-        f = llb.get_host_cpu_features()
-        return bool(f.get("avx512vnni", False) and f.get("avx512bw", False)
-                    and f.get("f16c", False))
+        return dict(llb.get_host_cpu_features())
     except Exception:          # no feature query on this platform (e.g. some ARM builds)
-        return False
+        return {}
 
 
-HAVE_VNNI = _host_has_vnni()
+_FEATURES = _host_features()
+HOST_ISAS = frozenset([PORTABLE] + [i for i, need in _NEEDS.items()
+                                    if all(_FEATURES.get(f, False) for f in need)])
+BEST_ISA = max(HOST_ISAS)
+HAVE_VNNI = AVX512VNNI in HOST_ISAS       # the AVX-512 kernel (what the repack default weighs)
+HAVE_SIMD = BEST_ISA > PORTABLE           # some vector tile kernel for this CPU
+
+
+def isa_of(simd) -> int:
+    """The kernel a use_vnni/simd argument asks for: True the host's best, False or None the
+    portable loop, a name ("avx2", ...) that one (if this CPU has it)."""
+    if isinstance(simd, str):
+        isa = ISA_NAMES[simd]
+        if isa not in HOST_ISAS:
+            raise ValueError(f"this CPU cannot run the {simd} tile kernel")
+        return isa
+    return BEST_ISA if simd else PORTABLE
 
 
 def fmt_code(B: int, bits: int, has_o: bool, sub: bool) -> int:
@@ -95,14 +119,16 @@ def code_planes(B: int, bits: int) -> int:
 
 # -- one tile, as one LLVM IR loop ----------------------------------------------------------
 
-def _make_vnni_tile(rows: int):
+def _make_tile(rows: int):
     """An intrinsic computing `rows` activation rows x one 16-row weight tile, all blocks.
 
     Arguments (intp, then the format literal): out (float32, row r at out + r * out_stride
     bytes), w, h, s, o (the tile's first block: codes, fifth-bit plane, scales, offsets), a
     (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the first row's
-    entries of the [nb, M] arrays), M, fmt. The accumulators stay in registers for the whole
-    row of blocks and each block's weights are loaded (and unpacked) once for all the rows.
+    entries of the [nb, M] arrays), M, fmt, isa (literals). The accumulators stay in
+    registers for the whole row of blocks and each block's weights are loaded (and unpacked)
+    once for all the rows. Everything is 16-lane LLVM vector code but the integer dot
+    (`dot`), which is the instruction set's own.
     """
     i1 = ir.IntType(1)
     i8 = ir.IntType(8)
@@ -142,19 +168,64 @@ def _make_vnni_tile(rows: int):
         d = halves(builder, dbase, builder.udiv(b, ir.Constant(i64, per)))
         return builder.fmul(d, builder.sitofp(builder.sext(sc, v16i32), v16f32))
 
+    v8i32 = ir.VectorType(i32, 8)
+    v32i8 = ir.VectorType(i8, 32)
+    v16i16 = ir.VectorType(ir.IntType(16), 16)
+
+    def intrinsic_fn(mod, name, ret, argtys):
+        fn = mod.globals.get(name)
+        if fn is None:
+            fn = ir.Function(mod, ir.FunctionType(ret, argtys), name=name)
+        return fn
+
+    def split(builder, v):
+        u = ir.Constant(v.type, ir.Undefined)
+        return (builder.shuffle_vector(v, u, ir.Constant(ir.VectorType(i32, 8), list(range(8)))),
+                builder.shuffle_vector(v, u, ir.Constant(ir.VectorType(i32, 8), list(range(8, 16)))))
+
+    def join(builder, lo, hi):
+        return builder.shuffle_vector(lo, hi, ir.Constant(v16i32, list(range(16))))
+
+    def dot(builder, isa, chain, w, a, signed8):
+        """chain + per lane, sum of 4 byte products of w (unsigned) and a (signed); signed8
+        (AVX2, 8-bit codes): the sum of (w - 128) * a instead (the caller skips zb)."""
+        mod = builder.module
+        if isa == AVX512VNNI:
+            fn = intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.512", v16i32, [v16i32] * 3)
+            return builder.call(fn, [chain, w, a])
+        parts = []
+        for c_h, w_h, a_h in zip(split(builder, chain), split(builder, w), split(builder, a)):
+            if isa == AVXVNNI:
+                fn = intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32] * 3)
+                parts.append(builder.call(fn, [c_h, w_h, a_h]))
+                continue
+            w8, a8 = builder.bitcast(w_h, v32i8), builder.bitcast(a_h, v32i8)
+            if signed8:          # ggml's sign trick: |w - 128| * (a with the sign of w - 128)
+                ws = builder.xor(w8, ir.Constant(v32i8, [0x80] * 32))
+                zero = ir.Constant(v32i8, [0] * 32)
+                neg = builder.icmp_signed("<", ws, zero)
+                w8 = builder.select(neg, builder.sub(zero, ws), ws)
+                a8 = builder.select(neg, builder.sub(zero, a8),
+                                    builder.select(builder.icmp_signed("==", ws, zero), zero, a8))
+            maddubs = intrinsic_fn(mod, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+            maddwd = intrinsic_fn(mod, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+            p16 = builder.call(maddubs, [w8, a8])   # pairs: |sum| <= 2 * 127 * 128, no saturation
+            p32 = builder.call(maddwd, [p16, ir.Constant(v16i16, [1] * 16)])
+            parts.append(builder.add(c_h, p32))
+        return join(builder, *parts)
+
     def codegen(context, builder, sig, args):
-        B, bits, has_o, sub = fmt_parts(sig.args[-1].literal_value)
+        B, bits, has_o, sub = fmt_parts(sig.args[-2].literal_value)
+        isa = sig.args[-1].literal_value
+        if isa == PORTABLE:          # never called: the portable kernel takes no vector path
+            return context.get_dummy_value()
+        signed8 = isa == AVX2 and bits == 8
         (out_a, out_stride, w_a, h_a, s_a, o_a, d_a, dm_a, a_a, K, nb, da_a, bsf_a, zb_a,
          M) = args[:15]
         per = 256 // B               # blocks per k-quant super-block
         nquads = B // 4
         nv = code_planes(B, bits)
         bbytes = nquads * 4          # columns (= activation bytes) per block
-        mod = builder.module
-        dp = mod.globals.get("llvm.x86.avx512.vpdpbusd.512")
-        if dp is None:
-            dp = ir.Function(mod, ir.FunctionType(v16i32, [v16i32] * 3),
-                             name="llvm.x86.avx512.vpdpbusd.512")
         entry = builder.basic_block
         loop = builder.append_basic_block("tile_loop")
         done = builder.append_basic_block("tile_done")
@@ -211,11 +282,13 @@ def _make_vnni_tile(rows: int):
             chains = [ir.Constant(v16i32, None), ir.Constant(v16i32, None)]
             for j in range(nquads):
                 aq = builder.load(ptr(builder, a_r, 4 * j, i32), align=1)
-                chains[j % 2] = builder.call(dp, [chains[j % 2], wv[j], splat(builder, aq, v16i32)])
+                chains[j % 2] = dot(builder, isa, chains[j % 2], wv[j], splat(builder, aq, v16i32),
+                                    signed8)
             isum = builder.add(chains[0], chains[1])
             off = builder.add(ent, ir.Constant(i64, 4 * r))
-            zb = builder.load(ptr(builder, zb_a, off, i32), align=1)
-            isum = builder.sub(isum, splat(builder, zb, v16i32))
+            if not signed8:          # (signed8 summed (w - 128) * a: zb is already off)
+                zb = builder.load(ptr(builder, zb_a, off, i32), align=1)
+                isum = builder.sub(isum, splat(builder, zb, v16i32))
             t = builder.fmul(sv, builder.sitofp(isum, v16f32))
             if has_o:
                 bsf = builder.load(ptr(builder, bsf_a, off, f32), align=1)
@@ -236,25 +309,25 @@ def _make_vnni_tile(rows: int):
         return context.get_dummy_value()
 
     @intrinsic
-    def tile(typingctx, out, out_stride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt):
-        if not isinstance(fmt, types.IntegerLiteral):
+    def tile(typingctx, out, out_stride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt, isa):
+        if not (isinstance(fmt, types.IntegerLiteral) and isinstance(isa, types.IntegerLiteral)):
             return None
-        return types.void(*([types.intp] * 15), fmt), codegen
+        return types.void(*([types.intp] * 15), fmt, isa), codegen
 
     return tile
 
 
-_tile1, _tile4, _tile8 = _make_vnni_tile(1), _make_vnni_tile(4), _make_vnni_tile(8)
+_tile1, _tile4, _tile8 = _make_tile(1), _make_tile(4), _make_tile(8)
 
 
 @njit(inline="always", nogil=True)
-def _vnni_tile(R, fmt, out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M):
+def _simd_tile(R, fmt, isa, out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M):
     if R == 8:
-        _tile8(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt)
+        _tile8(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt, isa)
     elif R == 4:
-        _tile4(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt)
+        _tile4(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt, isa)
     else:
-        _tile1(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt)
+        _tile1(out, ostride, w, h, s, o, d, dm, a, K, nb, da, bsf, zb, M, fmt, isa)
 
 
 # -- the portable path ----------------------------------------------------------------------
@@ -349,7 +422,7 @@ def _fetch_add(typingctx, addr, value):
 
 
 @njit(inline="always", nogil=True)
-def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni):
+def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa):
     """Output columns 16t .. 16t+15 of every row."""
     B = fmt & 63
     bits = (fmt >> 6) & 15
@@ -360,7 +433,7 @@ def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni):
     M, K = qa.shape
     N = out.shape[1]
     n0 = t * LANES
-    if use_vnni and n0 + LANES <= N:
+    if isa > 0 and n0 + LANES <= N:
         w = q.ctypes.data + t * nb * nv * 64
         hb = h.ctypes.data + (t * nb * nq * 8 if bits == 5 else 0)
         ssz = 1 if sub else 2
@@ -373,7 +446,7 @@ def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni):
         m = 0
         while m < M:
             R = 8 if M - m >= 8 else (4 if M - m >= 4 else 1)
-            _vnni_tile(R, fmt, dst + m * N * 4, N * 4, w, hb, sb, ob, db, dmb,
+            _simd_tile(R, fmt, isa, dst + m * N * 4, N * 4, w, hb, sb, ob, db, dmb,
                        qa.ctypes.data + m * K, K, nb, da.ctypes.data + m * 4,
                        bsf.ctypes.data + m * 4, zb.ctypes.data + m * 4, M)
             m += R
@@ -389,15 +462,15 @@ def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni):
                 out[m, n0 + lane] = acc[m, lane]
 
 
-def _make_matmul(fmt: int):
-    """int8_matmul's kernel for one format: `fmt` is a constant of the closure, so the tile
-    intrinsics see it as a literal and emit that format's loop only (cached per format)."""
+def _make_matmul(fmt: int, isa: int):
+    """int8_matmul's kernel for one format and instruction set: constants of the closure, so
+    the tile intrinsics see them as literals and emit that loop only (cached per pair)."""
     @njit(**_PJIT)
-    def matmul_fmt(q, h, s, o, d, dm, qa, da, bsf, zb, out, use_vnni, nw, counter):
+    def matmul_fmt(q, h, s, o, d, dm, qa, da, bsf, zb, out, nw, counter):
         T = q.shape[0]
         if nw <= 1:         # on the calling thread: products too small to pay a parallel region
             for t in range(T):
-                _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni)
+                _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa)
             return out
         # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter,
         # so a thread the OS preempts (other work on the machine) delays only its current chunk
@@ -411,19 +484,19 @@ def _make_matmul(fmt: int):
                 if c >= nchunks:
                     break
                 for t in range(c * per, min(T, (c + 1) * per)):
-                    _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni)
+                    _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa)
         return out
     return matmul_fmt
 
 
-_MATMULS: dict[int, object] = {}
+_MATMULS: dict[tuple[int, int], object] = {}
 
 
-def kernel_for(fmt: int):
-    """The compiled matmul of one format (see _make_matmul)."""
-    fn = _MATMULS.get(fmt)
+def kernel_for(fmt: int, isa: int):
+    """The compiled matmul of one format on one instruction set (see _make_matmul)."""
+    fn = _MATMULS.get((fmt, isa))
     if fn is None:
-        fn = _MATMULS[fmt] = _make_matmul(fmt)
+        fn = _MATMULS[(fmt, isa)] = _make_matmul(fmt, isa)
     return fn
 
 
@@ -434,17 +507,19 @@ def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, coun
     q uint8[T, nb, code_planes(B, bits), 16, 4]; h uint8[T, nb, B/4, 8] (the fifth bits; any
     uint8 4-d array otherwise); s, o uint16 halves, or int8 with d, dm uint16[T, K/256, 16]
     (k-quants; any uint16 3-d arrays otherwise); qa int8[M, K]; da, bsf float32[nb, M]; zb
-    int32[nb, M]; out float32[M, N] with N <= 16 T; nw: threads to use (<= 1: the calling
-    thread only); counter: int64[1] of zero, owned by the caller (an array made here could be
+    int32[nb, M]; out float32[M, N] with N <= 16 T; use_vnni: the tile kernel (isa_of: True
+    the host's best vector kernel, False the portable loop, or a name); nw: threads to use
+    (<= 1: the calling thread only); counter: int64[1] of zero, owned by the caller (an array made here could be
     freed after its last use by name while the threads still add to its address).
     """
-    fn = _MATMULS.get(fmt)
+    isa = BEST_ISA if use_vnni is True else isa_of(use_vnni)
+    fn = _MATMULS.get((fmt, isa))
     if fn is None:
-        fn = kernel_for(fmt)
-    return fn(q, h, s, o, d, dm, qa, da, bsf, zb, out, use_vnni, nw, counter)
+        fn = kernel_for(fmt, isa)
+    return fn(q, h, s, o, d, dm, qa, da, bsf, zb, out, nw, counter)
 
 
-def _make_many(fmts: tuple[int, ...]):
+def _make_many(fmts: tuple[int, ...], isa: int):
     """One parallel region over the tiles of two or three matrices of formats `fmts` (each
     with its own activation codes and output): the tiles of all of them are chunks of one
     shared counter, each computed by _one_tile exactly as int8_matmul would."""
@@ -455,16 +530,16 @@ def _make_many(fmts: tuple[int, ...]):
     @njit(**_PJIT)
     def many(q0, h0, s0, o0, d0, dm0, qa0, da0, bsf0, zb0, out0,
              q1, h1, s1, o1, d1, dm1, qa1, da1, bsf1, zb1, out1,
-             q2, h2, s2, o2, d2, dm2, qa2, da2, bsf2, zb2, out2, use_vnni, nw, counter):
+             q2, h2, s2, o2, d2, dm2, qa2, da2, bsf2, zb2, out2, nw, counter):
         T0, T1 = q0.shape[0], q1.shape[0]
         T2 = q2.shape[0] if n > 2 else 0
         if nw <= 1:
             for t in range(T0):
-                _one_tile(t, q0, h0, s0, o0, d0, dm0, f0, qa0, da0, bsf0, zb0, out0, use_vnni)
+                _one_tile(t, q0, h0, s0, o0, d0, dm0, f0, qa0, da0, bsf0, zb0, out0, isa)
             for t in range(T1):
-                _one_tile(t, q1, h1, s1, o1, d1, dm1, f1, qa1, da1, bsf1, zb1, out1, use_vnni)
+                _one_tile(t, q1, h1, s1, o1, d1, dm1, f1, qa1, da1, bsf1, zb1, out1, isa)
             for t in range(T2):
-                _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2, use_vnni)
+                _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2, isa)
             return
         per = max(1, (T0 + T1 + T2) // (nw * 16))
         c0 = (T0 + per - 1) // per
@@ -479,21 +554,21 @@ def _make_many(fmts: tuple[int, ...]):
                 if c < c0:
                     for t in range(c * per, min(T0, (c + 1) * per)):
                         _one_tile(t, q0, h0, s0, o0, d0, dm0, f0, qa0, da0, bsf0, zb0, out0,
-                                  use_vnni)
+                                  isa)
                 elif c < c0 + c1:
                     c -= c0
                     for t in range(c * per, min(T1, (c + 1) * per)):
                         _one_tile(t, q1, h1, s1, o1, d1, dm1, f1, qa1, da1, bsf1, zb1, out1,
-                                  use_vnni)
+                                  isa)
                 else:
                     c -= c0 + c1
                     for t in range(c * per, min(T2, (c + 1) * per)):
                         _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2,
-                                  use_vnni)
+                                  isa)
     return many
 
 
-_MANY: dict[tuple[int, ...], object] = {}
+_MANY: dict[tuple, object] = {}
 
 
 def int8_matmul_many(jobs, use_vnni, nw, counter):
@@ -507,13 +582,14 @@ def int8_matmul_many(jobs, use_vnni, nw, counter):
     if len(jobs) > 3:
         raise ValueError("int8_matmul_many takes one to three matrices")
     fmts = tuple(int(j[6]) for j in jobs)
-    fn = _MANY.get(fmts)
+    isa = isa_of(use_vnni)
+    fn = _MANY.get((fmts, isa))
     if fn is None:
-        fn = _MANY[fmts] = _make_many(fmts)
+        fn = _MANY[(fmts, isa)] = _make_many(fmts, isa)
     args = [a for j in jobs for a in j[:6] + j[7:]]
     if len(jobs) == 2:
         args += args[11:22]          # typed but never run: no tiles of a third matrix
-    fn(*args, use_vnni, nw, counter)
+    fn(*args, nw, counter)
 
 
 # -- repacking (see repack.py) --------------------------------------------------------------

@@ -73,7 +73,7 @@ def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
     M, K = x2.shape
     if K != w.K:
         raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
-    vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
+    vnni = _int8.HAVE_SIMD if use_vnni is None else use_vnni
     nw = _threads(M, K, w.N, numba.get_num_threads())
     codes = ActCodes(x2, w.A, w.B, w.zero_point, nw > 1 and M * K >= SERIAL_QUANT)
     return _run(codes, w, out, vnni, nw)
@@ -87,7 +87,7 @@ def packed_matmuls(x: np.ndarray, ws: Sequence[PackedMatrix],
     for w in ws:
         if K != w.K:
             raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
-    vnni = _int8.HAVE_VNNI if use_vnni is None else use_vnni
+    vnni = _int8.HAVE_SIMD if use_vnni is None else use_vnni
     threads = numba.get_num_threads()
     nws = [_threads(M, K, w.N, threads) for w in ws]
     par_quant = max(nws) > 1 and M * K >= SERIAL_QUANT
