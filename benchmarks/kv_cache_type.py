@@ -68,8 +68,16 @@ class Llama:
         ids = self.llm.tokenize((TEXT * (depth // 20 + 2)).encode(), add_bos=True)[: max(depth, 1)]
         self.llm.eval(ids)
         self.np, self.depth, self.decode = np, len(ids), decode
-        self.last = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        self.n_vocab = self.llm.n_vocab()
+        self.last = self._argmax()
         self.kv_bytes_per_token = None
+
+    def _argmax(self) -> int:
+        """The last evaluated row's argmax, read from llama.cpp's own logits (`scores` holds
+        only n_batch rows without logits_all, and logits_all at 8K would be 8 GB)."""
+        import llama_cpp
+        p = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(self.np.argmax(self.np.ctypeslib.as_array(p, shape=(self.n_vocab,))))
 
     def begin(self) -> None:
         self.llm.n_tokens = self.depth  # eval() drops the cells past it (the last round's)
@@ -78,7 +86,7 @@ class Llama:
     def step(self) -> float:
         t0 = time.perf_counter()
         self.llm.eval([self.t])
-        self.t = int(self.np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        self.t = self._argmax()
         return time.perf_counter() - t0
 
 

@@ -253,3 +253,20 @@ def test_manager_reloads_an_idle_model_for_another_kv_type(monkeypatch, tmp_path
         assert e.value.status == 400
         m.release(lm, 2)
     asyncio.run(go())
+
+
+def test_hadamard_rotation_is_llamacpps_and_its_own_inverse():
+    """_rotate: each 64-value chunk times Sylvester's H_64 / 8 (scipy's hadamard), the same
+    bits for a row alone or in a batch, and rotating twice gives the input back."""
+    from scipy.linalg import hadamard
+
+    from edgeinfer.backends.cpu import _rotate as R
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 4, 256)).astype(np.float32)
+    y = R.rotate(x, False)
+    H = hadamard(64) / 8.0
+    want = (x.astype(np.float64).reshape(-1, 64) @ H.T).reshape(x.shape)
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(R.rotate(x[2:3], False)[0], y[2])
+    np.testing.assert_array_equal(R.rotate(x, True), y)
+    np.testing.assert_allclose(R.rotate(y, False), x, rtol=0, atol=1e-5)

@@ -12,6 +12,7 @@ from gguf.quants import dequantize
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import attention as A
 from edgeinfer.backends.cpu import _geglu, _norm
+from edgeinfer.backends.cpu import _rotate as _rot
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
@@ -296,6 +297,10 @@ class CpuOps:
     def attention(self, q, k, v, cache: CpuKVCache, layer: int, batch: ForwardBatch,
                   scale: float, window: int) -> np.ndarray:
         """Write this step's K/V into the cache, then attend through the block tables."""
+        rotated = self.kv_cache_type == "q8_0" and q.shape[-1] % _rot.ROT == 0
+        if rotated:     # llama.cpp's rotation around a quantized cache (_rotate.py)
+            par = _par(q.size + k.size + v.size)
+            q, k, v = _rot.rotate(q, par), _rot.rotate(k, par), _rot.rotate(v, par)
         K.kv_write(cache.k[layer], cache.v[layer], k, v, batch.slots_for(layer))
         out = np.empty_like(q)
         T, H, D = q.shape
@@ -313,6 +318,7 @@ class CpuOps:
             q2 = q.reshape(T * H, D)
             q = K.act_round_q8_0(q2, np.empty_like(q2)).reshape(T, H, D)
             ggml_rounding = False
-        return A.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
-                                 batch.token_seq, batch.positions, window, np.float32(scale),
-                                 ggml_rounding, out, par, nh)
+        out = A.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
+                                batch.token_seq, batch.positions, window, np.float32(scale),
+                                ggml_rounding, out, par, nh)
+        return _rot.rotate(out, _par(out.size)) if rotated else out
