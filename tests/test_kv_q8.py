@@ -270,3 +270,25 @@ def test_hadamard_rotation_is_llamacpps_and_its_own_inverse():
     np.testing.assert_array_equal(R.rotate(x[2:3], False)[0], y[2])
     np.testing.assert_array_equal(R.rotate(x, True), y)
     np.testing.assert_allclose(R.rotate(y, False), x, rtol=0, atol=1e-5)
+
+
+def test_apis_reject_an_unknown_kv_cache_type(tmp_path, monkeypatch):
+    """Both APIs: a bad kv_cache_type load option is a 400 naming the field and the types,
+    before anything is loaded."""
+    from fastapi.testclient import TestClient
+
+    from edgeinfer.server.app import create_app
+    from edgeinfer.server.model_manager import ModelManager, ServerConfig
+    from edgeinfer.store.model_store import Store
+    cfg = ServerConfig.from_env(backend="cpu")
+    app = create_app(cfg, manager=ModelManager(cfg, Store(tmp_path)))
+    with TestClient(app) as c:
+        r = c.post("/api/generate", json={"model": "gemma3:270m", "prompt": "hi",
+                                          "options": {"kv_cache_type": "q4_0"}})
+        assert r.status_code == 400
+        assert "kv_cache_type" in r.text and "'f16'" in r.text and "'q8_0'" in r.text
+        r = c.post("/v1/chat/completions", json={
+            "model": "gemma3:270m", "messages": [{"role": "user", "content": "hi"}],
+            "kv_cache_type": "f32"})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "kv_cache_type" and "'q8_0'" in r.text
