@@ -122,6 +122,26 @@ def test_a_token_is_the_same_bits_in_any_chunk_split(window):
     np.testing.assert_array_equal(mixed[[0] + list(range(31, 42))], alone1)
 
 
+@pytest.mark.parametrize("KVH,T", [(1, 1), (1, 2), (2, 1)])
+def test_few_tokens_split_over_threads_give_the_same_bits(KVH, T):
+    """A decode step with fewer (token, KV head) pairs than threads splits each pair's keys,
+    rows and columns over the threads (_run_split): the bits of the per-token kernel, for
+    long and windowed contexts, any thread count."""
+    rng = np.random.default_rng(KVH * 10 + T)
+    H, D, bs, nblk = 4, 256, 16, 80
+    kc, vc = _pools(rng, nblk, bs, KVH, D, True)
+    tables = rng.permutation(nblk).astype(np.int32).reshape(2, -1)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    seq = np.arange(T, dtype=np.int32) % 2
+    pos = np.array([637, 3][:T], np.int32)
+    for window in (0, 100):
+        for rounding in (True, False):
+            want = _ref(q, kc, vc, tables, seq, pos, window, rounding)
+            for threads in (2, 3, 4, 7):
+                got = _attend(q, kc, vc, tables, seq, pos, window, rounding, threads=threads)
+                np.testing.assert_array_equal(got, want, err_msg=f"{threads=} {window=}")
+
+
 def test_non_consecutive_positions_and_repeated_sequences():
     """Tiles break where positions jump or the sequence changes; a batch may hold tokens of
     one sequence out of order (speculative verification builds such batches)."""

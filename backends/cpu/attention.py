@@ -32,7 +32,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import _stamp
 from ._simd import f16x, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vsub, vzero
@@ -49,6 +49,8 @@ _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 
 TILE = 16           # query tokens per tile (consecutive positions of one sequence)
+VBLOCK = 64         # keys per block of the V sums
+PREFETCH = 16       # K rows asked for this many keys ahead of the scores
 
 
 # -- softmax in 16 lanes ----------------------------------------------------------------------
@@ -127,6 +129,39 @@ def vround_f16(typingctx, v):
     def codegen(context, builder, sig, args):
         return builder.fpext(builder.fptrunc(args[0], ir.VectorType(ir.HalfType(), 16)), _VF)
     return f16x(v), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, arr, off):
+    """Ask for the cache line at byte offset off of arr's data (llvm.prefetch: read, keep)."""
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        p = builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [args[1]])
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32,
+                                                             _I32, _I32]), "llvm.prefetch.p0i8")
+        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, off), codegen
+
+
+def kv_row_prefetch(arr, i, n):
+    """Prefetch the n K/V values from flat element offset i of a cache (any pool layout)."""
+
+
+@overload(kv_row_prefetch, inline="always")
+def _kv_row_prefetch(arr, i, n):
+    if arr.dtype == types.uint8:            # q8_0: 34 bytes per 32 values
+        def q8(arr, i, n):
+            for b in range((i >> 5) * 34, ((i + n) >> 5) * 34, 64):
+                _prefetch(arr, b)
+        return q8
+    size = arr.dtype.bitwidth // 8
+
+    def plain(arr, i, n):
+        for b in range(i * size, (i + n) * size, 64):
+            _prefetch(arr, b)
+    return plain
 
 
 @njit(inline="always", nogil=True)
@@ -326,25 +361,25 @@ def _qk_1x2(qv, r, kc, kb, j0, j1, D, sc, scale):
 
 
 @njit(inline="always", nogil=True)
-def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D):
+def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
     """Output columns c..c+63 of rows r..r+3 (which share their keys jlo..jhi): the weighted
     sum of V in key order, held in 16 registers; stored at flat offsets o0 + row * D."""
-    a0 = vzero()
-    a1 = vzero()
-    a2 = vzero()
-    a3 = vzero()
-    b0 = vzero()
-    b1 = vzero()
-    b2 = vzero()
-    b3 = vzero()
-    e0 = vzero()
-    e1 = vzero()
-    e2 = vzero()
-    e3 = vzero()
-    f0 = vzero()
-    f1 = vzero()
-    f2 = vzero()
-    f3 = vzero()
+    a0 = vzero() if first else vload(out, o0 + c)
+    a1 = vzero() if first else vload(out, o0 + c + 16)
+    a2 = vzero() if first else vload(out, o0 + c + 32)
+    a3 = vzero() if first else vload(out, o0 + c + 48)
+    b0 = vzero() if first else vload(out, o0 + c + 1 * D)
+    b1 = vzero() if first else vload(out, o0 + c + 1 * D + 16)
+    b2 = vzero() if first else vload(out, o0 + c + 1 * D + 32)
+    b3 = vzero() if first else vload(out, o0 + c + 1 * D + 48)
+    e0 = vzero() if first else vload(out, o0 + c + 2 * D)
+    e1 = vzero() if first else vload(out, o0 + c + 2 * D + 16)
+    e2 = vzero() if first else vload(out, o0 + c + 2 * D + 32)
+    e3 = vzero() if first else vload(out, o0 + c + 2 * D + 48)
+    f0 = vzero() if first else vload(out, o0 + c + 3 * D)
+    f1 = vzero() if first else vload(out, o0 + c + 3 * D + 16)
+    f2 = vzero() if first else vload(out, o0 + c + 3 * D + 32)
+    f3 = vzero() if first else vload(out, o0 + c + 3 * D + 48)
     for j in range(jlo, jhi + 1):
         base = kb[j] + c
         x0 = kv_vec(vc, base)
@@ -394,16 +429,16 @@ def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D):
 
 
 @njit(inline="always", nogil=True)
-def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D):
+def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
     """Output columns c..c+63 of rows r, r+1 (see _pv_4x4)."""
-    a0 = vzero()
-    a1 = vzero()
-    a2 = vzero()
-    a3 = vzero()
-    b0 = vzero()
-    b1 = vzero()
-    b2 = vzero()
-    b3 = vzero()
+    a0 = vzero() if first else vload(out, o0 + c)
+    a1 = vzero() if first else vload(out, o0 + c + 16)
+    a2 = vzero() if first else vload(out, o0 + c + 32)
+    a3 = vzero() if first else vload(out, o0 + c + 48)
+    b0 = vzero() if first else vload(out, o0 + c + 1 * D)
+    b1 = vzero() if first else vload(out, o0 + c + 1 * D + 16)
+    b2 = vzero() if first else vload(out, o0 + c + 1 * D + 32)
+    b3 = vzero() if first else vload(out, o0 + c + 1 * D + 48)
     for j in range(jlo, jhi + 1):
         base = kb[j] + c
         x0 = kv_vec(vc, base)
@@ -433,12 +468,12 @@ def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D):
 
 
 @njit(inline="always", nogil=True)
-def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0):
+def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first):
     """Output columns c..c+63 of row r (see _pv_4x4)."""
-    a0 = vzero()
-    a1 = vzero()
-    a2 = vzero()
-    a3 = vzero()
+    a0 = vzero() if first else vload(out, o0 + c)
+    a1 = vzero() if first else vload(out, o0 + c + 16)
+    a2 = vzero() if first else vload(out, o0 + c + 32)
+    a3 = vzero() if first else vload(out, o0 + c + 48)
     for j in range(jlo, jhi + 1):
         base = kb[j] + c
         w = vsplat(sc[r, j])
@@ -454,12 +489,94 @@ def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0):
 
 
 @njit(inline="always", nogil=True)
-def _pv_1x1(sc, r, vc, kb, jlo, jhi, c, out, o0):
+def _pv_1x1(sc, r, vc, kb, jlo, jhi, c, out, o0, first):
     """Output columns c..c+15 of row r (the last columns when D is not a multiple of 64)."""
-    a0 = vzero()
+    a0 = vzero() if first else vload(out, o0 + c)
     for j in range(jlo, jhi + 1):
         a0 = vadd(a0, vmul(vsplat(sc[r, j]), kv_vec(vc, kb[j] + c)))
     vstore(out, o0 + c, a0)
+
+
+@njit(inline="always", nogil=True)
+def _key_bases(block_tables, s, lo, hi, bs, KVH, kvh, D, kb):
+    """kb[j] = flat offset of position lo + j's K (and V) row of KV head kvh, j <= hi - lo:
+    one block-table lookup per block."""
+    p = lo
+    j = 0
+    while p <= hi:
+        b = p // bs
+        base = block_tables[s, b] * bs - b * bs
+        e = min(hi, (b + 1) * bs - 1)
+        for pp in range(p, e + 1):
+            kb[j] = ((base + pp) * KVH + kvh) * D
+            j += 1
+        p = e + 1
+
+
+@njit(inline="always", nogil=True)
+def _load_q(q, t0, h0, nh, R, ggml_rounding, qv):
+    D = q.shape[2]
+    for r in range(R):
+        t = t0 + r // nh
+        h = h0 + r % nh
+        for d in range(D):
+            x = q[t, h, d]
+            qv[r, d] = round_f16(x) if ggml_rounding else x
+
+
+@njit(inline="always", nogil=True)
+def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jmax):
+    """Scores of rows 0..R-1 (row r: token t0 + r // nh), over the keys of the rows' tokens
+    together (a row's own are a subrange), limited to keys jmin..jmax."""
+    r = 0
+    while r < R:
+        rows = 4 if R - r >= 4 else (2 if R - r >= 2 else 1)
+        jlo = max(jmin, _window_start(positions[t0 + r // nh], window) - lo)
+        jhi = min(jmax, positions[t0 + (r + rows - 1) // nh] - lo)
+        for j in range(jlo, jhi + 1, 2):
+            j1 = j + 1 if j < jhi else j
+            if j + PREFETCH + 1 <= jhi:
+                kv_row_prefetch(kc, kb[j + PREFETCH], D)
+                kv_row_prefetch(kc, kb[j + PREFETCH + 1], D)
+            if rows == 4:
+                _qk_4x2(qv, r, kc, kb, j, j1, D, sc, scale)
+            elif rows == 2:
+                _qk_2x2(qv, r, kc, kb, j, j1, D, sc, scale)
+            else:
+                _qk_1x2(qv, r, kc, kb, j, j1, D, sc, scale)
+        r += rows
+
+
+@njit(inline="always", nogil=True)
+def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D):
+    """Output columns c0..c1-1 (c0 a multiple of 64) of rows r0..r0+n-1, which share the
+    keys jlo..jhi; row r0 + i is stored at flat offset o0 + i * D. Keys go in blocks of
+    VBLOCK (their V rows stay in L1 across the column groups); between blocks the partial
+    sums wait in `out`, which changes no rounding: each column still adds its keys in order."""
+    i = 0
+    while i < n:
+        r = r0 + i
+        o = o0 + i * D
+        rows = 4 if n - i >= 4 else (2 if n - i >= 2 else 1)
+        for jb in range(jlo, jhi + 1, VBLOCK):
+            je = min(jhi, jb + VBLOCK - 1)
+            first = jb == jlo
+            if c0 == 0 and i == 0:
+                for j in range(je + 1, min(jhi, je + VBLOCK) + 1):
+                    kv_row_prefetch(vc, kb[j], D)
+            c = c0
+            while c + 64 <= c1:
+                if rows == 4:
+                    _pv_4x4(sc, r, vc, kb, jb, je, c, out, o, D, first)
+                elif rows == 2:
+                    _pv_2x4(sc, r, vc, kb, jb, je, c, out, o, D, first)
+                else:
+                    _pv_1x4(sc, r, vc, kb, jb, je, c, out, o, first)
+                c += 64
+            for k in range(rows):
+                for cc in range(c, c1, 16):
+                    _pv_1x1(sc, r + k, vc, kb, jb, je, cc, out, o + k * D, first)
+        i += rows
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=False)
@@ -468,37 +585,14 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
     """Tokens t0..t0+nt-1 (consecutive positions of one sequence) x heads h0..h0+nh-1 (one
     KV head). qv, sc, kb: scratch of at least nt*nh x D, nt*nh x (keys + 16), keys."""
     T, H, D = q.shape
-    bs = kc.shape[1]
     KVH = kc.shape[2]
-    kvh = h0 // (H // KVH)
-    s = token_seq[t0]
     lo = _window_start(positions[t0], window)
     hi = positions[t0 + nt - 1]
-    for j in range(hi - lo + 1):
-        p = lo + j
-        kb[j] = ((block_tables[s, p // bs] * bs + p % bs) * KVH + kvh) * D
+    _key_bases(block_tables, token_seq[t0], lo, hi, kc.shape[1], KVH, h0 // (H // KVH), D, kb)
     R = nt * nh
-    for r in range(R):
-        t = t0 + r // nh
-        h = h0 + r % nh
-        for d in range(D):
-            x = q[t, h, d]
-            qv[r, d] = round_f16(x) if ggml_rounding else x
-    # 1. scores, over the keys of the rows' tokens together (a row's own are a subrange)
-    r = 0
-    while r < R:
-        rows = 4 if R - r >= 4 else (2 if R - r >= 2 else 1)
-        jlo = _window_start(positions[t0 + r // nh], window) - lo
-        jhi = positions[t0 + (r + rows - 1) // nh] - lo
-        for j in range(jlo, jhi + 1, 2):
-            j1 = j + 1 if j < jhi else j
-            if rows == 4:
-                _qk_4x2(qv, r, kc, kb, j, j1, D, sc, scale)
-            elif rows == 2:
-                _qk_2x2(qv, r, kc, kb, j, j1, D, sc, scale)
-            else:
-                _qk_1x2(qv, r, kc, kb, j, j1, D, sc, scale)
-        r += rows
+    _load_q(q, t0, h0, nh, R, ggml_rounding, qv)
+    # 1. scores
+    _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, 0, hi - lo)
     # 2. softmax of each row over its own keys
     for r in range(R):
         pos = positions[t0 + r // nh]
@@ -507,38 +601,45 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
     for ti in range(nt):
         t = t0 + ti
         pos = positions[t]
-        jlo = _window_start(pos, window) - lo
-        jhi = pos - lo
-        i = 0
-        while i < nh:
-            r = ti * nh + i
-            o0 = (t * H + h0 + i) * D
-            if nh - i >= 4:
-                c = 0
-                while c + 64 <= D:
-                    _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D)
-                    c += 64
-                for k in range(4):
-                    for cc in range(c, D, 16):
-                        _pv_1x1(sc, r + k, vc, kb, jlo, jhi, cc, out, o0 + k * D)
-                i += 4
-            elif nh - i >= 2:
-                c = 0
-                while c + 64 <= D:
-                    _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D)
-                    c += 64
-                for k in range(2):
-                    for cc in range(c, D, 16):
-                        _pv_1x1(sc, r + k, vc, kb, jlo, jhi, cc, out, o0 + k * D)
-                i += 2
-            else:
-                c = 0
-                while c + 64 <= D:
-                    _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0)
-                    c += 64
-                for cc in range(c, D, 16):
-                    _pv_1x1(sc, r, vc, kb, jlo, jhi, cc, out, o0)
-                i += 1
+        _vsums(sc, ti * nh, nh, vc, kb, _window_start(pos, window) - lo, pos - lo, 0, D, out,
+               (t * H + h0) * D, D)
+
+
+@njit(**_PJIT)
+def _run_split(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding,
+               out, parts):
+    """A few tokens on many threads (a lone decode token): each token x KV head is one tile
+    of all the head's query heads, and the threads split its work instead of taking whole
+    tiles: the scores by ranges of keys, the softmax by rows, the V sums by 64-column groups.
+    Every thread reads its share of K and V (not all of it, as whole tiles on each would).
+    Each number comes from the same operations as in _tile: the same bits."""
+    T, H, D = q.shape
+    KVH = kc.shape[2]
+    G = H // KVH
+    max_keys = 1
+    for t in range(T):
+        max_keys = max(max_keys, positions[t] - _window_start(positions[t], window) + 1)
+    qv = np.empty((G, D), np.float32)
+    sc = np.empty((G, max_keys + 16), np.float32)
+    kb = np.empty(max_keys, np.int64)
+    groups = (D + 63) // 64
+    for t in range(T):
+        pos = positions[t]
+        lo = _window_start(pos, window)
+        n = pos - lo + 1
+        step = ((n + parts - 1) // parts + 1) // 2 * 2
+        for g in range(KVH):
+            _key_bases(block_tables, token_seq[t], lo, pos, kc.shape[1], KVH, g, D, kb)
+            _load_q(q, t, g * G, G, G, ggml_rounding, qv)
+            for p in prange(parts):
+                _scores(qv, G, G, t, positions, window, lo, kc, kb, D, sc, scale, p * step,
+                        min(n, (p + 1) * step) - 1)
+            for r in prange(G):
+                _softmax_row(sc, r, 0, n - 1, ggml_rounding)
+            for c in prange(groups):
+                _vsums(sc, 0, G, vc, kb, 0, n - 1, c * 64, min(D, c * 64 + 64), out,
+                       (t * H + g * G) * D, D)
+    return out
 
 
 @njit(nogil=True, cache=_CACHE)
@@ -638,7 +739,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
     heads_per_item: query heads of one KV head handled together (a divisor of H / KVH): more
     reads each K/V row once for more heads, fewer leaves more work items for the threads.
     threads: how many lists of work the parallel loop deals (numba's thread count by
-    default); tile: query tokens per tile. Neither changes the result.
+    default); tile: query tokens per tile. Neither changes the result. With fewer (token,
+    KV head) pairs than threads (a lone decode token), the threads share each pair's work
+    instead (_run_split), whatever heads_per_item says.
     """
     D = q.shape[2]
     if D % 16:
@@ -648,6 +751,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
         import numba
         threads = numba.get_num_threads()
     parts = max(1, int(threads)) if par else 1
+    if parts > 1 and q.shape[0] * k_cache.shape[2] < parts:
+        # fewer (token, KV head) tiles than threads: split each one over the threads
+        return _run_split(q, k_cache, v_cache, block_tables, token_seq, positions, window,
+                          scale, ggml_rounding, out, parts)
     return _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
                 ggml_rounding, out, par, heads_per_item, tile, parts)
 
