@@ -12,6 +12,10 @@ Prints, for each type:
 - the same for the integer-dot kernel on repacked weights ("int8", backends/cpu/repack.py),
   the default CPU path on AVX-512 VNNI machines: M=1 time against the float matvec, M=8 and
   M=512 GFLOP/s, and the whole-model pass with both.
+- attention (backends/cpu/attention.py) on Gemma 3 270M's shape (4 query heads on 1 KV head of
+  256, f16 pool): the tiled kernel against the per-token one (paged_attention_ref, the same
+  bits) for a 512- and a 2,048-token prefill (sliding window 512 and global) and a decode
+  at 8K context; `--attention` runs only this section.
 Every kernel figure is also given on one thread ("1T"): on a shared machine a 2-thread
 parallel region waits for whichever thread was preempted, so 1T is the steadier number.
 Absolute numbers drift run to run on shared machines; the ratios are what to compare.
@@ -162,8 +166,60 @@ def model_pass(path: str, reps: int) -> None:
               f"   1T: {512 / tp1:6.1f} tok/s")
 
 
+# (query tokens, context before them, window): Gemma 3's local layers have a window of 512
+ATTENTION_CASES = {"prefill 512": (512, 0, 512), "prefill 2048, window 512": (2048, 0, 512),
+                   "prefill 2048, global": (2048, 0, 0), "decode at 8K, global": (1, 8192, 0),
+                   "decode at 8K, window 512": (1, 8192, 512)}
+
+
+def attention_inputs(nq: int, ctx: int, window: int, rng, H=4, KVH=1, D=256, bs=16):
+    """One sequence of ctx + T positions in a shuffled f16 pool; queries at the last T."""
+    nblk = (ctx + nq + bs - 1) // bs
+    shape = (nblk, bs, KVH, D)
+    kc = rng.standard_normal(shape).astype(np.float16).view(np.uint16)
+    vc = rng.standard_normal(shape).astype(np.float16).view(np.uint16)
+    tables = rng.permutation(nblk).astype(np.int32).reshape(1, -1)
+    q = rng.standard_normal((nq, H, D)).astype(np.float32)
+    pos = np.arange(ctx, ctx + nq, dtype=np.int32)
+    return q, kc, vc, tables, np.zeros(nq, np.int32), pos, window
+
+
+def attention_section(rounds: int, rng) -> None:
+    """Tiled vs per-token attention, interleaved rounds: median ms (range) and the FLOP rate
+    (q.k and the V sum, 4 FLOPs per query head, key and dimension)."""
+    from statistics import median
+
+    from edgeinfer.backends.cpu.attention import heads_per_item, paged_attention, paged_attention_ref
+    print(f"\nattention, Gemma 3 270M shape (4 heads on 1 KV head, D=256, f16 pool), "
+          f"median of {rounds} interleaved rounds (range)")
+    print(f"{'case':26} {'threads':>7} {'per-token ms':>22} {'tiled ms':>22} {'speed-up':>8} {'tiled GFLOP/s':>13}")
+    for name, (nq, ctx, window) in ATTENTION_CASES.items():
+        args = attention_inputs(nq, ctx, window, rng)
+        q, pos = args[0], args[5]
+        keys = sum(p + 1 - (max(0, p - window + 1) if window > 0 else 0) for p in pos.tolist())
+        flops = 4.0 * q.shape[1] * q.shape[2] * keys
+        for threads in sorted({numba_threads(), 1}, reverse=True):
+            def run(fn):
+                out = np.empty_like(q)
+                nh = heads_per_item(nq, q.shape[1], 1, threads)
+                t0 = time.perf_counter()
+                fn(*args, np.float32(0.0625), True, out, threads > 1, nh)
+                return time.perf_counter() - t0
+            times = {paged_attention_ref: [], paged_attention: []}
+            on_threads(threads, lambda: [run(f) for f in times])          # compile, warm
+            n = rounds if nq < 1024 else max(3, rounds // 2)
+            for _ in range(n):
+                for f in times:
+                    times[f].append(on_threads(threads, lambda: run(f)))
+            ref, new = times[paged_attention_ref], times[paged_attention]
+            print(f"{name:26} {threads:7d} {median(ref) * 1e3:8.2f} ({min(ref) * 1e3:.2f}-{max(ref) * 1e3:.2f})"
+                  f" {median(new) * 1e3:8.2f} ({min(new) * 1e3:.2f}-{max(new) * 1e3:.2f})"
+                  f" {median(ref) / median(new):7.2f}x {flops / median(new) / 1e9:13.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--attention", action="store_true", help="only the attention section")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, smaller big matrices")
     ap.add_argument("--types", default=",".join(ALL))
     ap.add_argument("--big-mb", type=float, default=96.0, help="size of the out-of-cache matrix")
@@ -174,6 +230,9 @@ def main() -> None:
     reps = 5 if args.quick else 15
     rng = np.random.default_rng(0)
     print(f"threads={numba_threads()}")
+    if args.attention:
+        attention_section(5 if args.quick else 9, rng)
+        return
 
     print("\nmatvec M=1, out-of-cache matrix")
     print(f"{'type':6} {'K':>5} {'N':>7} {'MB':>7} {'ms':>8} {'GB/s':>7} {'stream':>7} {'ratio':>6} {'1T GB/s':>8}")
@@ -218,6 +277,8 @@ def main() -> None:
             line += (f" | {i8:8.1f} {i8s:6.1f} {i512:8.1f} {i512s:6.1f} | {tf:12.3f} {ti:6.3f}"
                      f" {ratio:5.2f}x")
         print(line)
+
+    attention_section(5 if args.quick else 9, rng)
 
     path = args.model or _bundled_model()
     if path:
