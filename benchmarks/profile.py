@@ -63,6 +63,7 @@ def instrument(engine, timers: Timers) -> None:
     # inside ops.matmul on the int8 path: quantizing activations, then the tile kernel
     aq.quantize_rows = timers.wrap("quantize", aq.quantize_rows)
     i8.int8_matmul = timers.wrap("int8", i8.int8_matmul)
+    i8.int8_matmul_many = timers.wrap("int8", i8.int8_matmul_many)
     stage = engine.runner.sampling
     stage.sample = timers.wrap("sampling", stage.sample)
 

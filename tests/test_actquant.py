@@ -113,8 +113,9 @@ def test_vector_quantize_fuzzed(fmt, m, kb, scale, seed, par):
 
 def test_packed_matmuls_equal_one_matmul_each():
     """Shared codes across formats and zero points (Q5_0 zp 16 and Q8_0 zp 128 share Q8_0
-    codes; Q4_K offsets and Q6_K's 16-column blocks share Q8_K codes) give each matrix the bits
-    packed_matmul gives it alone, for one row and for a batch."""
+    codes; Q4_K offsets and Q6_K's 16-column blocks share Q8_K codes), in one parallel region
+    per three matrices, give each matrix the bits packed_matmul gives it alone, for one row
+    and for a batch."""
     from gguf import GGMLQuantizationType as T
 
     from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
@@ -127,8 +128,10 @@ def test_packed_matmuls_equal_one_matmul_each():
                        (T.Q4_0, 16))]
     for M in (1, 5, 300):
         x = rng.standard_normal((M, Kc)).astype(np.float32)
-        for got, w in zip(packed_matmuls(x, ws), ws):
-            np.testing.assert_array_equal(got.view(np.uint32), packed_matmul(x, w).view(np.uint32))
+        for part in (ws[:1], ws[:2], ws[:4], ws):      # one region runs up to three matrices
+            for got, w in zip(packed_matmuls(x, part), part):
+                np.testing.assert_array_equal(got.view(np.uint32),
+                                              packed_matmul(x, w).view(np.uint32))
     with pytest.raises(ValueError):
         packed_matmuls(np.zeros((1, 256), np.float32), ws)
 

@@ -3,8 +3,9 @@
 `packed_matmuls` multiplies one input by several matrices (q/k/v, gate/up) and quantizes the
 input once per activation format (block size A, weight block B) instead of once per matrix:
 the codes, scales and code sums depend only on (A, B); a matrix with another zero point only
-needs its own zb = zero_point * sum. Each matrix then runs the same tile kernel on the same
-codes as it would alone, so every result is the same bits as packed_matmul's.
+needs its own zb = zero_point * sum. The matrices then run in one parallel region
+(_int8.int8_matmul_many), each on the same codes and with the same per-tile arithmetic as it
+would alone, so every result is the same bits as packed_matmul's.
 """
 from __future__ import annotations
 
@@ -88,14 +89,22 @@ def packed_matmuls(x: np.ndarray, ws: Sequence[PackedMatrix],
         if K != w.K:
             raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
     vnni = _int8.HAVE_SIMD if use_vnni is None else use_vnni
-    threads = numba.get_num_threads()
-    nws = [_threads(M, K, w.N, threads) for w in ws]
-    par_quant = max(nws) > 1 and M * K >= SERIAL_QUANT
+    # one parallel region for up to three matrices (int8_matmul_many): one wake-up of the
+    # threads, and matrices too small to be worth a region alone (k, v at decode) share it
+    nw = _threads(M, K, sum(w.N for w in ws), numba.get_num_threads())
+    par_quant = nw > 1 and M * K >= SERIAL_QUANT
     formats: dict[tuple[int, int], ActCodes] = {}
-    outs = []
-    for w, nw in zip(ws, nws):
+    jobs = []
+    for w in ws:
         codes = formats.get((w.A, w.B))
         if codes is None:
             codes = formats[(w.A, w.B)] = ActCodes(x2, w.A, w.B, w.zero_point, par_quant)
-        outs.append(_run(codes, w, None, vnni, nw))
-    return outs
+        jobs.append((w.q, w.h, w.s, w.o, w.d, w.dm, w.fmt, codes.qa, codes.da, codes.bsf,
+                     codes.zb_for(w.zero_point), np.empty((M, w.N), np.float32)))
+    for i in range(0, len(jobs), 3):
+        part = tuple(jobs[i:i + 3])
+        if len(part) == 1:
+            _int8.int8_matmul(*part[0], vnni, nw, np.zeros(1, np.int64))
+        else:
+            _int8.int8_matmul_many(part, vnni, nw, np.zeros(1, np.int64))
+    return [j[-1] for j in jobs]
