@@ -1,7 +1,8 @@
 """KV memory and decode speed at long context: sliding-window release vs one pool, and
 llama.cpp with the same n_ctx.
 
-    .venv/bin/python benchmarks/long_context.py [--ctx 8192 32768] [--rounds 3] [--threads 2]
+    .venv/bin/python benchmarks/long_context.py [--ctx 8192 32000] [--rounds 3] [--threads 2]
+    .venv/bin/python benchmarks/long_context.py --ab-decode --ctx 8192 --rounds 6
 
 Each configuration runs in its own fresh worker process (peak RSS is its own): it fills a
 context of `ctx` prompt tokens (prefill), then decodes DECODE greedy tokens and reports
@@ -127,6 +128,47 @@ def worker_llamacpp(model: str, ctx: int, threads: int) -> dict:
             "context_kv_mb": kv, "peak_rss_mb": _rss_mb()}
 
 
+def ab_decode(model: str, ctx: int, rounds: int, running: int, n_decode: int = 32) -> None:
+    """Decode tok/s at `ctx` tokens of context, window vs one pool, in one process: both
+    engines hold the same context (a prefix-cache hit re-admits it each round), and their
+    decode runs alternate, so machine drift hits both alike. Also checks equal tokens."""
+    from edgeinfer.backends.cpu.ops import CpuOps
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import load_model_config
+    gf = read_gguf(model)
+    cfg = load_model_config(gf)
+    gf.close()
+    engines = {}
+    for name, windowed in (("window", True), ("full", False)):
+        CpuOps.kv_window_group = windowed
+        engines[name] = Engine(model, EngineConfig(
+            max_model_len=ctx + PAD, max_running_seqs=running, speculative=False,
+            kv_budget_bytes=native_budget(cfg, ctx, windowed, running, 512)))
+    CpuOps.kv_window_group = True
+    ids = engines["window"].encode_raw(_text(ctx // 8 + 50))[:ctx]
+    params = SamplingParams(temperature=0, max_tokens=n_decode + 1, ignore_eos=True)
+    rates: dict[str, list[float]] = {n: [] for n in engines}
+    outs = {}
+    for name, eng in engines.items():        # fill the context once (prefill, cached)
+        outs[name] = eng.generate(ids, params).token_ids
+    assert outs["window"] == outs["full"], "window and full pools disagree"
+    for r in range(rounds):
+        for name in (("window", "full") if r % 2 == 0 else ("full", "window")):
+            out = engines[name].generate(ids, params)
+            assert out.num_cached_tokens >= ctx - 16 and out.token_ids == outs[name]
+            rates[name].append(n_decode / (out.finish_time - out.first_token_time))
+        print(f"  round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()),
+              flush=True)
+    w, f = rates["window"], rates["full"]
+    ratio = [a / b for a, b in zip(w, f)]
+    print(f"decode tok/s at {ctx} context, {n_decode} tokens, {rounds} alternating rounds: "
+          f"window {statistics.median(w):.1f} ({min(w):.1f}-{max(w):.1f}), full "
+          f"{statistics.median(f):.1f} ({min(f):.1f}-{max(f):.1f}), ratio median "
+          f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f})")
+
+
 CONFIGS = ("native window", "native full", "llama.cpp")
 
 
@@ -160,11 +202,18 @@ def main() -> None:
     ap.add_argument("--running", type=int, default=4, help="native max_running_seqs")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--worker", choices=CONFIGS)
+    ap.add_argument("--ab-decode", action="store_true",
+                    help="decode tok/s window vs one pool, alternating in one process")
     args = ap.parse_args()
     model = args.model
     if model is None:
         from edgeinfer.store.model_store import Store
         model = str(Store().resolve("gemma3:270m").path)
+    if args.ab_decode:
+        os.environ.setdefault("EDGEINFER_THREADS", str(args.threads))
+        for ctx in args.ctx:
+            ab_decode(model, ctx, args.rounds, args.running)
+        return
     if args.worker:
         ctx = args.ctx[0]
         if args.worker == "llama.cpp":
