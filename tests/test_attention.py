@@ -140,6 +140,9 @@ def test_few_tokens_split_over_threads_give_the_same_bits(KVH, T):
             for threads in (2, 3, 4, 7):
                 got = _attend(q, kc, vc, tables, seq, pos, window, rounding, threads=threads)
                 np.testing.assert_array_equal(got, want, err_msg=f"{threads=} {window=}")
+                split = A._run_split(q, kc, vc, tables, seq, pos, window, SCALE, rounding,
+                                     np.empty_like(q), threads)
+                np.testing.assert_array_equal(split, want, err_msg=f"{threads=} {window=}")
 
 
 def test_non_consecutive_positions_and_repeated_sequences():

@@ -51,6 +51,7 @@ _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 TILE = 16           # query tokens per tile (consecutive positions of one sequence)
 VBLOCK = 64         # keys per block of the V sums
 PREFETCH = 16       # K rows asked for this many keys ahead of the scores
+SPLIT_MIN_KEYS = 2048   # a lone token's keys from which its work is split over the threads
 
 
 # -- softmax in 16 lanes ----------------------------------------------------------------------
@@ -610,7 +611,8 @@ def _run_split(q, kc, vc, block_tables, token_seq, positions, window, scale, ggm
                out, parts):
     """A few tokens on many threads (a lone decode token): each token x KV head is one tile
     of all the head's query heads, and the threads split its work instead of taking whole
-    tiles: the scores by ranges of keys, the softmax by rows, the V sums by 64-column groups.
+    tiles: the scores by ranges of keys, the V sums by 64-column groups (the softmax between
+    them runs on the calling thread).
     Every thread reads its share of K and V (not all of it, as whole tiles on each would).
     Each number comes from the same operations as in _tile: the same bits."""
     T, H, D = q.shape
@@ -634,7 +636,7 @@ def _run_split(q, kc, vc, block_tables, token_seq, positions, window, scale, ggm
             for p in prange(parts):
                 _scores(qv, G, G, t, positions, window, lo, kc, kb, D, sc, scale, p * step,
                         min(n, (p + 1) * step) - 1)
-            for r in prange(G):
+            for r in range(G):          # on the calling thread: one region fewer to wait for
                 _softmax_row(sc, r, 0, n - 1, ggml_rounding)
             for c in prange(groups):
                 _vsums(sc, 0, G, vc, kb, 0, n - 1, c * 64, min(D, c * 64 + 64), out,
@@ -740,8 +742,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
     reads each K/V row once for more heads, fewer leaves more work items for the threads.
     threads: how many lists of work the parallel loop deals (numba's thread count by
     default); tile: query tokens per tile. Neither changes the result. With fewer (token,
-    KV head) pairs than threads (a lone decode token), the threads share each pair's work
-    instead (_run_split), whatever heads_per_item says.
+    KV head) pairs than threads (a lone decode token) and at least SPLIT_MIN_KEYS keys, the
+    threads share each pair's work instead (_run_split), whatever heads_per_item says.
     """
     D = q.shape[2]
     if D % 16:
@@ -752,9 +754,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
         threads = numba.get_num_threads()
     parts = max(1, int(threads)) if par else 1
     if parts > 1 and q.shape[0] * k_cache.shape[2] < parts:
-        # fewer (token, KV head) tiles than threads: split each one over the threads
-        return _run_split(q, k_cache, v_cache, block_tables, token_seq, positions, window,
-                          scale, ggml_rounding, out, parts)
+        top = int(positions.max()) + 1
+        if (min(top, window) if window > 0 else top) >= SPLIT_MIN_KEYS:
+            # fewer (token, KV head) tiles than threads, and long: split each over the threads
+            return _run_split(q, k_cache, v_cache, block_tables, token_seq, positions,
+                              window, scale, ggml_rounding, out, parts)
     return _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
                 ggml_rounding, out, par, heads_per_item, tile, parts)
 
