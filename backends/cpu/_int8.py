@@ -619,9 +619,9 @@ def tile_codes(codes, bits, q, h):
                             q[t, b, j, lane, k] |= c & np.uint8(15)
                         else:
                             q[t, b, j - half, lane, k] |= (c & np.uint8(15)) << np.uint8(4)
-                        if bits == 5 and c & np.uint8(16):
+                        if bits == 5:      # no branch on the bit: it is random data
                             i = lane * 4 + k
-                            h[t, b, j, i >> 3] |= np.uint8(1 << (i & 7))
+                            h[t, b, j, i >> 3] |= ((c >> np.uint8(4)) & np.uint8(1)) << np.uint8(i & 7)
                         elif bits == 6:
                             q[t, b, half + j // 4, lane, k] |= ((c >> np.uint8(4)) & np.uint8(3)) << np.uint8(2 * (j % 4))
 
