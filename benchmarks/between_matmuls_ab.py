@@ -1,7 +1,7 @@
-"""In-process A/B of the work between the matmuls (issue 15, helper actq): the same engine, steps alternating between the new path and
-the old one (per-matrix scalar quantization, one-row RMS norm, scalar GeGLU, one region per
-matrix), wall and process CPU time per step: robust on a loaded machine, as both paths
-share one process, one engine and the same moments.
+"""In-process A/B of the work between the matmuls (issue 15): the same engine, steps
+alternating between the new path and the old one (per-matrix scalar quantization, one-row RMS
+norm, scalar GeGLU, one region per matrix), wall and process CPU time per step: robust on a
+loaded machine, as both paths share one process, one engine and the same moments.
 
     .venv/bin/python benchmarks/between_matmuls_ab.py THREADS ROUNDS
 """
