@@ -25,9 +25,9 @@ llama_cpp = pytest.importorskip("llama_cpp")
 SYNTH = Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth"
 
 
-def _Chunk(start, token_ids, block_table, needs_logits=True) -> ScheduledSpan:
+def _Chunk(start, token_ids, block_table, needs_logits=True, window_table=()) -> ScheduledSpan:
     return ScheduledSpan(0, start, tuple(token_ids), tuple(int(b) for b in block_table),
-                         needs_logits)
+                         needs_logits, window_table=tuple(int(b) for b in window_table))
 
 
 def llama_logits(path: Path, tokens: list[int], n_ctx: int = 1024) -> np.ndarray:
@@ -43,9 +43,14 @@ def our_logits(path: Path, tokens: list[int], prefill: int) -> np.ndarray:
     """Prefill `prefill` tokens as one chunk, then decode the rest one by one, through a
     shuffled block table (block order must not matter)."""
     r = ModelRunner.load(str(path), kv_budget_bytes=32 << 20)
-    table = list(np.random.default_rng(0).permutation(r.kv_plan.num_blocks)[: len(tokens) // 16 + 2])
-    rows = [r.forward([_Chunk(0, tokens[:prefill], table)])]
-    rows += [r.forward([_Chunk(i, [tokens[i]], table)]) for i in range(prefill, len(tokens))]
+    n = len(tokens) // 16 + 2
+    rng = np.random.default_rng(0)
+    table = list(rng.permutation(r.kv_plan.num_blocks)[:n])
+    # sliding-window layers (gemma3) keep K/V in a pool of their own: a table into that pool
+    window = list(rng.permutation(r.kv_plan.window_blocks)[:n]) if r.kv_plan.window_blocks else []
+    rows = [r.forward([_Chunk(0, tokens[:prefill], table, window_table=window)])]
+    rows += [r.forward([_Chunk(i, [tokens[i]], table, window_table=window)])
+             for i in range(prefill, len(tokens))]
     return np.concatenate(rows)
 
 

@@ -169,6 +169,7 @@ class ModelRunner:
         if not spans:
             return np.empty((0, self.cfg.vocab_size), np.float32)
         batch = build_forward_batch(spans, self.kv_plan.block_size, self.window_layer)
+        self._check_blocks(batch)
         if hidden_of:
             return self._forward_hidden(spans, batch, hidden_of)
         if not len(batch.logits_indices):
@@ -176,6 +177,16 @@ class ModelRunner:
             self.model.forward(batch, self.kv)
             return np.empty((0, self.cfg.vocab_size), np.float32)
         return self.ops.to_numpy(self.model.forward(batch, self.kv))
+
+    def _check_blocks(self, batch) -> None:
+        """Refuse a step whose block tables name blocks outside their pool: the kernels do not
+        bounds-check, so such a step would write K/V over unrelated memory."""
+        plan = self.kv_plan
+        for name, table, n in (("block", batch.block_tables, plan.num_blocks),
+                               ("window block", batch.window_tables, plan.window_blocks)):
+            if table is not None and table.size and (int(table.max()) >= n or int(table.min()) < 0):
+                raise ValueError(f"{name} table entry outside the pool of {n} blocks "
+                                 f"(entries {int(table.min())}..{int(table.max())})")
 
     def _forward_hidden(self, spans, batch, hidden_of) -> np.ndarray:
         want = {id(s) for s in hidden_of}
