@@ -471,7 +471,7 @@ def _make_matmul(fmt: int, isa: int):
         if nw <= 1:         # on the calling thread: products too small to pay a parallel region
             for t in range(T):
                 _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa)
-            return out
+            return
         # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter,
         # so a thread the OS preempts (other work on the machine) delays only its current chunk
         # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
@@ -485,7 +485,9 @@ def _make_matmul(fmt: int, isa: int):
                     break
                 for t in range(c * per, min(T, (c + 1) * per)):
                     _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa)
-        return out
+    # Returns nothing (the caller holds `out`): these closures share one qualified name, and a
+    # cached closure that boxes an array may find another closure's environment in a new
+    # process ("NRT_adapt_ndarray_to_python: 'descr' is NULL").
     return matmul_fmt
 
 
@@ -516,7 +518,8 @@ def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, coun
     fn = _MATMULS.get((fmt, isa))
     if fn is None:
         fn = kernel_for(fmt, isa)
-    return fn(q, h, s, o, d, dm, qa, da, bsf, zb, out, nw, counter)
+    fn(q, h, s, o, d, dm, qa, da, bsf, zb, out, nw, counter)
+    return out
 
 
 def _make_many(fmts: tuple[int, ...], isa: int):
