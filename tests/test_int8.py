@@ -140,8 +140,15 @@ def test_batch_invariance_fuzzed(qtype, n, kb, m, seed):
     np.testing.assert_array_equal(alone, y)
 
 
+def _slow_except(types, keep):
+    """Each forced kernel compiles one closure per format (~10 s): the default run checks the
+    bundled model's formats, `-m slow` every other."""
+    return [t if t in keep else pytest.param(t, marks=pytest.mark.slow) for t in types]
+
+
 @needs_vnni
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", _slow_except(TYPES, (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)),
+                         ids=lambda t: t.name)
 def test_vnni_kernel_equals_portable_kernel(qtype):
     w = make(qtype, 48, 512, seed=11)
     p = PackedMatrix.from_quant(w)
@@ -314,7 +321,8 @@ def test_int8_matmul_many_gives_each_matrix_its_own_bits(qtypes):
 
 @pytest.mark.parametrize("isa", sorted(set(_int8.HOST_ISAS) - {_int8.PORTABLE}),
                          ids=lambda i: {v: k for k, v in _int8.ISA_NAMES.items()}[i])
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K],
+@pytest.mark.parametrize("qtype", _slow_except([T.Q8_0, T.Q5_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K],
+                                               (T.Q8_0, T.Q5_0, T.Q6_K)),
                          ids=lambda t: t.name)
 def test_every_vector_kernel_of_this_cpu_equals_the_portable_one(qtype, isa):
     """AVX2 (vpmaddubsw; 8-bit codes through the sign trick), AVX-VNNI and AVX-512 VNNI tile
