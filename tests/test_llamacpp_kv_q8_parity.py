@@ -37,11 +37,15 @@ def _llama(path, n_ctx=512):
 
 def _our_logits(path, tokens, prefill):
     r = ModelRunner.load(str(path), kv_budget_bytes=8 << 20, kv_cache_type="q8_0")
-    assert r.kv_plan.bytes_per_token == 9792
-    table = tuple(int(b) for b in np.random.default_rng(0).permutation(r.kv_plan.num_blocks)[
-        : len(tokens) // 16 + 2])
-    rows = [r.forward([ScheduledSpan(0, 0, tuple(tokens[:prefill]), table, True)])]
-    rows += [r.forward([ScheduledSpan(0, i, (tokens[i],), table, True)])
+    # 3 full-attention layers + 15 sliding-window layers (a pool of their own): 9,792 B/token
+    assert r.kv_plan.bytes_per_token + r.kv_plan.window_bytes_per_token == 9792
+    n = len(tokens) // 16 + 2
+    rng = np.random.default_rng(0)
+    table = tuple(int(b) for b in rng.permutation(r.kv_plan.num_blocks)[:n])
+    window = tuple(int(b) for b in rng.permutation(r.kv_plan.window_blocks)[:n])
+    rows = [r.forward([ScheduledSpan(0, 0, tuple(tokens[:prefill]), table, True,
+                                     window_table=window)])]
+    rows += [r.forward([ScheduledSpan(0, i, (tokens[i],), table, True, window_table=window)])
              for i in range(prefill, len(tokens))]
     r.close()
     return np.concatenate(rows)
