@@ -270,7 +270,10 @@ def test_synthetic_models_match_numba(arch):
     rt = ModelRunner.load(str(path), "torch", kv_budget_bytes=8 << 20)
     rc = exact_cpu(ModelRunner.load(str(path), "cpu", kv_budget_bytes=8 << 20))
     tokens = [int(t) for t in np.random.default_rng(1).integers(3, 250, 48)]
-    seq = _Seq(list(np.random.default_rng(2).permutation(min(rt.kv_plan.num_blocks, rc.kv_plan.num_blocks))[:5]))
+    # one table for every pool: the CPU runner's sliding-window layers (gemma3) read it too
+    pools = [rt.kv_plan.num_blocks, rc.kv_plan.num_blocks] + [
+        p.window_blocks for p in (rt.kv_plan, rc.kv_plan) if p.window_blocks]
+    seq = _Seq(list(np.random.default_rng(2).permutation(min(pools))[:5]))
     a = np.concatenate([rt.forward([_Chunk(seq, 0, tokens[:40])])] +
                        [rt.forward([_Chunk(seq, i, [tokens[i]])]) for i in range(40, 48)])
     b = np.concatenate([rc.forward([_Chunk(seq, 0, tokens[:40])])] +
