@@ -14,14 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgeinfer.engine.core import Engine, EngineConfig, greedy
+from edgeinfer.engine.core import Engine, EngineConfig
 from edgeinfer.runners.base import ScheduledSpan
 from edgeinfer.runners.native import ModelRunner
+from greedy_parity import assert_greedy_matches
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
 Q8_0 = 8                    # enum ggml_type GGML_TYPE_Q8_0
-NOISE_FLOOR = 1.5           # llama.cpp's own batched vs token-by-token disagreement (logits)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -92,39 +92,7 @@ def q8_engine(gemma3_path):
 def test_q8_0_greedy_text_matches_llamacpp(gemma3_path, q8_engine, prompt):
     """Greedy continuations equal llama.cpp's (same q8_0 cache) token for token up to the first
     near-tie in llama.cpp's own top-2 margin; there ours must be one of its tied candidates."""
-    e = q8_engine
-    ids = e.encode_raw(prompt)
-    llm = _llama(gemma3_path)
-    assert ids == llm.tokenize(prompt.encode(), add_bos=True)
-    out = e.generate(ids, greedy(24))
-    END = -1
-    ours = list(out.token_ids) + ([END] if out.finish_reason == "stop" else [])
-    ref, margins, rows = [], [], []
-    llm.eval(ids)
-    for _ in range(24):
-        row = np.array(llm.scores[llm.n_tokens - 1])
-        second, first = np.argsort(row)[-2:]
-        margins.append(row[first] - row[second])
-        rows.append(row)
-        t = int(first)
-        if t in e.tokenizer.eot_ids:
-            ref.append(END)
-            break
-        ref.append(t)
-        llm.eval([t])
-    llm.close()
-    n = 0
-    while n < min(len(ref), len(ours)) and ref[n] == ours[n]:
-        n += 1
-    show = (prompt, n, e.tokenizer.decode(out.token_ids),
-            e.tokenizer.decode([t for t in ref if t != END]))
-    if all(m >= NOISE_FLOOR for m in margins[:12]):
-        assert n >= min(12, len(ref)), show
-    if n < min(len(ref), len(ours)):
-        assert margins[n] < NOISE_FLOOR, (*show, margins[n])
-        row = rows[n]
-        mine = max(row[list(e.tokenizer.eot_ids)]) if ours[n] == END else row[ours[n]]
-        assert mine > row.max() - NOISE_FLOOR, (*show, ours[n], row.max() - mine)
+    assert_greedy_matches(q8_engine, _llama(gemma3_path), prompt, 24)
 
 
 def test_llamacpp_runner_takes_the_kv_type(gemma3_path):
