@@ -28,7 +28,7 @@ from . import _stamp
 from .kernels import quantize_act_block, round_f16
 
 _DEPS = ("kernels.py", "_simd.py")     # inlined here (quantize_act_block and its deps)
-_DEPS_HASH = "ef3e40528e5af9ac"
+_DEPS_HASH = "f88594a317ceb15c"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)

@@ -14,10 +14,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import _stamp
-from .kernels import _f16_bits
+from .kernels import gelu_f16_at
 
-_DEPS = ("kernels.py", "_simd.py")     # inlined here (_f16_bits, with kernels.py's own deps)
-_DEPS_HASH = "ef3e40528e5af9ac"
+_DEPS = ("kernels.py", "_simd.py")     # inlined here (gelu_f16_at, with kernels.py's own deps)
+_DEPS_HASH = "f88594a317ceb15c"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
@@ -72,14 +72,7 @@ def _row(gate, up, out, table, r):
     for i in range(0, nv, 16):
         _geglu16(gp + i * 4, upp + i * 4, op + i * 4, tp)
     for i in range(nv, n):          # the tail: the scalar kernel's steps
-        g = gate[r, i]
-        if g <= -10.0:
-            y = np.float32(0.0)
-        elif g >= 10.0:
-            y = g
-        else:
-            y = table[_f16_bits(g)]
-        out[r, i] = y * up[r, i]
+        out[r, i] = gelu_f16_at(gate[r, i], table) * up[r, i]
 
 
 @njit(**_PJIT)

@@ -39,7 +39,7 @@ from ._simd import f16x, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vsub, v
 from .kernels import kv_scalar, kv_vec, round_f16
 
 _DEPS = ("_simd.py", "kernels.py")        # inlined here: see _stamp.py
-_DEPS_HASH = "f7d4238a3e4148b9"
+_DEPS_HASH = "15e32fe80e2f2990"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 

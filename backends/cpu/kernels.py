@@ -417,16 +417,19 @@ def gelu_f16_table() -> np.ndarray:
 
 
 @njit(inline="always", nogil=True)
+def gelu_f16_at(g, table):
+    """ggml's GELU of one value: its shortcuts beyond +-10, else the f16 table entry."""
+    if g <= -10.0:
+        return np.float32(0.0)
+    if g >= 10.0:
+        return g
+    return table[_f16_bits(g)]
+
+
+@njit(inline="always", nogil=True)
 def _gelu_f16_row(gate, up, out, table, r):
     for i in range(gate.shape[1]):
-        g = gate[r, i]
-        if g <= -10.0:
-            y = np.float32(0.0)
-        elif g >= 10.0:
-            y = g
-        else:
-            y = table[_f16_bits(g)]
-        out[r, i] = y * up[r, i]
+        out[r, i] = gelu_f16_at(gate[r, i], table) * up[r, i]
 
 
 @njit(**_PJIT)
