@@ -64,6 +64,12 @@ LANES = 16
 # of a Gemma 3 270M decode step 3.2 -> 2.75 ms, /tmp-style A/B in the commit message). The
 # 8-row tiles (prefill) reuse each block for 8 rows and are compute-bound: no prefetch there.
 PREFETCH_BLOCKS = 16
+# Fewer than 8 activation rows (decode): a thread's chunk of tiles holds at least this many
+# bytes of codes. Such products are bound by memory, not arithmetic, and one long stream per
+# thread beats many short ones (the 72 layer matmuls of a Gemma 3 270M decode step: 2.13-2.45
+# -> 1.85-2.07 ms; one chunk per matrix, i.e. one thread, was no slower than 16 per thread).
+# Larger products keep 16 chunks per thread, for balance when the OS preempts a thread.
+SMALL_M_CHUNK_BYTES = 1 << 17
 
 
 # Tile kernels by instruction set (each a kernel of its own, compiled for it alone):
@@ -492,6 +498,8 @@ def _make_matmul(fmt: int, isa: int):
         # so a thread the OS preempts (other work on the machine) delays only its current chunk
         # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
         per = max(1, T // (nw * 16))
+        if qa.shape[0] < 8:
+            per = max(per, SMALL_M_CHUNK_BYTES // (q.shape[1] * q.shape[2] * 64))
         nchunks = (T + per - 1) // per
         c_addr = counter.ctypes.data
         for _w in prange(nw):
@@ -561,6 +569,8 @@ def _make_many(fmts: tuple[int, ...], isa: int):
                 _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2, isa)
             return
         per = max(1, (T0 + T1 + T2) // (nw * 16))
+        if qa0.shape[0] < 8:
+            per = max(per, SMALL_M_CHUNK_BYTES // (q0.shape[1] * q0.shape[2] * 64))
         c0 = (T0 + per - 1) // per
         c1 = (T1 + per - 1) // per
         c2 = (T2 + per - 1) // per
