@@ -218,6 +218,34 @@ def test_ignore_eos_bans_eos():
     assert Sampler().sample(logits, [st]).tokens[0] == 2
 
 
+def test_greedy_with_bans_reads_the_raw_row_and_agrees_with_the_full_path():
+    # SeqSamplingState.plain_greedy: greedy whose only processing is bans takes the raw row's
+    # argmax when it is finite and not banned, else the full path. Rows where that matters:
+    # the max banned, a banned and an allowed token tied at the max, NaN, +inf, no finite
+    # allowed logit (the raw fallback), and plain random rows.
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(64).astype(np.float32) for _ in range(20)]
+    r = rng.standard_normal(64).astype(np.float32); r[5] = 9.0; rows.append(r)       # banned max
+    r = rng.standard_normal(64).astype(np.float32); r[5] = r[9] = 9.0; rows.append(r)  # tie
+    r = rng.standard_normal(64).astype(np.float32); r[[3, 20]] = np.nan; rows.append(r)
+    r = rng.standard_normal(64).astype(np.float32); r[30] = np.inf; rows.append(r)
+    r = np.full(64, -np.inf, np.float32); r[5] = 1.0; rows.append(r)                 # fallback
+    for kw in (dict(ignore_eos=True), dict(logit_bias={5: -100, 7: -100}),
+               dict(ignore_eos=True, logit_bias={5: -100}), dict()):
+        for row in rows:
+            fast = SeqSamplingState(SamplingParams(temperature=0.0, **kw), eos_token_ids=[5])
+            full = SeqSamplingState(SamplingParams(temperature=0.0, **kw), eos_token_ids=[5])
+            assert fast.plain_greedy
+            full.plain_greedy = False
+            got = Sampler().sample(row[None], [fast])
+            want = Sampler().sample(row[None], [full])
+            assert got.tokens[0] == want.tokens[0] and got.errors == want.errors, (kw, row)
+    # anything more than bans takes the full path
+    for kw in (dict(logit_bias={5: 2.0}), dict(repeat_penalty=1.1), dict(logprobs=0),
+               dict(frequency_penalty=0.5), dict(temperature=0.7)):
+        assert not SeqSamplingState(SamplingParams(**{"temperature": 0.0, **kw})).plain_greedy
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=2.0), dict(temperature=0.0),
                                 dict(temperature=1.5, top_p=0.9, min_p=0.01), dict(top_k=2)])
 def test_all_banned_falls_back_to_raw_argmax(kw):

@@ -302,6 +302,15 @@ class SeqSamplingState:
         vals = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         vals[vals <= BAN_BIAS] = -np.inf
         self.bias_ids, self.bias_values = ids, vals
+        # Greedy whose only processing is bans (ignore_eos, -100 biases): the processed row's
+        # argmax is the raw row's whenever that is finite and not banned (bans only lower
+        # logits), so Sampler.sample reads the raw row once instead of copying it (a 262K
+        # vocabulary: ~80 us a token).
+        self.banned = frozenset(int(t) for t in ids[np.isneginf(vals)])
+        self.plain_greedy = (params.greedy and params.logprobs is None
+                             and len(self.banned) == ids.size
+                             and params.repeat_penalty == 1.0 and params.frequency_penalty == 0.0
+                             and params.presence_penalty == 0.0 and not params.dry_on)
         self.mu = 2.0 * params.mirostat_tau      # mirostat's running surprise bound
         # DRY: token ids that break a repeat, and where the latest one sits in the history
         self.breakers = frozenset(params.dry_breaker_ids or ()) if params.dry_on else frozenset()
@@ -982,6 +991,11 @@ class Sampler:
             p = state.params
             raw = logits[b]
             if masks is None or masks[b] is None:
+                if state.plain_greedy:
+                    tok = int(np.argmax(raw))             # the first max, NaN included
+                    if math.isfinite(raw[tok]) and tok not in state.banned:
+                        tokens[b] = tok
+                        continue
                 row = process_logits(raw, state, out=sc.row)
                 m = float(row.max())          # NaN if any logit is NaN
                 if math.isfinite(m):          # the common case, kept inline

@@ -55,7 +55,9 @@ class SamplingStage:
                 plain.append(i)
         if r != logits.shape[0]:
             raise RuntimeError(f"{logits.shape[0]} rows of logits for {r} sampled positions")
-        if plain:
+        if len(plain) == len(spans):        # no drafts: row i is span i's (no 1 MB copy)
+            self._sample_rows(spans, states, logits, result)
+        elif plain:
             self._sample_rows([spans[i] for i in plain], [states[i] for i in plain],
                               logits[[rows[i] for i in plain]], result)
         for i, s in enumerate(spans):
