@@ -102,6 +102,11 @@ class Ops(Protocol):
     def rms_norm(self, x: Any, w: Any, eps: float) -> Any: ...
     def rope(self, x: Any, batch: ForwardBatch, base: float, scale: float, neox: bool,
              freq_factors: Any = None) -> Any: ...           # in place on x
+    def norm_rope(self, x: Any, w: Any, eps: float, batch: ForwardBatch, base: float,
+                  scale: float, neox: bool, freq_factors: Any = None) -> Any: ...
+    # rope(rms_norm(x, w)), in place on x (QK-norm then rope)
+    def add_rms_norm(self, x: Any, a: Any, w_a: Any, w_x: Any, eps: float) -> Any: ...
+    # x += rms_norm(a, w_a) in place (a may be overwritten); returns rms_norm(x, w_x)
     def geglu(self, gate: Any, up: Any) -> Any: ...           # in place on gate
     def swiglu(self, gate: Any, up: Any) -> Any: ...          # in place on gate
     def add(self, x: Any, y: Any) -> Any: ...                 # in place on x

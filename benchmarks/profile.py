@@ -32,7 +32,8 @@ GROUPS = {
     "matmul": ("matmul", "matmuls"),
     "attention": ("attention",),
     "norms / rope / activations": ("rms_norm", "rope", "geglu", "swiglu", "add", "scale",
-                                   "embed", "take_rows", "add_bias"),
+                                   "embed", "take_rows", "add_bias", "add_rms_norm",
+                                   "norm_rope"),
 }
 COLUMNS = ["matmul (int8 tiles)", "activation quantization", "attention",
            "norms / rope / activations", "sampling", "Python between kernels"]

@@ -21,14 +21,18 @@ class Gemma3Model:
     def forward(self, batch: ForwardBatch, kv):
         cfg, ops = self.cfg, self.ops
         x = ops.scale(ops.embed(self.tok_embd, batch.token_ids), cfg.embed_scale)
-        for i, w in enumerate(self.layers):
+        eps, layers = cfg.rms_eps, self.layers
+        h = ops.rms_norm(x, layers[0].attn_norm, eps)
+        for i, w in enumerate(layers):
             local = cfg.is_sliding(i)
-            h = ops.rms_norm(x, w.attn_norm, cfg.rms_eps)
             a = attention(cfg, ops, w, h, batch, kv, i,
                           cfg.rope_base_local if local else cfg.rope_base,
                           cfg.sliding_window if local else 0)
-            x = ops.add(x, ops.rms_norm(a, w.post_attn_norm, cfg.rms_eps))
-            h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
+            # x += post_norm(a); h = the next norm of x: one op (add_rms_norm) each time
+            h = ops.add_rms_norm(x, a, w.post_attn_norm, w.ffn_norm, eps)
             f = ops.matmul(ops.geglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down)
-            x = ops.add(x, ops.rms_norm(f, w.post_ffw_norm, cfg.rms_eps))
+            if i + 1 < len(layers):
+                h = ops.add_rms_norm(x, f, w.post_ffw_norm, layers[i + 1].attn_norm, eps)
+            else:       # the output norm comes after final_head's choice of rows
+                x = ops.add(x, ops.rms_norm(f, w.post_ffw_norm, eps))
         return final_head(cfg, ops, x, batch, self.output_norm, self.output)

@@ -62,10 +62,14 @@ def attention(cfg: ModelConfig, ops, w: LayerWeights, h, batch: ForwardBatch, kv
     q = q.reshape(T, cfg.n_head, cfg.head_dim)
     k = k.reshape(T, cfg.n_kv_head, cfg.head_dim)
     v = v.reshape(T, cfg.n_kv_head, cfg.head_dim)
-    if w.q_norm is not None:
-        q, k = ops.rms_norm(q, w.q_norm, cfg.rms_eps), ops.rms_norm(k, w.k_norm, cfg.rms_eps)
-    q = ops.rope(q, batch, rope_base, cfg.rope_scale, cfg.rope_neox, rope_freqs)
-    k = ops.rope(k, batch, rope_base, cfg.rope_scale, cfg.rope_neox, rope_freqs)
+    if w.q_norm is not None:      # QK-norm, then rope: one op each for q and k
+        q = ops.norm_rope(q, w.q_norm, cfg.rms_eps, batch, rope_base, cfg.rope_scale,
+                          cfg.rope_neox, rope_freqs)
+        k = ops.norm_rope(k, w.k_norm, cfg.rms_eps, batch, rope_base, cfg.rope_scale,
+                          cfg.rope_neox, rope_freqs)
+    else:
+        q = ops.rope(q, batch, rope_base, cfg.rope_scale, cfg.rope_neox, rope_freqs)
+        k = ops.rope(k, batch, rope_base, cfg.rope_scale, cfg.rope_neox, rope_freqs)
     a = ops.attention(q, k, v, kv, layer, batch, 1.0 / math.sqrt(cfg.head_dim), window)
     return ops.matmul(a.reshape(T, cfg.q_dim), w.wo)
 

@@ -145,6 +145,11 @@ def _old_path(ops, monkeypatch):
     monkeypatch.setattr(packed._actquant, "quantize_rows", aq.quantize_rows_ref)
     monkeypatch.setattr(_norm, "rms_norm", K.rms_norm)
     monkeypatch.setattr(_geglu, "gelu_tanh_mul_f16", K.gelu_tanh_mul_f16)
+    # and the fused norms (_norm.add_rms_norm, _norm.norm_rope) as the ops they fuse
+    monkeypatch.setattr(ops, "add_rms_norm", lambda x, a, wa, wx, eps: ops.rms_norm(
+        ops.add(x, ops.rms_norm(a, wa, eps)), wx, eps))
+    monkeypatch.setattr(ops, "norm_rope", lambda x, w, eps, batch, base, scale, neox, ff=None:
+                        ops.rope(ops.rms_norm(x, w, eps), batch, base, scale, neox, ff))
 
 
 @pytest.mark.parametrize("model", ["gemma3", "llama"])
@@ -188,6 +193,39 @@ def test_rms_norm_rows8_is_the_one_row_kernel(M, n, par):
     w = rng.standard_normal(n).astype(np.float32)
     got = _norm.rms_norm(x, w, 1e-6, np.empty_like(x), par)
     want = K.rms_norm(x, w, 1e-6, np.empty_like(x), False)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("M,n", [(1, 640), (8, 640), (13, 256), (129, 640)])
+@pytest.mark.parametrize("par", [False, True])
+def test_add_rms_norm_is_norm_add_norm(M, n, par):
+    rng = np.random.default_rng(M + n)
+    x = (rng.standard_normal((M, n)) * 30).astype(np.float32)
+    a = (rng.standard_normal((M, n)) * rng.choice([1e-3, 1.0, 300.0], size=(M, 1))).astype(np.float32)
+    a[M // 2] = 0.0
+    wa, wx = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    want_x = x + K.rms_norm(a, wa, 1e-6, np.empty_like(a), False)
+    want_h = K.rms_norm(want_x, wx, 1e-6, np.empty_like(x), False)
+    got_x, got_a = x.copy(), a.copy()
+    got_h = _norm.add_rms_norm(got_x, got_a, wa, wx, 1e-6, np.empty_like(x), par)
+    np.testing.assert_array_equal(got_x.view(np.uint32), want_x.view(np.uint32))
+    np.testing.assert_array_equal(got_h.view(np.uint32), want_h.view(np.uint32))
+
+
+@pytest.mark.parametrize("T,H", [(1, 4), (1, 1), (9, 4), (130, 1)])
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("par", [False, True])
+def test_norm_rope_is_norm_then_rope(T, H, neox, par):
+    rng = np.random.default_rng(T * 10 + H)
+    D = 256
+    x = (rng.standard_normal((T, H, D)) * 5).astype(np.float32)
+    w = rng.standard_normal(D).astype(np.float32)
+    cos, sin = K.rope_tables(rng.integers(0, 30000, T).astype(np.int64), D, 1e6, 1.0, None)
+    want = K.rms_norm(x.reshape(T * H, D), w, 1e-6, np.empty((T * H, D), np.float32), False)
+    want = want.reshape(T, H, D)
+    K.rope_inplace(want, cos, sin, neox, False)
+    got = _norm.norm_rope(x, w, 1e-6, cos, sin, neox, par)
+    assert got is x
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 

@@ -1,4 +1,5 @@
-"""RMS norm over rows, several rows at a time (same bits as kernels.rms_norm).
+"""RMS norm over rows, several rows at a time (same bits as kernels.rms_norm), and the norms
+fused with what follows them in a decoder layer (one call where there were two to four).
 
 kernels.rms_norm sums each row's squares in float64, in column order, as ggml does: one
 dependent chain of float64 adds per row, so a row costs about n times the add latency and
@@ -14,9 +15,10 @@ import numpy as np
 from numba import njit, prange
 
 from . import _stamp
+from .kernels import _rope_head
 
-_DEPS: tuple[str, ...] = ()            # inlines nothing from other modules
-_DEPS_HASH = "e3b0c44298fc1c14"
+_DEPS = ("kernels.py", "_simd.py")     # inlined here (_rope_head, with kernels.py's own deps)
+_DEPS_HASH = "f88594a317ceb15c"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
@@ -97,3 +99,49 @@ def rms_norm(x, w, eps, out, par):
         for g in range(groups):
             _rms_group(x, w, eps, out, g)
     return out
+
+
+@njit(inline="always", nogil=True)
+def _add_group(x, a, g):
+    """x[r] += a[r] for the rows of group g (float32 adds, as numpy's x += a)."""
+    for r in range(g * ROWS, min(x.shape[0], (g + 1) * ROWS)):
+        for i in range(x.shape[1]):
+            x[r, i] += a[r, i]
+
+
+@njit(**_PJIT)
+def add_rms_norm(x, a, wa, wx, eps, h, par):
+    """x += rms_norm(a) * wa (in place; a is overwritten with its norm), then
+    h = rms_norm(x) * wx: the bits of rms_norm, numpy's x += and rms_norm in turn, in one
+    call (Gemma's post-norm residual and the next pre-norm; decode made ~70 of these calls
+    a step)."""
+    groups = (x.shape[0] + ROWS - 1) // ROWS
+    if par:
+        for g in prange(groups):
+            _rms_group(a, wa, eps, a, g)
+            _add_group(x, a, g)
+            _rms_group(x, wx, eps, h, g)
+    else:
+        for g in range(groups):
+            _rms_group(a, wa, eps, a, g)
+            _add_group(x, a, g)
+            _rms_group(x, wx, eps, h, g)
+    return h
+
+
+@njit(**_PJIT)
+def norm_rope(x, w, eps, cos, sin, neox, par):
+    """In place on x[T, H, D]: each head's RMS norm (times w[D]), then the rotary embedding
+    with per-token tables cos/sin[T, D/2]: the bits of rms_norm then kernels.rope_inplace
+    (QK-norm and rope in one call)."""
+    T, H, D = x.shape
+    x2 = x.reshape(T * H, D)
+    if par:
+        for th in prange(T * H):
+            _rms_row(x2, w, eps, x2, th)
+            _rope_head(x, cos, sin, neox, th // H, th % H)
+    else:
+        for th in range(T * H):
+            _rms_row(x2, w, eps, x2, th)
+            _rope_head(x, cos, sin, neox, th // H, th % H)
+    return x

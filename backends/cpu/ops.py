@@ -217,16 +217,35 @@ class CpuOps:
         # eight rows at a time: the bits of K.rms_norm, about twice as fast (_norm.py)
         return _norm.rms_norm(flat, w, eps, np.empty_like(flat), _par(flat.size)).reshape(x.shape)
 
-    def rope(self, x: np.ndarray, batch: ForwardBatch, base: float, scale: float, neox: bool,
-             freq_factors=None) -> np.ndarray:
-        key = ("rope", base, scale, x.shape[-1])
+    def add_rms_norm(self, x: np.ndarray, a: np.ndarray, w_a: np.ndarray, w_x: np.ndarray,
+                     eps: float) -> np.ndarray:
+        """x += rms_norm(a, w_a) in place (a is overwritten); returns rms_norm(x, w_x). The
+        bits of the three ops, in one call."""
+        x2, a2 = x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1])
+        h = _norm.add_rms_norm(x2, a2, w_a, w_x, eps, np.empty_like(x2), _par(x2.size))
+        return h.reshape(x.shape)
+
+    @staticmethod
+    def _rope_tables(batch: ForwardBatch, D: int, base: float, scale: float, freq_factors):
+        key = ("rope", base, scale, D)
         tables = batch.cache.get(key)
         if tables is None:
             # One table per (step, base): computed by the first layer, reused by the rest.
-            tables = K.rope_tables(batch.positions, x.shape[-1], base, scale, freq_factors)
+            tables = K.rope_tables(batch.positions, D, base, scale, freq_factors)
             batch.cache[key] = tables
-        K.rope_inplace(x, tables[0], tables[1], neox, _par(x.size))
+        return tables
+
+    def rope(self, x: np.ndarray, batch: ForwardBatch, base: float, scale: float, neox: bool,
+             freq_factors=None) -> np.ndarray:
+        cos, sin = self._rope_tables(batch, x.shape[-1], base, scale, freq_factors)
+        K.rope_inplace(x, cos, sin, neox, _par(x.size))
         return x
+
+    def norm_rope(self, x: np.ndarray, w: np.ndarray, eps: float, batch: ForwardBatch,
+                  base: float, scale: float, neox: bool, freq_factors=None) -> np.ndarray:
+        """rope(rms_norm(x, w)) on x[T, H, D], in place: the bits of the two ops, one call."""
+        cos, sin = self._rope_tables(batch, x.shape[-1], base, scale, freq_factors)
+        return _norm.norm_rope(x, w, eps, cos, sin, neox, _par(x.size))
 
     def geglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.numerics == "ggml":

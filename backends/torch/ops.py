@@ -120,6 +120,16 @@ class TorchOps:
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
         return y.to(x.dtype)
 
+    def add_rms_norm(self, x: torch.Tensor, a: torch.Tensor, w_a: torch.Tensor,
+                     w_x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += rms_norm(a, w_a) in place; returns rms_norm(x, w_x) (the CPU backend fuses it)."""
+        self.add(x, self.rms_norm(a, w_a, eps))
+        return self.rms_norm(x, w_x, eps)
+
+    def norm_rope(self, x: torch.Tensor, w: torch.Tensor, eps: float, batch: ForwardBatch,
+                  base: float, scale: float, neox: bool, freq_factors=None) -> torch.Tensor:
+        return self.rope(self.rms_norm(x, w, eps), batch, base, scale, neox, freq_factors)
+
     def rope(self, x: torch.Tensor, batch: ForwardBatch, base: float, scale: float, neox: bool,
              freq_factors=None) -> torch.Tensor:
         D = x.shape[-1]
