@@ -14,6 +14,7 @@ from edgeinfer.backends.cpu import attention as A
 from edgeinfer.backends.cpu import _geglu, _norm
 from edgeinfer.backends.cpu import _rotate as _rot
 from edgeinfer.backends.cpu import kernels as K
+from edgeinfer.backends.cpu import _int8
 from edgeinfer.backends.cpu._int8 import HAVE_VNNI
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
@@ -63,7 +64,9 @@ def repacked_bytes(gguf_file) -> int:
 
 def _weights_format(repacked: bool) -> str:
     if repacked:
-        kind = "VNNI" if HAVE_VNNI else "portable"
+        # the tile kernel this CPU runs (AVX2-only CPUs too, where EDGEINFER_REPACK=1 asks)
+        kind = {_int8.AVX512VNNI: "AVX-512 VNNI", _int8.AVXVNNI: "AVX-VNNI",
+                _int8.AVX2: "AVX2"}.get(_int8.BEST_ISA, "portable")
         return f"int8 tiles repacked from GGUF blocks ({kind} integer dot)"
     return "gguf (quantized blocks, decoded per matmul)"
 
