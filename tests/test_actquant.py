@@ -111,29 +111,44 @@ def test_vector_quantize_fuzzed(fmt, m, kb, scale, seed, par):
 
 # -- one quantization per input: packed_matmuls / ops.matmuls -------------------------------
 
-def test_packed_matmuls_equal_one_matmul_each():
-    """Shared codes across formats and zero points (Q5_0 zp 16 and Q8_0 zp 128 share Q8_0
-    codes; Q4_K offsets and Q6_K's 16-column blocks share Q8_K codes), in one parallel region
-    per three matrices, give each matrix the bits packed_matmul gives it alone, for one row
-    and for a batch."""
-    from gguf import GGMLQuantizationType as T
-
+def _packed_matmuls_equal_one_matmul_each(types_rows, parts):
     from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
     from edgeinfer.backends.cpu.quants import QuantMatrix, random_quant_rows
     from edgeinfer.backends.cpu.repack import PackedMatrix
     rng = np.random.default_rng(5)
     Kc = 512
     ws = [PackedMatrix.from_quant(QuantMatrix.from_bytes(random_quant_rows(t, n, Kc, rng), t, Kc, n))
-          for t, n in ((T.Q5_0, 48), (T.Q8_0, 16), (T.Q4_K, 40), (T.Q6_K, 32), (T.Q5_0, 600),
-                       (T.Q4_0, 16))]
+          for t, n in types_rows]
     for M in (1, 5, 300):
         x = rng.standard_normal((M, Kc)).astype(np.float32)
-        for part in (ws[:1], ws[:2], ws[:4], ws):      # one region runs up to three matrices
+        for part in parts(ws):                  # one region runs up to three matrices
             for got, w in zip(packed_matmuls(x, part), part):
                 np.testing.assert_array_equal(got.view(np.uint32),
                                               packed_matmul(x, w).view(np.uint32))
     with pytest.raises(ValueError):
         packed_matmuls(np.zeros((1, 256), np.float32), ws)
+
+
+def test_packed_matmuls_equal_one_matmul_each_gemma3_formats():
+    """Gemma 3 270M's own groups (q/k Q5_0 with v in Q5_0 or Q8_0; gate/up Q5_0: kernels the
+    install's warm-up compiles): Q5_0 zp 16 and Q8_0 zp 128 share one set of Q8_0 codes, and
+    each matrix gets the bits packed_matmul gives it alone, for one row and for a batch."""
+    from gguf import GGMLQuantizationType as T
+    _packed_matmuls_equal_one_matmul_each(
+        ((T.Q5_0, 64), (T.Q5_0, 16), (T.Q8_0, 16), (T.Q5_0, 600)),
+        lambda ws: (ws[:1], ws[:2], ws[:3], [ws[0], ws[1], ws[1]], ws[::3]))
+
+
+@pytest.mark.slow      # compiles a closure per format group: ~2 minutes on a fresh cache
+def test_packed_matmuls_equal_one_matmul_each():
+    """Shared codes across formats and zero points (Q5_0 zp 16 and Q8_0 zp 128 share Q8_0
+    codes; Q4_K offsets and Q6_K's 16-column blocks share Q8_K codes), in one parallel region
+    per three matrices, give each matrix the bits packed_matmul gives it alone, for one row
+    and for a batch."""
+    from gguf import GGMLQuantizationType as T
+    _packed_matmuls_equal_one_matmul_each(
+        ((T.Q5_0, 48), (T.Q8_0, 16), (T.Q4_K, 40), (T.Q6_K, 32), (T.Q5_0, 600), (T.Q4_0, 16)),
+        lambda ws: (ws[:1], ws[:2], ws[:4], ws))
 
 
 def _old_path(ops, monkeypatch):
