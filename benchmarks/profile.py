@@ -55,16 +55,13 @@ class Timers:
 
 def instrument(engine, timers: Timers) -> None:
     import edgeinfer.backends.cpu._actquant as aq
-    import edgeinfer.backends.cpu._int8 as i8
     ops = engine.runner.ops
     for group, names in GROUPS.items():
         for n in names:
             if hasattr(ops, n):
                 setattr(ops, n, timers.wrap(group, getattr(ops, n)))
-    # inside ops.matmul on the int8 path: quantizing activations, then the tile kernel
+    # inside ops.matmul on the int8 path: quantizing activations (the rest is the tile kernel)
     aq.quantize_rows = timers.wrap("quantize", aq.quantize_rows)
-    i8.int8_matmul = timers.wrap("int8", i8.int8_matmul)
-    i8.int8_matmul_many = timers.wrap("int8", i8.int8_matmul_many)
     stage = engine.runner.sampling
     stage.sample = timers.wrap("sampling", stage.sample)
 
