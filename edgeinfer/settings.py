@@ -19,7 +19,7 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_MAX_QUEUE           | max_queue           | 64                                  |
 | EDGEINFER_MAX_MODEL_LEN       | max_model_len       | min(model's, 8192)                  |
 | EDGEINFER_THREADS             | threads             | governed (cores other programs leave)|
-| EDGEINFER_REPACK              | repack              | per model (int8 tiles on VNNI CPUs) |
+| EDGEINFER_REPACK              | repack              | per model (int8 tiles on AVX2+ CPUs) |
 | EDGEINFER_BATCH_INVARIANT     | batch_invariant     | off                                 |
 | EDGEINFER_TORCH_DTYPE         | torch_dtype         | the device's choice                 |
 | EDGEINFER_SPECULATIVE         | speculative         | on (prompt-lookup drafts, batch <= 2)|

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer.backends.cpu._int8 import HAVE_VNNI
+from edgeinfer.backends.cpu._int8 import HAVE_SIMD
 from edgeinfer.engine.core import Engine, EngineConfig, RequestOutput, greedy
 
 # Filler text for long prompts, shared with benchmarks/serving.py.
@@ -83,7 +83,7 @@ def path(gemma3_path) -> str:
 
 def make(path: str, **kw) -> Engine:
     kw.setdefault("kv_budget_bytes", 128 << 20)
-    kw.setdefault("batch_invariant", not HAVE_VNNI)
+    kw.setdefault("batch_invariant", not HAVE_SIMD)
     return Engine(path, EngineConfig(**kw))
 
 

@@ -15,7 +15,7 @@ from edgeinfer.backends.cpu import _geglu, _norm
 from edgeinfer.backends.cpu import _rotate as _rot
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu import _int8
-from edgeinfer.backends.cpu._int8 import HAVE_VNNI
+from edgeinfer.backends.cpu._int8 import HAVE_SIMD
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows
 from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
@@ -93,7 +93,8 @@ class CpuOps:
         repack: hold quantized weights in the integer-dot layout (repack.py) and multiply
         them with 8-bit activation codes on AVX-512 VNNI. Every row's result is then the
         same whatever the batch size, and batched decode and prefill are several times
-        faster. None (default) decides per model: on with ggml numerics on a VNNI CPU when
+        faster. None (default) decides per model: on with ggml numerics on a CPU with a vector
+        tile kernel (AVX-512 VNNI, AVX-VNNI or AVX2) when
         the repacked weights take at most half of the RAM (Settings.repack, from
         EDGEINFER_REPACK=0/1, forces it).
 
@@ -159,7 +160,9 @@ class CpuOps:
         """Whether this model's weights would be repacked (see __init__), without loading."""
         if self._repack_setting is not None:
             return self._repack_setting
-        return (self.numerics == "ggml" and HAVE_VNNI
+        # any vector tile kernel (AVX-512 VNNI, AVX-VNNI, AVX2): benchmarks/isa_ab.py measured
+        # the AVX2 tiles at 2.11x prefill and 1.32x decode of the GGUF-block path
+        return (self.numerics == "ggml" and HAVE_SIMD
                 and repacked_bytes(gguf_file) <= _ram_bytes() // 2)
 
     def weights_format_for(self, gguf_file) -> str:

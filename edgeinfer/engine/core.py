@@ -54,7 +54,7 @@ class EngineConfig:
     max_tokens_per_step: int = 512
     block_size: int = 16
     # True: every row through one matmul kernel whatever the batch size, so a request's
-    # tokens never depend on its batch. The repacked int8 path (VNNI CPUs) is invariant
+    # tokens never depend on its batch. The repacked int8 path (AVX2+ CPUs) is invariant
     # either way; this only matters for the float/quantized-block kernels.
     batch_invariant: bool = False
     repack: bool | None = None            # CPU weights as int8 tiles; None = per model
