@@ -190,8 +190,10 @@ def ray_daemon(tmp_path_factory, model_path):
     from edgeinfer.store.model_store import Store
     home = tmp_path_factory.mktemp("ray-home")
     Store(home).register_file(model_path, MODEL)
+    # speculation off: the kill test needs a 1,500-token request that is still running when it
+    # polls; prompt lookup on its repetitive greedy text finished it within the polling gap
     d = start_daemon(home, args=("--ray", "--replicas", "2"), wait=False,
-                     EDGEINFER_MAX_MODEL_LEN="2048")
+                     EDGEINFER_MAX_MODEL_LEN="2048", EDGEINFER_SPECULATIVE="0")
     try:
         deadline = time.monotonic() + 300      # Ray + two replicas: a start-up guard
         while True:
