@@ -64,7 +64,7 @@ def repacked_bytes(gguf_file) -> int:
 
 def _weights_format(repacked: bool) -> str:
     if repacked:
-        # the tile kernel this CPU runs (AVX2-only CPUs too, where EDGEINFER_REPACK=1 asks)
+        # the tile kernel this CPU runs
         kind = {_int8.AVX512VNNI: "AVX-512 VNNI", _int8.AVXVNNI: "AVX-VNNI",
                 _int8.AVX2: "AVX2"}.get(_int8.BEST_ISA, "portable")
         return f"int8 tiles repacked from GGUF blocks ({kind} integer dot)"
@@ -91,12 +91,11 @@ class CpuOps:
         token for token; "f32" keeps every intermediate in float32.
 
         repack: hold quantized weights in the integer-dot layout (repack.py) and multiply
-        them with 8-bit activation codes on AVX-512 VNNI. Every row's result is then the
-        same whatever the batch size, and batched decode and prefill are several times
-        faster. None (default) decides per model: on with ggml numerics on a CPU with a vector
-        tile kernel (AVX-512 VNNI, AVX-VNNI or AVX2) when
-        the repacked weights take at most half of the RAM (Settings.repack, from
-        EDGEINFER_REPACK=0/1, forces it).
+        them with 8-bit activation codes by a vector tile kernel (AVX-512 VNNI, AVX-VNNI or
+        AVX2). Every row's result is then the same whatever the batch size, and batched
+        decode and prefill are several times faster. None (default) decides per model: on
+        with ggml numerics on a CPU with such a kernel when the repacked weights take at most
+        half of the RAM (Settings.repack, from EDGEINFER_REPACK=0/1, forces it).
 
         kv_cache_type: "f16" or "q8_0" (ggml's 8-bit blocks, 34 bytes per 32 values, as
         llama.cpp's --cache-type-k/v q8_0); None: f16 with ggml numerics, f32 with f32 ones.
