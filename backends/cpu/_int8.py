@@ -484,6 +484,16 @@ def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa):
                 out[m, n0 + lane] = acc[m, lane]
 
 
+@njit(inline="always", nogil=True)
+def _chunk_tiles(T, nw, M, q):
+    """Tiles per chunk of the shared counter: 16 chunks per thread, and with M < 8 rows at
+    least SMALL_M_CHUNK_BYTES of q's codes (see there)."""
+    per = max(1, T // (nw * 16))
+    if M < 8:
+        per = max(per, SMALL_M_CHUNK_BYTES // (q.shape[1] * q.shape[2] * 64))
+    return per
+
+
 def _make_matmul(fmt: int, isa: int):
     """int8_matmul's kernel for one format and instruction set: constants of the closure, so
     the tile intrinsics see them as literals and emit that loop only (cached per pair)."""
@@ -497,9 +507,7 @@ def _make_matmul(fmt: int, isa: int):
         # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter,
         # so a thread the OS preempts (other work on the machine) delays only its current chunk
         # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
-        per = max(1, T // (nw * 16))
-        if qa.shape[0] < 8:
-            per = max(per, SMALL_M_CHUNK_BYTES // (q.shape[1] * q.shape[2] * 64))
+        per = _chunk_tiles(T, nw, qa.shape[0], q)
         nchunks = (T + per - 1) // per
         c_addr = counter.ctypes.data
         for _w in prange(nw):
@@ -568,9 +576,7 @@ def _make_many(fmts: tuple[int, ...], isa: int):
             for t in range(T2):
                 _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2, isa)
             return
-        per = max(1, (T0 + T1 + T2) // (nw * 16))
-        if qa0.shape[0] < 8:
-            per = max(per, SMALL_M_CHUNK_BYTES // (q0.shape[1] * q0.shape[2] * 64))
+        per = _chunk_tiles(T0 + T1 + T2, nw, qa0.shape[0], q0)
         c0 = (T0 + per - 1) // per
         c1 = (T1 + per - 1) // per
         c2 = (T2 + per - 1) // per
