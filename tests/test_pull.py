@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from edgeinfer.store.bundled import BUNDLED
 from edgeinfer.store.download import DiskFullError, DownloadError, DownloadPolicy, OfflineError, \
     RemoteNotFound
 from edgeinfer.store.names import InvalidModelName, ModelNotFound, StoreError
@@ -414,12 +415,14 @@ def test_cli_pull_list_cp_rm(server, tmp_path, payload):
     assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED"]
     rows = {ln.split()[0]: ln.split()[1] for ln in lines[1:]}
     assert rows["t:1"] == sha256(payload)[:12]
-    assert set(rows) == {"t:1", "gemma3:270m"}     # the bundled default is always listed
+    # the bundled models are always listed
+    shipped = [n for n, b in BUNDLED.items() if b.available()]
+    assert set(rows) == {"t:1", *shipped}
     assert _cli("cp", "t:1", "u:2", home=home).returncode == 0
     assert _cli("rm", "t:1", home=home).returncode == 0
     r = _cli("list", home=home)
     assert sorted(ln.split()[0] for ln in r.stdout.strip().splitlines()[1:]) == \
-        ["gemma3:270m", "u:2"]
+        sorted(["u:2", *shipped])
     r = _cli("pull", f"{server.url}/missing.gguf", home=home)
     assert r.returncode == 1 and "404" in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("edgeinfer: not found (HTTP 404)")

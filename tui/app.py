@@ -19,6 +19,8 @@ from textual.app import App
 from textual.binding import Binding
 from textual.reactive import reactive
 
+from edgeinfer.store.bundled import DEFAULT_MODEL
+
 from .api import ApiError, DaemonClient, DaemonUnreachable, Stats
 from .daemon import DaemonLauncher, LaunchError, is_local, wait_healthy
 from .screens.chat import ChatScreen
@@ -51,13 +53,14 @@ class EdgeInferApp(App):
     def __init__(self, host: str | None = None, *, autostart: bool = True,
                  transport: httpx.AsyncBaseTransport | None = None,
                  clock: Callable[[], datetime] | None = None,
-                 stream_stats: bool = True) -> None:
+                 stream_stats: bool = True, model: str | None = None) -> None:
         super().__init__()
         self.api = DaemonClient(host, transport=transport)
         self.autostart = autostart and is_local(self.api.base_url)
         self.launcher = DaemonLauncher(self.api.base_url)
         self.stats_history: deque[Stats] = deque(maxlen=HISTORY)
-        self.preferred_model: str | None = None
+        # the chat screen selects this one when the daemon lists it (else the first listed)
+        self.preferred_model: str | None = model or DEFAULT_MODEL
         self.stream_stats = stream_stats
         self._clock = clock or (lambda: datetime.now(timezone.utc))
         self._wake = asyncio.Event()
@@ -203,7 +206,7 @@ class EdgeInferApp(App):
             screen.select_model(model)
 
 
-def run(host: str | None = None, autostart: bool = True) -> int:
-    app = EdgeInferApp(host, autostart=autostart)
+def run(host: str | None = None, autostart: bool = True, model: str | None = None) -> int:
+    app = EdgeInferApp(host, autostart=autostart, model=model)
     app.run()
     return app.return_code or 0

@@ -13,6 +13,8 @@ def add_commands(subparsers: Any) -> None:
                     "answers. Keys: F1 chat, F2 dashboard, F3 models, ctrl+q quit.")
     p.add_argument("--host", metavar="HOST:PORT",
                    help="daemon address (default: EDGEINFER_HOST or 127.0.0.1:11435)")
+    p.add_argument("--model", help="the model the chat starts with (default: the bundled chat "
+                                   "model, qwen2.5-coder:0.5b, when the daemon has it)")
     p.add_argument("--no-start", action="store_true",
                    help="never start a daemon; wait for one to appear")
     p.set_defaults(func=cmd_tui)
@@ -20,4 +22,4 @@ def add_commands(subparsers: Any) -> None:
 
 def cmd_tui(args: argparse.Namespace) -> int:
     from .app import run
-    return run(args.host, autostart=not args.no_start)
+    return run(args.host, autostart=not args.no_start, model=args.model)

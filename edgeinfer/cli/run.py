@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from edgeinfer.cli.errors import UserError
+from edgeinfer.store.bundled import DEFAULT_MODEL
 
 
 @dataclass
@@ -386,7 +387,9 @@ def check_device_args(p: argparse.ArgumentParser, backend: str | None,
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("run", help="generate from a prompt, or chat interactively")
-    p.add_argument("model", help="a store name (gemma3:270m) or a path to a .gguf file")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"a store name (default {DEFAULT_MODEL}, the bundled chat model) or a "
+                        "path to a .gguf file")
     p.add_argument("prompt", nargs="?", help="the prompt; omit for an interactive chat")
     p.add_argument("--raw", action="store_true",
                    help="send PROMPT as plain text (BOS per the model, no chat template)")

@@ -5,9 +5,15 @@ import sys
 
 
 def register_bundled() -> None:
+    from edgeinfer.store.bundled import BUNDLED
     from edgeinfer.store.model_store import Store
-    ref = Store().ensure_bundled()
-    print(f"    gemma3:270m -> {ref.path}")
+    store = Store()
+    for b in BUNDLED.values():
+        if b.available():
+            ref = store.ensure_bundled(b.name)
+            print(f"    {b.name} -> {ref.path}")
+        else:
+            print(f"    {b.name}: not installed ({', '.join(b.missing())})")
 
 
 def warm_kernels() -> None:

