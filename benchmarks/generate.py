@@ -1,7 +1,10 @@
 """Native engine vs llama.cpp on one model, same run, same threads, interleaved rounds.
 
-    .venv/bin/python benchmarks/generate.py [--model PATH] [--threads 2] [--rounds 3]
+    .venv/bin/python benchmarks/generate.py [--model NAME|PATH] [--threads 2] [--rounds 3]
         [--depths 0,2048,8192] [--rss-context 32768]
+
+--model takes a store name (gemma3:270m, the default; qwen2.5-coder:0.5b, the bundled chat
+model) or a .gguf path (e.g. .cache/test-models/smollm2-135m-instruct-q4_1.gguf).
 
 Each round runs one fresh worker process per engine (their order alternates between rounds,
 so drift on a shared machine hits both alike); the table gives the median of the rounds,
@@ -12,13 +15,17 @@ the range, and the ratio of the medians. A worker measures, llama-bench style:
 - decode tok/s of 128 greedy tokens (tg128) at that depth;
 - peak RSS of the process after its deepest context.
 Prompts are the same random token ids for both engines (ordinary vocabulary, no specials).
-Prompt-lookup speculation is off here (benchmarks/speculative.py measures it): this is plain
-decoding. --rss-context N adds one more round that only fills an N-token context and reports
+Prompt-lookup speculation is off for the pp/tg rows (plain decoding on both sides); the
+"decode, speculation on" row repeats tg128 with our default speculation on (llama.cpp's column
+is its plain decode): on these random-token prompts the greedy continuation is the model's own
+text, so lookup hits only where the model repeats itself (benchmarks/speculative.py measures the
+copy tasks where it pays). --rss-context N adds one more round that only fills an N-token context and reports
 each engine's peak RSS (slow: N tokens of prefill on each engine).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -76,6 +83,11 @@ def worker_native(model: str, depths: list[int], ctx: int) -> dict:
         res[f"pp{PP}@{d}"] = PP / (time.perf_counter() - t)
         out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG, ignore_eos=True))
         res[f"tg{TG}@{d}"] = (out.num_output_tokens - 1) / (out.finish_time - out.first_token_time)
+        plain = engine.config
+        engine.config = dataclasses.replace(plain, speculative=True)   # read at every step
+        out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG, ignore_eos=True))
+        engine.config = plain
+        res[f"tgspec@{d}"] = (out.num_output_tokens - 1) / (out.finish_time - out.first_token_time)
     res["peak_rss_mb"] = _rss_mb()
     return res
 
@@ -111,6 +123,7 @@ def worker_llamacpp(model: str, depths: list[int], ctx: int, threads: int, fa: b
             llm.eval([tok])
             tok = last_argmax()
         res[f"tg{TG}@{d}"] = (TG - 1) / (time.perf_counter() - t)
+        res[f"tgspec@{d}"] = res[f"tg{TG}@{d}"]       # no prompt-lookup here: plain decode
     res["peak_rss_mb"] = _rss_mb()
     return res
 
@@ -169,8 +182,10 @@ def main() -> None:
                          "C API's default keeps the whole context for them)")
     args = ap.parse_args()
     if args.model is None:
+        args.model = "gemma3:270m"
+    if not args.worker and not os.path.isfile(args.model):   # a store name
         from edgeinfer.store.model_store import Store
-        args.model = str(Store().resolve("gemma3:270m").path)
+        args.model = str(Store().resolve(args.model).path)
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
     ctx = max(depths) + PP + TG + 64
     fa = args.flash_attn == "on"
@@ -192,11 +207,12 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(
             f"{e} tg@0 {runs[e][-1][f'tg{TG}@{depths[0]}']:.1f}" for e in runs), flush=True)
     keys = ([f"pp{PP}@{d}" for d in depths] + [f"tg{TG}@{d}" for d in depths]
-            + ["peak_rss_mb", "cold_start_s"])
+            + [f"tgspec@{d}" for d in depths] + ["peak_rss_mb", "cold_start_s"])
     labels = {"peak_rss_mb": f"peak RSS MB (context {ctx})", "cold_start_s": "cold start s"}
     for d in depths:
         labels[f"pp{PP}@{d}"] = f"prefill tok/s, pp{PP} at depth {d}"
         labels[f"tg{TG}@{d}"] = f"decode tok/s, tg{TG} at depth {d}"
+        labels[f"tgspec@{d}"] = f"decode, speculation on, depth {d}"
     print(f"\n| {'metric':34} | {'edgeinfer':>22} | {'llama.cpp':>22} | {'ratio':>5} |")
     print(f"|{'-' * 36}|{'-' * 24}|{'-' * 24}|{'-' * 7}|")
     for k in keys:
