@@ -61,6 +61,12 @@ def _require() -> None:
 
 # ----- tokenizer views ---------------------------------------------------------------------
 
+# Added (user-defined) tokens that are markup the model writes as text, which the tool-call
+# grammars match by their bytes: Qwen / Hermes write `<tool_call>` as one token, and a grammar
+# that saw it as a chat tag would forbid the very token the model wants at a call.
+TEXT_TAGS = frozenset(("<tool_call>", "</tool_call>"))
+
+
 class _GGUFVocab:
     """The object llguidance's TokenizerWrapper reads: token bytes, EOS/BOS, specials, and a
     callable that tokenizes bytes (used for forced text and canonical-token checks)."""
@@ -77,6 +83,8 @@ class _GGUFVocab:
         for i in np.nonzero(types == TokenType.USER_DEFINED)[0]:
             i = int(i)
             t = tok.tokens[i]
+            if t in TEXT_TAGS:
+                continue
             if t.startswith("<") and t.endswith(">") and len(t) > 2:   # chat tags: not text
                 tokens[i] = b"\xff" + t.encode("utf-8", "surrogateescape")
                 special.append(i)

@@ -335,7 +335,7 @@ async def messages(body: MessagesRequest, request: Request):
         ids: list[int] = []
         async for _, ev in gen.events(lambda: request.is_disconnected()):
             ids += ev.token_ids
-            out.feed(ev.text, final=ev.finished)
+            out.feed(ev.text, final=ev.finished, reason=ev.finish_reason)
         finish = gen.usage.finish_reasons.get(0)
         content: list[dict] = []
         if out.content and (out.content.strip() or not out.calls):
@@ -363,7 +363,7 @@ async def _stream(gen: Generation, events, out, mid: str, model: str, stops: lis
         async for _, ev in events:
             ids += ev.token_ids
             n_calls = len(out.calls)
-            deltas = out.feed(ev.text, final=ev.finished)
+            deltas = out.feed(ev.text, final=ev.finished, reason=ev.finish_reason)
             for b in blocks.feed([d for d in deltas if "content" in d]):
                 yield b
             for call in out.calls[n_calls:]:

@@ -165,14 +165,16 @@ class _Out:
         self.think = tl.ThinkSplitter() if think else None
         self.calls: list = []
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, str, list]:
+    def feed(self, text: str, final: bool = False, reason: str | None = None
+             ) -> tuple[str, str, list]:
         thinking, content = self.think.feed(text) if self.think else ("", text)
         if final and self.think:
             r, c = self.think.flush()
             thinking, content = thinking + r, content + c
         if self.splitter is None:
             return thinking, content, []
-        events = self.splitter.feed(content) + (self.splitter.flush() if final else [])
+        events = self.splitter.feed(content) + (
+            self.splitter.flush(truncated=reason in ("length", "repetition")) if final else [])
         calls = [v for k, v in events if k == "call"]
         self.calls += calls
         return thinking, "".join(v for k, v in events if k == "text"), calls
@@ -222,7 +224,8 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
                     async for _, out in events:
                         if out.text or out.token_ids or out.finished:
                             lp = _logprobs(out, tok) if body.logprobs else None
-                            thinking, text, calls = o.feed(out.text, final=out.finished)
+                            thinking, text, calls = o.feed(out.text, final=out.finished,
+                                                           reason=out.finish_reason)
                             if text or thinking or calls or lp:
                                 yield _ndjson({"model": body.model, "created_at": _now(),
                                                **shape(text, lp, thinking, calls),
@@ -234,7 +237,7 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
         text, thinking, calls, lps = "", "", [], []
         gen.submit(prompt, params, constraints=constraints)
         async for _, out in gen.events(lambda: request.is_disconnected()):
-            th, tx, cl = o.feed(out.text, final=out.finished)
+            th, tx, cl = o.feed(out.text, final=out.finished, reason=out.finish_reason)
             text, thinking, calls = text + tx, thinking + th, calls + cl
             if body.logprobs:
                 lps += _logprobs(out, tok)

@@ -150,8 +150,9 @@ class _ChatOut:
         self.content, self.reasoning = "", ""
         self.calls: list = []
 
-    def feed(self, text: str, final: bool = False) -> list[dict]:
-        """Deltas for `text` (the last call with final=True flushes what was held)."""
+    def feed(self, text: str, final: bool = False, reason: str | None = None) -> list[dict]:
+        """Deltas for `text` (the last call with final=True flushes what was held; `reason`,
+        the finish reason, says whether the output was cut short)."""
         deltas: list[dict] = []
         reasoning, content = (self.think.feed(text) if self.think else ("", text))
         if final and self.think:
@@ -162,7 +163,7 @@ class _ChatOut:
             deltas.append({"reasoning_content": reasoning})
         events = [("text", content)] if self.splitter is None else self.splitter.feed(content)
         if final and self.splitter is not None:
-            events += self.splitter.flush()
+            events += self.splitter.flush(truncated=reason in ("length", "repetition"))
         for kind, v in events:
             if kind == "text" and v:
                 self.content += v
@@ -284,7 +285,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         lps: list[list] = [[] for _ in range(body.n)]
         gen.submit(prompt, params, constraints=constraints, prediction=predicted)
         async for i, out in gen.events(lambda: request.is_disconnected()):
-            outs[i].feed(out.text, final=out.finished)
+            outs[i].feed(out.text, final=out.finished, reason=out.finish_reason)
             if want_lp:
                 lps[i] += pieces.chat_logprobs(out)
         choices = [{"index": i, "message": outs[i].message(),
@@ -307,7 +308,8 @@ async def _chat_chunks(gen, events, rid, created, model, n, want_lp, usage_on, p
         async for i, out in events:
             if out.text or out.token_ids or out.finished:
                 lp = {"content": pieces.chat_logprobs(out)} if want_lp else None
-                for delta in outs[i].feed(out.text, final=out.finished):
+                for delta in outs[i].feed(out.text, final=out.finished,
+                                          reason=out.finish_reason):
                     yield _sse({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                                      "finish_reason": None}], **extra})
                     lp = None

@@ -344,7 +344,7 @@ async def create_response(body: ResponsesRequest, request: Request):
                 gen, _stream(gen, events, out, resp, keep), "text/event-stream",
                 source=events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         async for _, ev in gen.events(lambda: request.is_disconnected()):
-            out.feed(ev.text, final=ev.finished)
+            out.feed(ev.text, final=ev.finished, reason=ev.finish_reason)
         output: list[dict] = []
         text = out.content.strip() if out.calls else out.content
         if text or not out.calls:
@@ -386,7 +386,7 @@ async def _stream(gen: Generation, events, out, resp: dict, keep) -> AsyncIterat
     try:
         async for _, ev in events:
             n_calls = len(out.calls)
-            for d in out.feed(ev.text, final=ev.finished):
+            for d in out.feed(ev.text, final=ev.finished, reason=ev.finish_reason):
                 piece = d.get("content")
                 if not piece:
                     continue

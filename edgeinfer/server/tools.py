@@ -6,12 +6,12 @@
   assistant `tool_calls` and `tool` messages as they are; a template without tool support
   (the bundled gemma3's) gets the built-in fallback: the tools stated in the system turn,
   earlier calls written in our envelope, tool results as user turns.
-- `call_grammar()`: the grammar that forces a tool call in our envelope when `tool_choice`
-  is `required` or names a function (a Lark grammar with llguidance's `%json` schemas).
-- `parse_calls()` reads tool calls out of finished text in each family's format (our/Hermes/
-  Qwen `<tool_call>{...}</tool_call>`, Mistral `[TOOL_CALLS][...]`, Llama 3 `<|python_tag|>`
-  or a bare `{"name": ..., "parameters": ...}` object); `StreamSplitter` does it on a stream:
-  text until a trigger, then one structured call per closed envelope, raw tags never out.
+- `call_grammar()` (`tool_grammar`): the grammar that forces a call in our envelope when
+  `tool_choice` is `required` or names a function, and the lazy grammar of auto mode (free
+  text until a call starts, then only a valid call of a declared tool).
+- Reading calls out of the model's text (every shape models write: tags, fences, bare JSON,
+  Mistral, Llama 3; validated against each tool's schema) is `tool_parse`'s job;
+  `parse_calls` and `StreamSplitter` are re-exported here for the API modules.
 - `ThinkSplitter` moves `<think>...</think>` out of the content into reasoning.
 
 The envelope (what the fallback prompt teaches and the grammar forces):
@@ -24,45 +24,17 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from jsonschema.exceptions import SchemaError
 
 from edgeinfer.engine.grammar import GrammarError, GrammarSpec, check_schema
 
 from .errors import bad_param
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-TRIGGERS = (OPEN, "[TOOL_CALLS]", "<|python_tag|>")
-
-
-@dataclass
-class Tool:
-    name: str
-    description: str = ""
-    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
-
-    def openai(self) -> dict:
-        return {"type": "function", "function": {"name": self.name,
-                                                 "description": self.description,
-                                                 "parameters": self.parameters}}
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def openai(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function",
-             "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
-        if index is not None:
-            d = {"index": index, **d}
-        return d
-
-    def ollama(self) -> dict:
-        return {"function": {"name": self.name, "arguments": self.arguments}}
+from .tool_grammar import auto_grammar_fits, call_grammar, call_schema  # noqa: F401
+from .tool_parse import (CLOSE, OPEN, StreamSplitter, Tool, ToolCall, _holdback,  # noqa: F401
+                         args_obj as _args_obj, parse_calls)
 
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -102,11 +74,17 @@ def parse_tools(raw: list | None, param: str = "tools") -> list[Tool]:
             if not isinstance(params, dict):
                 raise GrammarError("parameters must be a JSON schema object")
             check_schema(params)
+            tool = Tool(name, str(fn.get("description") or ""), params)
+            tool.validator()          # the schema that calls are checked against must be one
         except GrammarError as e:
             raise bad_param(f"{where}.function.parameters",
                             f"{where}.function.parameters is not a valid JSON schema: {e}") \
                 from None
-        tools.append(Tool(name, str(fn.get("description") or ""), params))
+        except SchemaError as e:
+            raise bad_param(f"{where}.function.parameters",
+                            f"{where}.function.parameters is not a valid JSON schema: "
+                            f"{e.message}") from None
+        tools.append(tool)
     return tools
 
 
@@ -168,15 +146,6 @@ def fallback_system(tools: list[Tool], choice: Choice, parallel: bool) -> str:
     return "\n".join(lines)
 
 
-def _args_obj(args: Any) -> Any:
-    if isinstance(args, str):
-        try:
-            return json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            return args
-    return args
-
-
 def envelope(name: str, arguments: Any) -> str:
     return f'{OPEN}\n{json.dumps({"name": name, "arguments": _args_obj(arguments)})}\n{CLOSE}'
 
@@ -233,204 +202,6 @@ def prepare_chat(messages: list[dict], tools: list[Tool], choice: Choice, parall
         else:
             merged.append(m)
     return merged, {}
-
-
-# ----- grammars ----------------------------------------------------------------------------
-
-def call_schema(tools: list[Tool]) -> dict:
-    from edgeinfer.engine.grammar import closed_objects
-    alts = [{"type": "object",
-             "properties": {"name": {"const": t.name},
-                            "arguments": closed_objects(t.parameters)},
-             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema = alts[0] if len(alts) == 1 else {"anyOf": alts}
-    # one line, with the separators the fallback prompt shows
-    return {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                     "key_separator": ": "}}
-
-
-def call_grammar(tools: list[Tool], choice: Choice, parallel: bool) -> GrammarSpec:
-    """required / named: output = one (or, parallel, several) envelopes calling the allowed
-    tools. auto: free text that never contains the trigger, or text, the trigger, and then
-    valid calls only (a lazy `stop` lexeme ends the text at the trigger)."""
-    allowed = [t for t in tools if choice.mode != "named" or t.name == choice.name]
-    schema = json.dumps(call_schema(allowed))
-    one = f'"{OPEN}\\n" %json {schema} "\\n{CLOSE}"'
-    more = ' ("\\n" call)*' if parallel else ""
-    if choice.mode == "auto":
-        lark = (f"start: FREE | text body{more}\n"
-                f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(OPEN)}.*)/\n"
-                f'text[stop="{OPEN}"]: /(?s:.*)/\n'
-                f'body: "\\n" %json {schema} "\\n{CLOSE}"\n'
-                f"call: {one}\n")
-    else:
-        lark = f"start: call{more}\ncall: {one}\n"
-    return GrammarSpec("lark", lark)
-
-
-def auto_grammar_fits(template: str) -> bool:
-    """With tool_choice auto, constrain calls only where the model writes our envelope: the
-    built-in fallback prompt, or a Hermes/Qwen template (`<tool_call>` JSON). Other families
-    (Llama 3 JSON, Mistral [TOOL_CALLS]) are parsed from free output."""
-    return not template_supports_tools(template) or OPEN in (template or "")
-
-
-# ----- parsing -----------------------------------------------------------------------------
-
-def _call_from_obj(obj: Any) -> ToolCall | None:
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict):                # {"function": {...}} wrappers
-        obj = obj["function"]
-    name = obj.get("name")
-    args = obj.get("arguments", obj.get("parameters", {}))
-    args = _args_obj(args)
-    if not isinstance(name, str) or not isinstance(args, dict):
-        return None
-    return ToolCall(name, args)
-
-
-def _json_values(text: str) -> list[Any]:
-    """Every top-level JSON value in text (objects or arrays), in order."""
-    dec, out, i = json.JSONDecoder(), [], 0
-    while i < len(text):
-        j = min([k for k in (text.find("{", i), text.find("[", i)) if k >= 0], default=-1)
-        if j < 0:
-            break
-        try:
-            v, end = dec.raw_decode(text, j)
-            out.append(v)
-            i = end
-        except json.JSONDecodeError:
-            i = j + 1
-    return out
-
-
-def parse_calls(text: str, tools: list[Tool] | None = None) -> tuple[str, list[ToolCall]]:
-    """(content without the calls, calls) for a finished output. Only names in `tools`
-    count (when given); text that is not a valid call stays content."""
-    names = {t.name for t in tools} if tools else None
-
-    def ok(c: ToolCall | None) -> bool:
-        return c is not None and (names is None or c.name in names)
-
-    calls: list[ToolCall] = []
-    if OPEN in text:
-        content, rest = text.split(OPEN, 1)
-        blocks = (OPEN + rest).split(OPEN)[1:]
-        leftover = []
-        for b in blocks:
-            body, _, after = b.partition(CLOSE)
-            vals = _json_values(body)
-            c = _call_from_obj(vals[0]) if vals else None
-            if ok(c):
-                calls.append(c)
-                if after.strip():
-                    leftover.append(after.strip())
-            else:
-                leftover.append(OPEN + b)
-        if calls:
-            return (content.strip() + ("\n" + "\n".join(leftover) if leftover else "")).strip(), \
-                calls
-        return text, []
-    for tag in ("[TOOL_CALLS]", "<|python_tag|>"):
-        if tag in text:
-            content, rest = text.split(tag, 1)
-            for v in _json_values(rest):
-                for o in (v if isinstance(v, list) else [v]):
-                    c = _call_from_obj(o)
-                    if ok(c):
-                        calls.append(c)
-            if calls:
-                return content.strip(), calls
-            return text, []
-    stripped = text.strip()
-    if stripped.startswith("{") or stripped.startswith("["):     # Llama 3.x bare JSON
-        vals = _json_values(stripped)
-        for v in vals:
-            for o in (v if isinstance(v, list) else [v]):
-                c = _call_from_obj(o)
-                if ok(c) and names is not None:
-                    calls.append(c)
-        if calls:
-            return "", calls
-    return text, []
-
-
-def _holdback(buf: str, tags: tuple[str, ...]) -> int:
-    """How many trailing characters of buf could be the start of a tag."""
-    n = 0
-    for t in tags:
-        for k in range(min(len(t) - 1, len(buf)), 0, -1):
-            if buf.endswith(t[:k]):
-                n = max(n, k)
-                break
-    return n
-
-
-class StreamSplitter:
-    """Streamed text -> ("text", str) and ("call", ToolCall) events. Text flows until a tool
-    trigger; after it everything is held and parsed when an envelope closes (our format) or
-    when the stream ends (the others). Raw tags never reach the client."""
-
-    def __init__(self, tools: list[Tool]):
-        self.tools = tools
-        self.buf = ""
-        self.in_call = False
-        self.after_call = False           # drop the newlines between envelopes
-        self.calls: list[ToolCall] = []
-
-    def feed(self, text: str) -> list[tuple[str, Any]]:
-        self.buf += text
-        ev: list[tuple[str, Any]] = []
-        while True:
-            if self.after_call:
-                self.buf = self.buf.lstrip("\n")
-                if not self.buf:
-                    return ev
-                self.after_call = False
-            if not self.in_call:
-                hits = [(self.buf.find(t), t) for t in TRIGGERS if t in self.buf]
-                if hits:
-                    i, _ = min(hits)
-                    if i:
-                        ev.append(("text", self.buf[:i]))
-                    self.buf = self.buf[i:]
-                    self.in_call = True
-                    continue
-                keep = _holdback(self.buf, TRIGGERS)
-                if len(self.buf) > keep:
-                    ev.append(("text", self.buf[:len(self.buf) - keep]))
-                    self.buf = self.buf[len(self.buf) - keep:]
-                return ev
-            if self.buf.startswith(OPEN) and CLOSE in self.buf:
-                block, _, rest = self.buf.partition(CLOSE)
-                _, calls = parse_calls(block + CLOSE, self.tools)
-                for c in calls:
-                    self.calls.append(c)
-                    ev.append(("call", c))
-                if not calls:                     # not a valid call: it was text after all
-                    ev.append(("text", block + CLOSE))
-                self.buf = rest
-                self.after_call = bool(calls)
-                self.in_call = False
-                continue
-            return ev
-
-    def flush(self) -> list[tuple[str, Any]]:
-        if not self.buf:
-            return []
-        text, calls = parse_calls(self.buf, self.tools)
-        if not calls and self.calls and self.buf.startswith(OPEN):
-            text = ""        # a further call cut by max_tokens: not content, and not a call
-        self.buf = ""
-        ev: list[tuple[str, Any]] = []
-        if text:
-            ev.append(("text", text))
-        for c in calls:
-            self.calls.append(c)
-            ev.append(("call", c))
-        return ev
 
 
 # ----- reasoning ---------------------------------------------------------------------------
