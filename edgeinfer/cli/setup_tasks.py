@@ -1,4 +1,4 @@
-"""Steps install.sh runs inside the environment: register the bundled model, warm the JIT cache."""
+"""Steps install.sh runs inside the environment: register the bundled models, warm the JIT cache."""
 from __future__ import annotations
 
 import sys

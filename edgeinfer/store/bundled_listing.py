@@ -19,7 +19,7 @@ MARKER = ".bundled-registered"
 
 
 def list_models(store: Store) -> list[ModelRef]:
-    """store.list(), with the bundled default registered first if this store never had it."""
+    """store.list(), with the bundled models registered first if this store never had them."""
     marker = store.home / MARKER
     if not marker.exists():
         for b in BUNDLED.values():
