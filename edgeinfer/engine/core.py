@@ -21,6 +21,7 @@ from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, re
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
 from edgeinfer.engine.kv_manager import KVCacheManager
 from edgeinfer.engine.prompt_scoring import PromptScoring
+from edgeinfer.engine.repetition import RepetitionGuard
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
@@ -106,7 +107,10 @@ class _RequestState:
             IncrementalDetokenizer(tok), params.stop,
             stop_token_set(params.stop_token_ids, tok.eot_ids, params.ignore_eos),
             max_tokens=int(params.max_tokens), max_model_len=engine.max_model_len,
-            constraint=constraint)
+            constraint=constraint,
+            # not under a grammar: a cut there would hand back output that does not parse
+            repetition=(RepetitionGuard() if params.stop_on_repetition and constraint is None
+                        else None))
         self.sink = sink
         self.out = RequestOutput(seq_id, num_prompt_tokens=len(prompt),
                                  arrival_time=time.monotonic())

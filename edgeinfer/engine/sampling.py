@@ -133,6 +133,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # end with reason "repetition" once the output copies itself verbatim (engine/repetition.py;
+    # the server turns it on for base models); checked token by token, not per step
+    stop_on_repetition: bool = False
     n: int = 1
     logprobs: int | None = None         # None = off; k = sampled token + k alternatives
     # llama.cpp's further samplers (llama-server's names and defaults; all off by default)
@@ -220,6 +223,8 @@ class SamplingParams:
             bad(f"stop_token_ids must be below the vocabulary size {vocab_size}")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos must be true or false")
+        if not isinstance(self.stop_on_repetition, bool):
+            bad("stop_on_repetition must be true or false")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad(f"n must be between 1 and {MAX_N}")
         if self.logprobs is not None and (not _is_int(self.logprobs)

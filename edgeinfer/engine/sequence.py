@@ -20,6 +20,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    FINISHED_REPETITION = "repetition"  # the output copied itself (engine/repetition.py)
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +33,7 @@ _FINISHED = frozenset(
         SequenceStatus.FINISHED_LENGTH,
         SequenceStatus.FINISHED_ABORTED,
         SequenceStatus.FINISHED_ERROR,
+        SequenceStatus.FINISHED_REPETITION,
     }
 )
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from edgeinfer.engine.repetition import REASON as REPETITION
+
 
 class StopMatcher:
     """Incremental matcher for a fixed list of stop strings.
@@ -95,16 +97,22 @@ class FinishCheck:
     `push(token, num_output_tokens, num_tokens) -> (text, token_shown, reason)`: the text to
     emit now, whether the token belongs to the output (stop tokens do not), and the finish
     reason or None. Held-back text is released when the request ends by length.
+
+    `repetition` (a RepetitionGuard, engine/repetition.py): the output also ends, with reason
+    "repetition", once it copies itself. It sees the shown tokens one at a time, so where it
+    cuts depends only on the tokens, never on how many a step produced (a verified draft
+    brings several at once; a check per step would cut a speculative run elsewhere).
     """
 
     def __init__(self, detokenizer, stop: Iterable[str], stop_token_ids: frozenset[int],
-                 max_tokens: int, max_model_len: int, constraint=None):
+                 max_tokens: int, max_model_len: int, constraint=None, repetition=None):
         self.detok = detokenizer
         self.matcher = StopMatcher(stop)
         self.stop_ids = stop_token_ids
         self.max_tokens = max_tokens
         self.max_model_len = max_model_len
         self.constraint = constraint
+        self.repetition = repetition
 
     def push(self, token: int, num_output_tokens: int, num_tokens: int
              ) -> tuple[str, bool, str | None]:
@@ -118,6 +126,8 @@ class FinishCheck:
             if self.constraint.is_complete():
                 return text + self._flush(), True, "stop"
         reason = length_reason(num_output_tokens, self.max_tokens, num_tokens, self.max_model_len)
+        if reason is None and self.repetition is not None and self.repetition.feed((token,)):
+            reason = REPETITION
         if reason:
             text += self._flush()
         return text, True, reason

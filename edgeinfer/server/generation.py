@@ -20,7 +20,6 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi.responses import StreamingResponse
 
 from edgeinfer.engine.core import RequestError, RequestOutput
-from edgeinfer.engine import repetition
 from edgeinfer.engine.sampling import (DRY_BREAKERS, SamplingParams, breaker_ids,
                                        with_vocabulary)
 
@@ -101,7 +100,6 @@ class Generation:
         self._done: set[int] = set()
         self._q: asyncio.Queue = asyncio.Queue()
         self.stop_on_repetition = False
-        self._guards: list[repetition.RepetitionGuard] = []
 
     def adapt(self, params: SamplingParams, given: Collection[str] = (),
               stop_on_repetition: bool | None = None) -> SamplingParams:
@@ -157,9 +155,10 @@ class Generation:
         for all); `score_only`: compute the prompt, sample nothing (max_tokens 0)."""
         engine = self.lm.engine
         params = with_vocabulary(params, engine.tokenizer)     # DRY's sequence breakers
-        # (not under a grammar: a cut there would hand back output that does not parse)
-        self._guards = [repetition.RepetitionGuard() for _ in range(self.n)] \
-            if self.stop_on_repetition and constraints is None else []
+        # the engine's FinishCheck stops a choice that copies itself, token by token (not
+        # under a grammar: a cut there would hand back output that does not parse)
+        if self.stop_on_repetition != params.stop_on_repetition:
+            params = dataclasses.replace(params, stop_on_repetition=self.stop_on_repetition)
         try:
             params.validate(engine.cfg.vocab_size)   # token ids in logit_bias and friends
         except ValueError as e:
@@ -200,14 +199,8 @@ class Generation:
                     checked = time.monotonic()
                     if await disconnected():
                         raise ClientGone()
-                if out is None or i in done:     # (the abort after a repetition stop)
+                if out is None or i in done:
                     continue
-                if self._guards and not out.finished and self._guards[i].feed(out.token_ids):
-                    # degenerate repetition: finish this choice here, free it in the engine
-                    self.lm.engine.abort(self._ids[i])
-                    out = dataclasses.replace(out, finished=True,
-                                              finish_reason=repetition.REASON,
-                                              finish_time=time.monotonic())
                 self.metrics.on_tokens(len(out.token_ids))
                 if out.first_token_time is not None and (
                         u.first_token is None or out.first_token_time < u.first_token):
