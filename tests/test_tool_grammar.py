@@ -59,6 +59,9 @@ def eos_ok(tok, c) -> bool:
     '{"city": "Tokyo", "note": "plain JSON is text"}',
     "```python\nprint({'name': 1})\n```",
     "Here:\n" + CALL,                     # a bare call after text is not a trigger
+    '{"name": "Alice", "age": 7}',        # opens like a call, but names no declared tool
+    '{"name": "launch_rocket", "arguments": {}}',     # the same: text (then parsed as text)
+    '```json\n[{"name": "add_user", "id": 1}]\n```',     # a prefix of `add`, then more
 ])
 def test_free_text_is_untouched_and_can_end_anywhere(tok, text):
     c, refused = run(tok, text)
@@ -94,7 +97,7 @@ def test_qwen_writes_tool_call_as_one_token_and_the_grammar_allows_it(tok):
 
 
 @pytest.mark.parametrize("text", [
-    '{"name": "launch_rocket"',                                   # undeclared tool
+    '<tool_call>\n{"name": "launch_rocket"',                     # undeclared tool
     '```json\n{"name": "get_weather", "arguments": {"town": "x"}}',   # unknown argument
     '[{"name": "add", "arguments": {"a": "17"',                   # wrong type
     '<tool_call>\n{"name": "get_weather", "arguments": {}}',      # a required key missing

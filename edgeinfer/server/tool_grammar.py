@@ -6,18 +6,21 @@
   is free text until a call starts; from the trigger on, the rest must be a valid call of a
   declared tool, so its arguments always parse and validate. The triggers:
 
-      <tool_call>                  anywhere (Hermes / Qwen, and our fallback prompt)
-      {"name": "                   at the start of the reply (bare JSON, Llama 3's form)
-      [{"name": "                  at the start (an array of calls)
-      ```json\\n{"name": "          at the start (a fenced call; ``` without a language too)
+      <tool_call>                      anywhere (Hermes / Qwen, and our fallback prompt)
+      {"name": "get_weather"           at the start of the reply (bare JSON, Llama 3's)
+      [{"name": "get_weather"          at the start (an array of calls)
+      ```json\\n{"name": "get_weather"  at the start (a fenced call; ``` without a language)
+
+  The leads end with a declared tool's name and its closing quote, as llama.cpp's trigger
+  patterns do: a reply opening with `{"name": "Alice"` is someone's JSON, not a call.
 
   How: three kinds of lexemes compete from the first byte. FREE is any text that contains no
   `<tool_call>` and does not start with a lead; TEXT_TC is text up to the first
-  `<tool_call>` (lazy: it ends right there); LEAD_* are the start-of-reply openings up to the
-  name's opening quote. They exclude each other, so at every byte exactly the alternatives
-  the text so far allows stay alive: a reply that never writes a trigger is FREE to the end,
-  untouched; once a trigger completes, only the call grammar is left. After the call(s) the
-  grammar is complete and only end-of-turn may follow, so the model can always stop.
+  `<tool_call>` (lazy: it ends right there); the leads are the openings above. They exclude
+  each other, so at every byte exactly the alternatives the text so far allows stay alive:
+  a reply that never writes a trigger is FREE to the end, untouched; once a trigger
+  completes, only the call grammar is left. After the call(s) the grammar is complete and
+  only end-of-turn (or a little whitespace) may follow, so the model can always stop.
 """
 from __future__ import annotations
 
@@ -31,13 +34,12 @@ from .tool_parse import CLOSE, OPEN, Tool
 # bounded whitespace: a small model must not be able to loop on newlines inside a call
 _W = r"[ \t\r\n]"
 _NAME_KEY = rf'\{{{_W}{{0,4}}"name"{_W}{{0,2}}:{_W}{{0,2}}"'          # {"name": "
-_LEADS = {                                      # opening -> its lexeme's regex
-    "obj": rf"{_W}{{0,8}}{_NAME_KEY}",
-    "arr": rf"{_W}{{0,8}}\[{_W}{{0,4}}{_NAME_KEY}",
-    "fence": rf"{_W}{{0,8}}```(json)?[ \t]{{0,2}}\n{_W}{{0,4}}{_NAME_KEY}",
-    "fence_arr": rf"{_W}{{0,8}}```(json)?[ \t]{{0,2}}\n{_W}{{0,4}}\[{_W}{{0,4}}{_NAME_KEY}",
+_OPENINGS = {                     # how a reply may open with a call, up to its first object
+    "obj": rf"{_W}{{0,8}}",
+    "arr": rf"{_W}{{0,8}}\[{_W}{{0,4}}",
+    "fence": rf"{_W}{{0,8}}```(json)?[ \t]{{0,2}}\n{_W}{{0,4}}",
+    "fence_arr": rf"{_W}{{0,8}}```(json)?[ \t]{{0,2}}\n{_W}{{0,4}}\[{_W}{{0,4}}",
 }
-_LEAD_ANY = "(" + "|".join(_LEADS.values()) + ")"
 _JSON_OPTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -62,37 +64,41 @@ def _args_schema(t: Tool) -> str:
 
 def _lazy_auto(tools: list[Tool], parallel: bool) -> str:
     """The auto-mode grammar (see the module doc)."""
+    names = [_rx(t.name) for t in tools]
+    # a lead ends with a declared tool's name and its closing quote (as llama.cpp's trigger
+    # patterns do): a reply opening with {"name": "Alice", ...} is someone's JSON, not a call
+    lead_any = ("(" + "|".join(_OPENINGS.values()) + ")" + _NAME_KEY + "(" + "|".join(names)
+                + ')"')
     more = " (ITEM rest)*" if parallel else ""           # further calls in an array
     rules = [
         "start: FREE | text_tc tc_calls | lead",
-        rf"FREE: /(?s:.*)/ & ~/(?s:.*{_rx(OPEN)}.*)/ & ~/{_LEAD_ANY}(?s:.*)/",
+        rf"FREE: /(?s:.*)/ & ~/(?s:.*{_rx(OPEN)}.*)/ & ~/{lead_any}(?s:.*)/",
         "text_tc[lazy]: TEXT_TC",
-        rf"TEXT_TC: /(?s:.*){_rx(OPEN)}/ & ~/{_LEAD_ANY}(?s:.*)/",
+        rf"TEXT_TC: /(?s:.*){_rx(OPEN)}/ & ~/{lead_any}(?s:.*)/",
         "tc_calls: CALL_OPEN rest TC_CLOSE"
         + (" (TC_AGAIN CALL_OPEN rest TC_CLOSE)*" if parallel else "") + " TAIL?",
-        "lead: LEAD_OBJ rest TAIL? | LEAD_FENCE rest FENCE_END TAIL?"
-        f" | LEAD_ARR rest{more} ARR_END TAIL?"
-        f" | LEAD_FENCE_ARR rest{more} ARR_END FENCE_END TAIL?",
-        f"LEAD_OBJ: /{_LEADS['obj']}/",
-        f"LEAD_ARR: /{_LEADS['arr']}/",
-        f"LEAD_FENCE: /{_LEADS['fence']}/",
-        f"LEAD_FENCE_ARR: /{_LEADS['fence_arr']}/",
+        "lead: first_obj TAIL? | first_fence FENCE_END TAIL?"
+        f" | first_arr{more} ARR_END TAIL? | first_fence_arr{more} ARR_END FENCE_END TAIL?",
+        "rest: " + " | ".join(f"NAME{i} args{i}" for i in range(len(tools))),
         rf"CALL_OPEN: /{_W}{{0,4}}{_NAME_KEY}/",
         rf"ITEM: /{_W}{{0,4}},{_W}{{0,4}}{_NAME_KEY}/",
+        # "arguments" (or Llama 3's "parameters") after the name
+        rf'ARGS_KEY: /{_W}{{0,4}},{_W}{{0,4}}"(arguments|parameters)"{_W}{{0,2}}:{_W}{{0,2}}/',
         rf"TC_CLOSE: /{_W}{{0,4}}{_rx(CLOSE)}/",
         rf"TC_AGAIN: /{_W}{{0,4}}{_rx(OPEN)}/",
         rf"OBJ_END: /{_W}{{0,4}}\}}/",
         rf"ARR_END: /{_W}{{0,4}}\]/",
         rf"FENCE_END: /{_W}{{0,4}}```/",
         rf"TAIL: /{_W}{{1,4}}/",
-        "rest: " + " | ".join(f"call{i}" for i in range(len(tools))),
     ]
-    for i, t in enumerate(tools):
-        # the name (its opening quote is in the lead), then "arguments" (or Llama 3's
-        # "parameters"), then the arguments by the tool's own schema, then the object's end
-        rules.append(rf'CALL{i}: /{_rx(t.name)}"{_W}{{0,4}},{_W}{{0,4}}"(arguments|parameters)"'
-                     rf"{_W}{{0,2}}:{_W}{{0,2}}/")
-        rules.append(f"call{i}: CALL{i} %json {_args_schema(t)} OBJ_END")
+    for k, opening in _OPENINGS.items():
+        key = k.upper()
+        rules.append(f"first_{k}: " + " | ".join(f"{key}{i} args{i}" for i in range(len(tools))))
+        rules += [f'{key}{i}: /{opening}{_NAME_KEY}{n}"/' for i, n in enumerate(names)]
+    for i, (t, n) in enumerate(zip(tools, names)):
+        rules.append(f'NAME{i}: /{n}"/')
+        # the arguments by the tool's own schema, then the call object's end
+        rules.append(f"args{i}: ARGS_KEY %json {_args_schema(t)} OBJ_END")
     return "\n".join(rules) + "\n"
 
 
