@@ -223,3 +223,20 @@ def test_schema_validation_uses_the_declared_schema():
     tools = T.parse_tools([enum])
     assert parse_calls('{"name": "unit", "arguments": {"u": "C"}}', tools)[1]
     assert not parse_calls('{"name": "unit", "arguments": {"u": "K"}}', tools)[1]
+
+
+def test_hostile_output_and_schemas_stay_text_without_an_error():
+    deep = '{"name": "get_weather", "arguments": {"city": "x", "n": ' + "[" * 100_000 + \
+        "]" * 100_000 + "}}"
+    assert parse_calls(deep, TOOLS) == (deep, [])
+    assert summary(stream("<|python_tag|>get_weather.call(city=" + "(" * 50_000, [])) == \
+        ("<|python_tag|>get_weather.call(city=" + "(" * 50_000, [])
+    # a catastrophic pattern on the model's text is cut off, not run for minutes
+    evil = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}},
+        "patternProperties": {"^(b+)+$": {"type": "string"}}}}}
+    tools = T.parse_tools([evil])
+    reply = '{"name": "f", "arguments": {"s": "' + "a" * 40 + '!"}}'
+    assert parse_calls(reply, tools) == (reply, [])
+    assert parse_calls('{"name": "f", "arguments": {"s": "aaa"}}', tools)[1]
+    assert not parse_calls('{"name": "f", "arguments": {"s": "aaa", "bbb": 1}}', tools)[1]

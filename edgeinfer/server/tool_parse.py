@@ -27,6 +27,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+from jsonschema import ValidationError, validators
+from jsonschema.validators import validator_for
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PREFIXES = ("[TOOL_CALLS]", "<|python_tag|>")     # everything after them is calls
 TAGS = (OPEN, *PREFIXES)
@@ -35,6 +39,38 @@ FENCE_LANGS = ("", "json", "tool_call", "tool_code")
 # the keys a call object can open with; any other first key is ordinary JSON, released at once
 CALL_KEYS = ("name", "function", "type", "arguments", "parameters", "id")
 MAX_PYCALL = 8192          # longest `name.call(...)` handed to ast.parse
+
+
+PATTERN_TIMEOUT_S = 0.05   # a schema `pattern` checked against model output (see _bounded)
+
+
+def _search(pattern: str, text: str) -> bool:
+    """re.search as jsonschema does, but with a time limit: a client's catastrophic pattern
+    (`(a+)+$`) run on the event loop must not stall every other request."""
+    try:
+        return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+    except TimeoutError:
+        return False
+
+
+def _pattern(validator, pattern, instance, schema):
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, patterns, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, sub in patterns.items():
+        for k, v in instance.items():
+            if _search(pattern, k):
+                yield from validator.descend(v, sub, path=k, schema_path=pattern)
+
+
+def _bounded(cls):
+    """The validator class with `pattern` / `patternProperties` on time-limited regexes."""
+    return validators.extend(cls, {"pattern": _pattern,
+                                   "patternProperties": _pattern_properties})
 
 
 @dataclass
@@ -53,14 +89,18 @@ class Tool:
         """The jsonschema validator of the arguments schema (raises SchemaError if the
         schema is not one; parse_tools calls this so that is a 400 before generation)."""
         if self._validator is None:
-            from jsonschema.validators import validator_for
-            cls = validator_for(self.parameters)
+            cls = _bounded(validator_for(self.parameters))
             cls.check_schema(self.parameters)
             self._validator = cls(self.parameters)
         return self._validator
 
     def accepts(self, arguments: Any) -> bool:
-        return isinstance(arguments, dict) and self.validator().is_valid(arguments)
+        if not isinstance(arguments, dict):
+            return False
+        try:
+            return self.validator().is_valid(arguments)
+        except RecursionError:                  # absurdly deep arguments: not a call
+            return False
 
 
 @dataclass
@@ -85,7 +125,7 @@ def args_obj(args: Any) -> Any:
     if isinstance(args, str):
         try:
             return json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return args
     return args
 
@@ -130,7 +170,7 @@ def _json_seq(s: str) -> list | None:
             return None
         try:
             v, i = dec.raw_decode(s, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):     # broken, or nested absurdly deep
             return None
         out.append(v)
         i = _SEP.match(s, i).end()
@@ -162,7 +202,7 @@ def _mistral_named(s: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
             return None
         try:
             args, i = dec.raw_decode(s, m.end())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
         c = _call({"name": m.group(1), "arguments": args}, tools)
         if c is None:
@@ -178,7 +218,7 @@ def _python_call(s: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
         return None
     try:
         node = ast.parse(s, mode="eval").body
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == "call" and isinstance(node.func.value, ast.Name)
@@ -186,7 +226,7 @@ def _python_call(s: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
         return None
     try:
         args = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
-    except (ValueError, SyntaxError, TypeError):
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
         return None
     c = _call({"name": node.func.value.id, "arguments": args}, tools)
     return [c] if c else None
