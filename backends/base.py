@@ -67,6 +67,11 @@ class Ops(Protocol):
     name: str
     kv_bytes_per_value: int     # bytes of one K or V element in this backend's pool
     weights_copied: bool        # weights live in the backend's own memory, not the GGUF map
+    # Optional (the native runner reads them with getattr; absent means False / True):
+    # exact_drafts: a speculative verify can compute every position with the bits plain
+    # decoding gives it (runners/native.py verifies drafts only then); rows_exact: every row
+    # of any forward gets its bits alone, else the runner forwards drafted spans apart with
+    # per_row set (see CpuOps).
 
     @property
     def weights_format(self) -> str:

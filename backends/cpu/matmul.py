@@ -33,13 +33,15 @@ def numba_threads() -> int:
 
 
 def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None,
-           batch_invariant: bool = False) -> np.ndarray:
+           batch_invariant: bool = False, per_row: bool = False) -> np.ndarray:
     """float32[M, N] = x @ W^T for x float32[M, K] (a 1-D x gives a 1-D result).
 
     Paths: M == 1 the fused matvec; M <= FEW_ROWS the same dot per row (bit-identical to
     M == 1); larger M the register-blocked multi-row kernel, which rounds differently.
     batch_invariant: every M, M == 1 included, through the multi-row kernel, whose per-row
     result is bit-identical for any M (slower for small M).
+    per_row: every M through the per-row dot, so each row is the M == 1 matvec's bits (a
+    speculative verify's few rows: each weight row is still read once for all of them).
     """
     x = np.asarray(x)
     vec = x.ndim == 1
@@ -63,7 +65,7 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None,
         if code in X_LAYOUT:
             xv = X_LAYOUT[code][1](xv, _x_index(code, K))
         KERNELS[code][1](w.blocks, xv, out2[0])
-    elif M <= FEW_ROWS and not batch_invariant:
+    elif (M <= FEW_ROWS or per_row) and not batch_invariant:
         if code in X_LAYOUT:
             idx = _x_index(code, K)
             x2 = np.stack([X_LAYOUT[code][1](x2[m], idx) for m in range(M)])

@@ -124,6 +124,23 @@ class CpuOps:
         # One governor per process (the model manager's), so two loaded models share the
         # cores instead of each taking all of them; a lone ops object makes its own.
         self.governor = governor
+        # Rows that must be the one-row matvec's bits (a speculative verify's: the runner
+        # sets it around such a forward when rows_exact is false). Repacked matrices give
+        # every row those bits anyway; the others then take the per-row dot for any M.
+        self.per_row = False
+        self._unpacked = False          # some matrix was loaded without repacking
+
+    # Drafts are verified exactly here: with rows_exact, any forward; otherwise the runner
+    # runs the verified spans in a forward of their own with per_row set.
+    exact_drafts = True
+
+    @property
+    def rows_exact(self) -> bool:
+        """Whether every row of any forward gets the bits it would get alone: every matrix
+        is repacked (the int8 tile kernels compute a row the same way for any row count,
+        _int8.py), or batch_invariant. Otherwise a matmul of more than FEW_ROWS rows takes
+        the register-blocked kernel, which rounds differently from the one-row matvec."""
+        return self.batch_invariant or not self._unpacked
 
     def weights_nbytes(self, gguf_file) -> int:
         """Repacked matrices at their tile size, the rest as the GGUF holds them."""
@@ -176,6 +193,7 @@ class CpuOps:
             packed = PackedMatrix.from_quant(w)
             gguf_file.release_pages(name)      # keeps peak RSS near one copy of the weights
             return packed
+        self._unpacked = True
         return w
 
     def vector(self, gguf_file, name: str) -> np.ndarray:
@@ -202,7 +220,7 @@ class CpuOps:
             if rounder is not None:
                 x2 = x.reshape(-1, x.shape[-1])
                 x = rounder(x2, np.empty_like(x2))
-        return matmul(x, w, batch_invariant=self.batch_invariant)
+        return matmul(x, w, batch_invariant=self.batch_invariant, per_row=self.per_row)
 
     def matmuls(self, x: np.ndarray, ws) -> tuple:
         """(x @ W^T for W in ws): the same bits as a matmul each, with repacked weights the

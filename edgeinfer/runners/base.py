@@ -226,7 +226,9 @@ class Runner(Protocol):
     kind: str                     # "cpu", "torch:cuda", "llamacpp", ...
     weights_format: str           # how the weights sit in memory, for show / ps
     prefix_caching: bool          # False: block ids are capacity accounting only
-    supports_drafts: bool         # verifies ScheduledSpan.num_draft guesses
+    # verifies ScheduledSpan.num_draft guesses, each verified position with exactly the bits
+    # plain decoding would give it (so speculation never changes the output)
+    supports_drafts: bool
 
     @property
     def tokenizer(self): ...

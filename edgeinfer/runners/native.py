@@ -79,7 +79,6 @@ def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int,
 class ModelRunner:
     """Implements edgeinfer.runners.base.Runner with a native model on `ops`."""
     prefix_caching = True
-    supports_drafts = True
 
     def __init__(self, gf: GGUFFile, cfg: ModelConfig, ops: Ops, kv_plan: KVPlan):
         from edgeinfer.models import build_model
@@ -140,6 +139,15 @@ class ModelRunner:
 
     # -- what the engine reads -------------------------------------------------------------
     @property
+    def supports_drafts(self) -> bool:
+        """Whether this runner verifies drafts (speculation.py). Only where every verified
+        position computes exactly the bits plain decoding of it would, so that speculation
+        never changes the output: the CPU backend (rows exact, or made so: forward()). Not
+        torch: its matmuls and attention pick kernels by the number of rows (BLAS, cuBLAS,
+        SDPA), so a verify row rounds differently from a decode row."""
+        return bool(getattr(self.ops, "exact_drafts", False))
+
+    @property
     def tokenizer(self):
         if self._tokenizer is None:
             from edgeinfer.formats.tokenizer import Tokenizer
@@ -168,6 +176,37 @@ class ModelRunner:
         self.hidden = {}
         if not spans:
             return np.empty((0, self.cfg.vocab_size), np.float32)
+        if not getattr(self.ops, "rows_exact", True) and any(s.num_draft for s in spans):
+            return self._forward_drafts_apart(spans, hidden_of)
+        return self._forward(spans, hidden_of)
+
+    def _forward_drafts_apart(self, spans, hidden_of) -> np.ndarray:
+        """A step with drafts on ops whose rows are not exact in any batch (CPU matrices not
+        repacked): the spans with drafts run in a forward of their own with ops.per_row set,
+        so each of their rows is the one-row matvec's bits, the rest as usual; the logits
+        come back in the spans' order."""
+        drafted = [s for s in spans if s.num_draft]
+        rest = [s for s in spans if not s.num_draft]
+        self.ops.per_row = True
+        try:
+            a = self._forward(drafted, ())
+        finally:
+            self.ops.per_row = False
+        b = self._forward(rest, hidden_of) if rest else a[:0]
+        parts, ia, ib = [], 0, 0
+        for s in spans:
+            if not s.sample:
+                continue
+            n = 1 + s.num_draft
+            if s.num_draft:
+                parts.append(a[ia:ia + n])
+                ia += n
+            else:
+                parts.append(b[ib:ib + n])
+                ib += n
+        return np.concatenate(parts) if parts else a[:0]
+
+    def _forward(self, spans, hidden_of) -> np.ndarray:
         batch = build_forward_batch(spans, self.kv_plan.block_size, self.window_layer)
         self._check_blocks(batch)
         if hidden_of:
