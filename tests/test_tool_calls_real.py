@@ -141,6 +141,21 @@ def test_text_before_a_call_stays_content(oa, stream):
     assert not any(m in content for m in MARKUP)
 
 
+def test_required_writes_qwens_own_tag_token_and_ends_the_turn(oa):
+    # the forced envelope starts with <tool_call>, one added token in Qwen's vocabulary:
+    # the grammar's view treats it as text, so the model writes its own token, then ends
+    ask = [{"role": "user", "content": "What is 17 plus 25?"}]
+    r = oa.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, ADD],
+                                   tool_choice="required", temperature=0, max_tokens=60,
+                                   logprobs=True)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    assert [(x.function.name, json.loads(x.function.arguments))
+            for x in c.message.tool_calls] == [("add", {"a": 17, "b": 25})]
+    assert c.logprobs.content[0].token == "<tool_call>"
+    assert r.usage.completion_tokens < 60                # it stopped on its own
+
+
 def test_a_call_cut_by_max_tokens_is_text_not_an_invented_call(oa):
     for stream in (False, True):
         content, calls, finish, _ = chat(oa, TOKYO, stream, max_tokens=8)
