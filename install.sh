@@ -30,12 +30,33 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${pip[@]}" torch==2.13.0
 fi
 
+# llama.cpp (llama-cpp-python, the oracle and the llamacpp backend) builds from source for this
+# CPU's vector extensions, but never its AMX tiles: ggml's AMX path dies with SIGILL in VMs that
+# advertise AMX without enabling its register state (seen here on Sapphire Rapids guests), and
+# it would make the oracle's numbers another kernel's. `-march=native` would enable AMX, so the
+# flags are named one by one from /proc/cpuinfo. --no-cache-dir: pip's wheel cache is keyed by
+# the sdist, not by CMAKE_ARGS, and could hand back a native (AMX) build.
+llama_cpp_ok() {
+  .venv/bin/python -c "import llama_cpp, sys; sys.exit('AMX_INT8 = 1' in llama_cpp.llama_print_system_info().decode())" 2>/dev/null
+}
+if ! llama_cpp_ok; then
+  flags="-DGGML_NATIVE=OFF"
+  cpu=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+              avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+    if [[ " $cpu " == *" ${pair%%:*} "* ]]; then flags="$flags -DGGML_${pair#*:}=ON"; fi
+  done
+  [ -z "$cpu" ] && flags=""          # not Linux/x86: llama.cpp's own native detection
+  echo "==> building llama-cpp-python 0.3.36 from source (~6 min on 2 cores) ${flags:+with $flags}"
+  CMAKE_ARGS="$flags" "${pip[@]}" --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36
+fi
+
 extras="torch,bundled"
 [ "$dev" = 1 ] && extras="$extras,test,ray"
 stamp=".venv/.edgeinfer-install-$extras"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "==> installing edgeinfer[$extras] (llama-cpp-python builds from source the first time: ~6 min)"
+  echo "==> installing edgeinfer[$extras]"
   "${pip[@]}" -e ".[$extras]"
   echo "$want" > "$stamp"
 fi
