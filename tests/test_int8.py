@@ -98,13 +98,13 @@ def _threads_for_parallel() -> int:
 def _products(x, p, rows) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """The batched product, each row alone, and the thread count each call ran on."""
     ran: list[int] = []
-    real = _int8.int8_matmul
+    real = _int8.run_matmuls
 
     def spy(*args):
         ran.append(int(args[-2]))        # nw: 1 = serial, > 1 = the parallel kernel
         return real(*args)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_int8, "int8_matmul", spy)
+        mp.setattr(_int8, "run_matmuls", spy)
         y = packed_matmul(x, p)
         alone = np.stack([packed_matmul(x[i:i + 1], p)[0] for i in rows])
     return y, alone, ran

@@ -140,8 +140,21 @@ def test_one_compiled_signature_per_kernel():
         ids = np.array([1, 2], np.int32)
         ids.flags.writeable = False
         get_rows(w, ids)
-    for kernel in _kernels.KERNELS[int(T.Q8_0)]:
+    for kernel in (_kernels.rows_driver, _kernels.matvec_driver, _kernels.matmul_driver,
+                   *_kernels.SERIAL[int(T.Q8_0)]):
         assert len(kernel.signatures) == 1, kernel.signatures
+
+
+def test_serial_kernels_take_their_types_block_sizes():
+    """dec_T and dot_T carry their type's block sizes as literals: they must be D.BLOCK's."""
+    import inspect
+    import re
+
+    from edgeinfer.backends.cpu import _decode as D
+    for code, (dec, dot) in _kernels.SERIAL.items():
+        bs, ts = D.BLOCK[code]
+        assert re.search(rf"\b{bs}, {ts}, n0", inspect.getsource(dec.py_func)), dec
+        assert re.search(rf"\b{ts}, n0", inspect.getsource(dot.py_func)), dot
 
 
 @pytest.mark.parametrize("module", ["_kernels", "kernels", "_int8", "_actquant", "_geglu", "_norm"])

@@ -37,15 +37,18 @@ a row's result is bit-identical alone or in any batch, and `_block_generic` (pla
 where VNNI is missing and by the tests) does the same operations in the same order, so it
 gives the same bits as the VNNI version.
 
-A format is one integer, `fmt_code(B, bits, has_o, sub)`; `int8_matmul` runs a kernel compiled
-for it alone (a closure over the constant: each format compiles and caches only its own loop).
+A format is one integer, `fmt_code(B, bits, has_o, sub)`. Each format's tile loop is a small
+serial kernel of its own (compiled and cached once per format and instruction set), and one
+parallel driver, compiled once, runs any one to three matrices of any formats (see "the
+matmul" below), so a model with a new mix of formats compiles nothing new but the tile loops
+of formats never used before (backends/cpu/warmup.py compiles those ahead).
 """
 from __future__ import annotations
 
 import llvmlite.binding as llb
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
 from . import _stamp
@@ -386,32 +389,65 @@ def widen(x):
     return _bits_f32(bits)
 
 
+# Typed loads and stores at byte addresses: the kernels below take the arrays as addresses, so
+# one compiled driver serves every format (see "the matmul").
+
+def _make_load(nbty):
+    def codegen(context, builder, sig, args):
+        ty = context.get_value_type(nbty)
+        return builder.load(builder.inttoptr(args[0], ty.as_pointer()), align=1)
+
+    @intrinsic
+    def load(typingctx, addr):
+        return nbty(types.intp), codegen
+    return load
+
+
+_ld_u8, _ld_i8, _ld_u16 = _make_load(types.uint8), _make_load(types.int8), _make_load(types.uint16)
+_ld_i32, _ld_f32, _ld_i64 = _make_load(types.int32), _make_load(types.float32), _make_load(types.int64)
+
+
+@intrinsic
+def _st_f32(typingctx, addr, value):
+    """Store the float32 value at addr."""
+    def codegen(context, builder, sig, args):
+        builder.store(args[1], builder.inttoptr(args[0], ir.FloatType().as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.void(types.intp, types.float32), codegen
+
+
 @njit(inline="always", nogil=True)
-def code_at(q, h, t, b, j, lane, k, nq, bits):
-    """The code of quad j, lane, byte k of block b of tile t (see the module doc)."""
+def code_at(qp, hp, t, b, j, lane, k, nb, nv, nq, bits):
+    """The code of quad j, lane, byte k of block b of tile t (see the module doc); qp, hp: the
+    addresses of q uint8[T, nb, nv, 16, 4] and h uint8[T, nb, nq, 8]."""
+    tb = t * nb + b
     if bits == 8:
-        return np.int32(q[t, b, j, lane, k])
+        return np.int32(_ld_u8(qp + (tb * nv + j) * 64 + lane * 4 + k))
     half = nq // 2
-    byte = np.int32(q[t, b, j % half, lane, k])
+    byte = np.int32(_ld_u8(qp + (tb * nv + j % half) * 64 + lane * 4 + k))
     c = (byte & 15) if j < half else (byte >> 4)
     if bits == 5:
         i = lane * 4 + k
-        c |= ((np.int32(h[t, b, j, i >> 3]) >> (i & 7)) & 1) << 4
+        c |= ((np.int32(_ld_u8(hp + (tb * nq + j) * 8 + (i >> 3))) >> (i & 7)) & 1) << 4
     elif bits == 6:
-        c |= ((np.int32(q[t, b, half + j // 4, lane, k]) >> (2 * (j % 4))) & 3) << 4
+        c |= ((np.int32(_ld_u8(qp + (tb * nv + half + j // 4) * 64 + lane * 4 + k))
+               >> (2 * (j % 4))) & 3) << 4
     return c
 
 
 @njit(inline="always", nogil=True)
-def scale_at(s, d, t, b, lane, sub, per):
-    """A block's scale (or offset magnitude) as float32: see the module doc."""
+def scale_at(sp, dp, t, b, lane, nb, nsb, sub, per):
+    """A block's scale (or offset magnitude) as float32: see the module doc. sp: s [T, nb, 16]
+    (int8 with sub, else uint16 halves); dp: d uint16[T, nsb, 16]."""
     if sub:
-        return widen(d[t, b // per, lane]) * np.float32(s[t, b, lane])
-    return widen(s[t, b, lane])
+        return (widen(_ld_u16(dp + ((t * nsb + b // per) * LANES + lane) * 2))
+                * np.float32(_ld_i8(sp + (t * nb + b) * LANES + lane)))
+    return widen(_ld_u16(sp + ((t * nb + b) * LANES + lane) * 2))
 
 
 @njit(inline="always", nogil=True)
-def _block_generic(acc, m, q, h, t, b, s, o, d, dm, fmt, qa, a0, da, bsf, zb):
+def _block_generic(acc, m, qp, hp, t, b, sp, op, dp, dmp, nb, nv, nsb, fmt, qap, K, a0, da,
+                   bsf, zb):
     """The same update as the VNNI intrinsic, lane by lane, same float operations in order."""
     B = fmt & 63
     bits = (fmt >> 6) & 15
@@ -423,16 +459,33 @@ def _block_generic(acc, m, q, h, t, b, s, o, d, dm, fmt, qa, a0, da, bsf, zb):
         isum = np.int32(0)
         for j in range(nq):
             for k in range(4):
-                isum += code_at(q, h, t, b, j, lane, k, nq, bits) * np.int32(qa[m, a0 + 4 * j + k])
+                isum += (code_at(qp, hp, t, b, j, lane, k, nb, nv, nq, bits)
+                         * np.int32(_ld_i8(qap + m * K + a0 + 4 * j + k)))
         isum -= zb
-        tv = scale_at(s, d, t, b, lane, sub, per) * np.float32(isum)
+        tv = scale_at(sp, dp, t, b, lane, nb, nsb, sub, per) * np.float32(isum)
         if has_o:
-            ov = scale_at(o, dm, t, b, lane, sub, per)
+            ov = scale_at(op, dmp, t, b, lane, nb, nsb, sub, per)
             tv = tv + (-ov if sub else ov) * bsf
         acc[m, lane] = acc[m, lane] + da * tv
 
 
 # -- the matmul ----------------------------------------------------------------------------
+#
+# Two levels, so that what a model needs compiles once per format and not once per model:
+# - a tile kernel per (format, instruction set): a C function (numba cfunc) computing tiles
+#   t0 .. t1 - 1 of one matrix, serial, with the format a constant of its closure (the tile
+#   intrinsics see it as a literal and emit that format's loop only; cached per pair);
+# - one parallel driver for every format and any one to three matrices (q/k/v, gate/up),
+#   which deals chunks of tiles to the threads and calls each matrix's tile kernel through
+#   its address. The driver's argument types never depend on the format, so it compiles
+#   once; before, one parallel kernel per format tuple (q/k/v of Q4_K, Q4_K, Q6_K; gate/up
+#   of Q4_1, Q4_1; ...) compiled for minutes when a model with a new mix came along.
+#
+# A matrix is passed as W, int64[W_FIELDS]: the addresses of q, h, s, o, d, dm and T, nb, nv
+# (code planes), nsb (k-quant super-blocks per row, d's second axis).
+
+W_FIELDS = 10
+
 
 @intrinsic
 def _fetch_add(typingctx, addr, value):
@@ -443,95 +496,217 @@ def _fetch_add(typingctx, addr, value):
     return types.int64(types.intp, types.int64), codegen
 
 
+_TILES_ARGS = 11     # t0, t1, w, qa, da, bsf, zb, out (addresses), M, K, N
+
+
+@intrinsic
+def _call_tiles(typingctx, fn, t0, t1, w, qa, da, bsf, zb, out, M, K, N):
+    """Call the tile kernel at address fn (see _make_tiles)."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        fty = ir.FunctionType(ir.VoidType(), [i64] * _TILES_ARGS)
+        builder.call(builder.inttoptr(args[0], fty.as_pointer()), args[1:])
+        return context.get_dummy_value()
+    return types.void(*([types.intp] * (_TILES_ARGS + 1))), codegen
+
+
 @njit(inline="always", nogil=True)
-def _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa):
-    """Output columns 16t .. 16t+15 of every row."""
+def _w_fields(wp):
+    """(q, h, s, o, d, dm, nb, nv, nsb) of the matrix whose W is at address wp."""
+    return (_ld_i64(wp), _ld_i64(wp + 8), _ld_i64(wp + 16), _ld_i64(wp + 24), _ld_i64(wp + 32),
+            _ld_i64(wp + 40), _ld_i64(wp + 56), _ld_i64(wp + 64), _ld_i64(wp + 72))
+
+
+@njit(inline="always", nogil=True)
+def _one_tile(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa):
+    """Output columns 16t .. 16t+15 of every row by the vector tile loop of instruction set
+    isa (> 0); wp: the address of the matrix's W. A partial last tile (N not a multiple of
+    16) goes through the same loop into a scratch tile: the repacked arrays hold whole tiles
+    (the padding rows zero)."""
     B = fmt & 63
     bits = (fmt >> 6) & 15
     sub = (fmt >> 11) & 1
     nq = B // 4
-    nv = q.shape[2]
-    nb = q.shape[1]
-    M, K = qa.shape
-    N = out.shape[1]
+    qp, hp, sp, op, dp, dmp, nb, nv, nsb = _w_fields(wp)
     n0 = t * LANES
-    if isa > 0 and n0 + LANES <= N:
-        w = q.ctypes.data + t * nb * nv * 64
-        hb = h.ctypes.data + (t * nb * nq * 8 if bits == 5 else 0)
-        ssz = 1 if sub else 2
-        sb = s.ctypes.data + t * nb * LANES * ssz
-        ob = o.ctypes.data + t * nb * LANES * ssz
-        nsb = d.shape[1]
-        db = d.ctypes.data + (t * nsb * LANES * 2 if sub else 0)
-        dmb = dm.ctypes.data + (t * nsb * LANES * 2 if sub else 0)
-        dst = out.ctypes.data + n0 * 4
-        m = 0
-        while m < M:
-            R = 8 if M - m >= 8 else (4 if M - m >= 4 else 1)
-            _simd_tile(R, fmt, isa, dst + m * N * 4, N * 4, w, hb, sb, ob, db, dmb,
-                       qa.ctypes.data + m * K, K, nb, da.ctypes.data + m * 4,
-                       bsf.ctypes.data + m * 4, zb.ctypes.data + m * 4, M)
-            m += R
-    else:
-        # the portable path, also for a partial last tile: results go through acc
-        acc = np.zeros((M, LANES), np.float32)
-        for b in range(nb):
-            for m in range(M):
-                _block_generic(acc, m, q, h, t, b, s, o, d, dm, fmt, qa, b * B, da[b, m],
-                               bsf[b, m], zb[b, m])
+    full = n0 + LANES <= N
+    tmp = np.empty((1 if full else M, LANES), np.float32)
+    dst = outp + n0 * 4 if full else tmp.ctypes.data
+    stride = N * 4 if full else LANES * 4
+    w = qp + t * nb * nv * 64
+    hb = hp + (t * nb * nq * 8 if bits == 5 else 0)
+    ssz = 1 if sub else 2
+    sb = sp + t * nb * LANES * ssz
+    ob = op + t * nb * LANES * ssz
+    db = dp + (t * nsb * LANES * 2 if sub else 0)
+    dmb = dmp + (t * nsb * LANES * 2 if sub else 0)
+    m = 0
+    while m < M:
+        R = 8 if M - m >= 8 else (4 if M - m >= 4 else 1)
+        _simd_tile(R, fmt, isa, dst + m * stride, stride, w, hb, sb, ob, db, dmb,
+                   qap + m * K, K, nb, dap + m * 4, bsfp + m * 4, zbp + m * 4, M)
+        m += R
+    if not full:
         for m in range(M):
-            for lane in range(min(LANES, N - n0)):
-                out[m, n0 + lane] = acc[m, lane]
+            for lane in range(N - n0):
+                _st_f32(outp + (m * N + n0 + lane) * 4, tmp[m, lane])
 
 
 @njit(inline="always", nogil=True)
-def _chunk_tiles(T, nw, M, q):
+def _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt):
+    """_one_tile's bits by the portable loop (CPUs without a vector kernel; the tests'
+    reference): results go through acc."""
+    B = fmt & 63
+    qp, hp, sp, op, dp, dmp, nb, nv, nsb = _w_fields(wp)
+    n0 = t * LANES
+    acc = np.zeros((M, LANES), np.float32)
+    for b in range(nb):
+        for m in range(M):
+            e = (b * M + m) * 4             # [b, m] of the [nb, M] arrays
+            _block_generic(acc, m, qp, hp, t, b, sp, op, dp, dmp, nb, nv, nsb, fmt, qap, K,
+                           b * B, _ld_f32(dap + e), _ld_f32(bsfp + e), _ld_i32(zbp + e))
+    for m in range(M):
+        for lane in range(min(LANES, N - n0)):
+            _st_f32(outp + (m * N + n0 + lane) * 4, acc[m, lane])
+
+
+_TILES_SIG = types.void(*([types.intp] * _TILES_ARGS))
+
+
+def _make_tiles(fmt: int, isa: int):
+    """The tile kernel of one format on one instruction set (see above): fmt and isa are
+    constants of the closure, so its cache entry is its own."""
+    if isa == PORTABLE:
+        @cfunc(_TILES_SIG, cache=_CACHE)
+        def tiles_portable(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N):
+            for t in range(t0, t1):
+                _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt)
+        return tiles_portable
+
+    @cfunc(_TILES_SIG, cache=_CACHE)
+    def tiles(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N):
+        for t in range(t0, t1):
+            _one_tile(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa)
+    return tiles
+
+
+@njit(inline="always", nogil=True)
+def _chunk_tiles(T, nw, M, tile_bytes):
     """Tiles per chunk of the shared counter: 16 chunks per thread, and with M < 8 rows at
-    least SMALL_M_CHUNK_BYTES of q's codes (see there)."""
+    least SMALL_M_CHUNK_BYTES of codes (tile_bytes: the codes of one tile)."""
     per = max(1, T // (nw * 16))
     if M < 8:
-        per = max(per, SMALL_M_CHUNK_BYTES // (q.shape[1] * q.shape[2] * 64))
+        per = max(per, SMALL_M_CHUNK_BYTES // tile_bytes)
     return per
 
 
-def _make_matmul(fmt: int, isa: int):
-    """int8_matmul's kernel for one format and instruction set: constants of the closure, so
-    the tile intrinsics see them as literals and emit that loop only (cached per pair)."""
-    @njit(**_PJIT)
-    def matmul_fmt(q, h, s, o, d, dm, qa, da, bsf, zb, out, nw, counter):
-        T = q.shape[0]
-        if nw <= 1:         # on the calling thread: products too small to pay a parallel region
-            for t in range(T):
-                _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa)
-            return
-        # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter,
-        # so a thread the OS preempts (other work on the machine) delays only its current chunk
-        # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
-        per = _chunk_tiles(T, nw, qa.shape[0], q)
-        nchunks = (T + per - 1) // per
-        c_addr = counter.ctypes.data
-        for _w in prange(nw):
-            while True:
-                c = _fetch_add(c_addr, np.int64(1))
-                if c >= nchunks:
-                    break
-                for t in range(c * per, min(T, (c + 1) * per)):
-                    _one_tile(t, q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, isa)
-    # Returns nothing (the caller holds `out`): these closures share one qualified name, and a
-    # cached closure that boxes an array may find another closure's environment in a new
-    # process ("NRT_adapt_ndarray_to_python: 'descr' is NULL").
-    return matmul_fmt
+@njit(inline="always", nogil=True)
+def _tiles_of(f, w, qa, da, bsf, zb, out, t0, t1):
+    _call_tiles(f, t0, t1, w.ctypes.data, qa.ctypes.data, da.ctypes.data, bsf.ctypes.data,
+                zb.ctypes.data, out.ctypes.data, qa.shape[0], qa.shape[1], out.shape[1])
 
 
-_MATMULS: dict[tuple[int, int], object] = {}
+@njit(**_PJIT)
+def _drive(f0, w0, qa0, da0, bsf0, zb0, out0, f1, w1, qa1, da1, bsf1, zb1, out1,
+           f2, w2, qa2, da2, bsf2, zb2, out2, n, nw, counter):
+    """Matrices 0 .. n-1 (one to three): out_i = the product of the codes qa_i (with da_i,
+    bsf_i, zb_i) and the matrix w_i, whose tile kernel is at address f_i. The tiles of all of
+    them are chunks of one shared counter, dealt to nw threads (<= 1: the calling thread)."""
+    T0 = w0[6]
+    T1 = w1[6] if n > 1 else 0
+    T2 = w2[6] if n > 2 else 0
+    if nw <= 1:         # on the calling thread: products too small to pay a parallel region
+        _tiles_of(f0, w0, qa0, da0, bsf0, zb0, out0, 0, T0)
+        if n > 1:
+            _tiles_of(f1, w1, qa1, da1, bsf1, zb1, out1, 0, T1)
+        if n > 2:
+            _tiles_of(f2, w2, qa2, da2, bsf2, zb2, out2, 0, T2)
+        return
+    # Dynamic scheduling: each thread takes the next chunk of tiles from a shared counter,
+    # so a thread the OS preempts (other work on the machine) delays only its current chunk
+    # instead of a fixed half of the matrix. Which thread computes a tile changes no bits.
+    per = _chunk_tiles(T0 + T1 + T2, nw, qa0.shape[0], w0[7] * w0[8] * 64)
+    c0 = (T0 + per - 1) // per
+    c1 = (T1 + per - 1) // per
+    c2 = (T2 + per - 1) // per
+    c_addr = counter.ctypes.data
+    for _w in prange(nw):
+        while True:
+            c = _fetch_add(c_addr, np.int64(1))
+            if c >= c0 + c1 + c2:
+                break
+            if c < c0:
+                _tiles_of(f0, w0, qa0, da0, bsf0, zb0, out0, c * per, min(T0, (c + 1) * per))
+            elif c < c0 + c1:
+                c -= c0
+                _tiles_of(f1, w1, qa1, da1, bsf1, zb1, out1, c * per, min(T1, (c + 1) * per))
+            else:
+                c -= c0 + c1
+                _tiles_of(f2, w2, qa2, da2, bsf2, zb2, out2, c * per, min(T2, (c + 1) * per))
+
+
+_TILES: dict[tuple[int, int], object] = {}
+_ADDR: dict[tuple[int, int], int] = {}
 
 
 def kernel_for(fmt: int, isa: int):
-    """The compiled matmul of one format on one instruction set (see _make_matmul)."""
-    fn = _MATMULS.get((fmt, isa))
+    """The compiled tile kernel (a numba cfunc) of one format on one instruction set:
+    compiled, or loaded from numba's disk cache, on first use."""
+    fn = _TILES.get((fmt, isa))
     if fn is None:
-        fn = _MATMULS[(fmt, isa)] = _make_matmul(fmt, isa)
+        from ._cachelock import cache_lock
+        with cache_lock("int8-tiles"):     # every format's entry is in one index file
+            fn = _make_tiles(fmt, isa)
+        _TILES[(fmt, isa)] = fn
+        _ADDR[(fmt, isa)] = fn.address
     return fn
+
+
+def kernel_address(fmt: int, isa: int) -> int:
+    a = _ADDR.get((fmt, isa))
+    if a is None:
+        kernel_for(fmt, isa)
+        a = _ADDR[(fmt, isa)]
+    return a
+
+
+def weight_fields(q, h, s, o, d, dm) -> np.ndarray:
+    """W (see above) of a repacked matrix's arrays, which must outlive every use of it."""
+    for a in (q, h, s, o, d, dm):
+        if not a.flags.c_contiguous:
+            raise ValueError("repacked weight arrays must be C-contiguous")
+    return np.array([q.ctypes.data, h.ctypes.data, s.ctypes.data, o.ctypes.data,
+                     d.ctypes.data, dm.ctypes.data, q.shape[0], q.shape[1], q.shape[2],
+                     d.shape[1]], np.int64)
+
+
+def _acts(qa, da, bsf, zb, out):
+    """The activation arrays as the driver's one signature takes them."""
+    c = np.ascontiguousarray
+    return (c(qa, dtype=np.int8), c(da, dtype=np.float32), c(bsf, dtype=np.float32),
+            c(zb, dtype=np.int32), out)
+
+
+def run_matmuls(jobs, isa: int, nw: int, counter) -> None:
+    """One to three products in one parallel region. jobs: tuples (fmt, W, qa, da, bsf, zb,
+    out) with C-contiguous arrays of int8_matmul's types (W from weight_fields); out
+    float32[M, N] C-contiguous."""
+    n = len(jobs)
+    f0, w0, *a0 = jobs[0]
+    args = [kernel_address(f0, isa), w0, *a0]
+    for i in (1, 2):
+        if i < n:
+            f, w, *a = jobs[i]
+            args += [kernel_address(f, isa), w, *a]
+        else:
+            args += args[:7]         # typed but never run
+    _drive(*args, n, nw, counter)
+
+
+def _check_out(out, M: int):
+    if out.dtype != np.float32 or out.ndim != 2 or not out.flags.c_contiguous or \
+            not out.flags.writeable or out.shape[0] != M:
+        raise ValueError("int8_matmul: out must be a writable C-contiguous float32[M, N]")
 
 
 def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, counter):
@@ -547,63 +722,10 @@ def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, coun
     freed after its last use by name while the threads still add to its address).
     """
     isa = BEST_ISA if use_vnni is True else isa_of(use_vnni)
-    fn = _MATMULS.get((fmt, isa))
-    if fn is None:
-        fn = kernel_for(fmt, isa)
-    fn(q, h, s, o, d, dm, qa, da, bsf, zb, out, nw, counter)
+    acts = _acts(qa, da, bsf, zb, out)
+    _check_out(out, acts[0].shape[0])
+    run_matmuls([(int(fmt), weight_fields(q, h, s, o, d, dm), *acts)], isa, nw, counter)
     return out
-
-
-def _make_many(fmts: tuple[int, ...], isa: int):
-    """One parallel region over the tiles of two or three matrices of formats `fmts` (each
-    with its own activation codes and output): the tiles of all of them are chunks of one
-    shared counter, each computed by _one_tile exactly as int8_matmul would."""
-    n = len(fmts)
-    f0, f1 = fmts[0], fmts[1]
-    f2 = fmts[2] if n > 2 else fmts[1]
-
-    @njit(**_PJIT)
-    def many(q0, h0, s0, o0, d0, dm0, qa0, da0, bsf0, zb0, out0,
-             q1, h1, s1, o1, d1, dm1, qa1, da1, bsf1, zb1, out1,
-             q2, h2, s2, o2, d2, dm2, qa2, da2, bsf2, zb2, out2, nw, counter):
-        T0, T1 = q0.shape[0], q1.shape[0]
-        T2 = q2.shape[0] if n > 2 else 0
-        if nw <= 1:
-            for t in range(T0):
-                _one_tile(t, q0, h0, s0, o0, d0, dm0, f0, qa0, da0, bsf0, zb0, out0, isa)
-            for t in range(T1):
-                _one_tile(t, q1, h1, s1, o1, d1, dm1, f1, qa1, da1, bsf1, zb1, out1, isa)
-            for t in range(T2):
-                _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2, isa)
-            return
-        per = _chunk_tiles(T0 + T1 + T2, nw, qa0.shape[0], q0)
-        c0 = (T0 + per - 1) // per
-        c1 = (T1 + per - 1) // per
-        c2 = (T2 + per - 1) // per
-        c_addr = counter.ctypes.data
-        for _w in prange(nw):
-            while True:
-                c = _fetch_add(c_addr, np.int64(1))
-                if c >= c0 + c1 + c2:
-                    break
-                if c < c0:
-                    for t in range(c * per, min(T0, (c + 1) * per)):
-                        _one_tile(t, q0, h0, s0, o0, d0, dm0, f0, qa0, da0, bsf0, zb0, out0,
-                                  isa)
-                elif c < c0 + c1:
-                    c -= c0
-                    for t in range(c * per, min(T1, (c + 1) * per)):
-                        _one_tile(t, q1, h1, s1, o1, d1, dm1, f1, qa1, da1, bsf1, zb1, out1,
-                                  isa)
-                else:
-                    c -= c0 + c1
-                    for t in range(c * per, min(T2, (c + 1) * per)):
-                        _one_tile(t, q2, h2, s2, o2, d2, dm2, f2, qa2, da2, bsf2, zb2, out2,
-                                  isa)
-    return many
-
-
-_MANY: dict[tuple, object] = {}
 
 
 def int8_matmul_many(jobs, use_vnni, nw, counter):
@@ -612,19 +734,15 @@ def int8_matmul_many(jobs, use_vnni, nw, counter):
     tuples (q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out), int8_matmul's arguments; each out
     gets the same bits as int8_matmul gives it. counter: int64[1] of zero, as int8_matmul's.
     """
-    if len(jobs) == 1:
-        return int8_matmul(*jobs[0], use_vnni, nw, counter)
-    if len(jobs) > 3:
+    if not 1 <= len(jobs) <= 3:
         raise ValueError("int8_matmul_many takes one to three matrices")
-    fmts = tuple(int(j[6]) for j in jobs)
     isa = isa_of(use_vnni)
-    fn = _MANY.get((fmts, isa))
-    if fn is None:
-        fn = _MANY[(fmts, isa)] = _make_many(fmts, isa)
-    args = [a for j in jobs for a in j[:6] + j[7:]]
-    if len(jobs) == 2:
-        args += args[11:22]          # typed but never run: no tiles of a third matrix
-    fn(*args, nw, counter)
+    run = []
+    for q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out in jobs:
+        acts = _acts(qa, da, bsf, zb, out)
+        _check_out(out, acts[0].shape[0])
+        run.append((int(fmt), weight_fields(q, h, s, o, d, dm), *acts))
+    run_matmuls(run, isa, nw, counter)
 
 
 # -- repacking (see repack.py) --------------------------------------------------------------

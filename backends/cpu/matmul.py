@@ -15,7 +15,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ._kernels import FEW_ROW_KERNELS, KERNELS, X_LAYOUT
+from . import _kernels as _k
+from ._kernels import X_LAYOUT
 from .quants import QuantMatrix
 
 __all__ = ["QuantMatrix", "matmul", "numba_threads", "warm_kernels"]
@@ -64,14 +65,14 @@ def matmul(x: np.ndarray, w: QuantMatrix, out: np.ndarray | None = None,
         xv = x2[0]
         if code in X_LAYOUT:
             xv = X_LAYOUT[code][1](xv, _x_index(code, K))
-        KERNELS[code][1](w.blocks, xv, out2[0])
+        _k.matvec(code, w.blocks, xv.reshape(1, -1), out2[:1])
     elif (M <= FEW_ROWS or per_row) and not batch_invariant:
         if code in X_LAYOUT:
             idx = _x_index(code, K)
             x2 = np.stack([X_LAYOUT[code][1](x2[m], idx) for m in range(M)])
-        FEW_ROW_KERNELS[code](w.blocks, x2, out2)
+        _k.matvec(code, w.blocks, x2, out2)
     else:
-        KERNELS[code][2](w.blocks, x2, out2)
+        _k.matmul_rows(code, w.blocks, x2, out2)
     if vec and out.ndim == 2:
         return out.reshape(w.N)
     return out

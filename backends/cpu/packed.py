@@ -45,6 +45,10 @@ class ActCodes:
             zb = self.zb[zp] = np.multiply(self.bsf, zp, dtype=np.int32, casting="unsafe")
         return zb
 
+    def arrays(self, zp: int) -> tuple:
+        """(qa, da, bsf, zb) for weights of zero point zp: the tile kernels' activations."""
+        return self.qa, self.da, self.bsf, self.zb_for(zp)
+
 
 def _as_rows(x: np.ndarray) -> np.ndarray:
     if x.ndim == 2 and x.dtype == np.float32 and x.flags.c_contiguous:
@@ -58,13 +62,19 @@ def _threads(M: int, K: int, N: int, threads: int) -> int:
     return 1 if M * K * N < SERIAL_MACS else threads
 
 
-def _run(codes: ActCodes, w: PackedMatrix, out: np.ndarray | None, vnni: bool, nw: int):
+def _run(codes: ActCodes, w: PackedMatrix, out: np.ndarray | None, vnni, nw: int):
     M = codes.qa.shape[0]
     if out is None:
         out = np.empty((M, w.N), np.float32)
-    _int8.int8_matmul(w.q, w.h, w.s, w.o, w.d, w.dm, w.fmt, codes.qa, codes.da, codes.bsf,
-                      codes.zb_for(w.zero_point), out, vnni, nw, np.zeros(1, np.int64))
+    elif out.dtype != np.float32 or out.shape != (M, w.N) or not out.flags.c_contiguous:
+        raise ValueError(f"matmul: out must be a C-contiguous float32 array of {M}x{w.N}")
+    _int8.run_matmuls([(w.fmt, w.W, *codes.arrays(w.zero_point), out)], _isa(vnni), nw,
+                      np.zeros(1, np.int64))
     return out
+
+
+def _isa(vnni) -> int:
+    return _int8.BEST_ISA if vnni is True else _int8.isa_of(vnni)
 
 
 def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
@@ -99,12 +109,8 @@ def packed_matmuls(x: np.ndarray, ws: Sequence[PackedMatrix],
         codes = formats.get((w.A, w.B))
         if codes is None:
             codes = formats[(w.A, w.B)] = ActCodes(x2, w.A, w.B, w.zero_point, par_quant)
-        jobs.append((w.q, w.h, w.s, w.o, w.d, w.dm, w.fmt, codes.qa, codes.da, codes.bsf,
-                     codes.zb_for(w.zero_point), np.empty((M, w.N), np.float32)))
+        jobs.append((w.fmt, w.W, *codes.arrays(w.zero_point), np.empty((M, w.N), np.float32)))
+    isa = _isa(vnni)
     for i in range(0, len(jobs), 3):
-        part = tuple(jobs[i:i + 3])
-        if len(part) == 1:
-            _int8.int8_matmul(*part[0], vnni, nw, np.zeros(1, np.int64))
-        else:
-            _int8.int8_matmul_many(part, vnni, nw, np.zeros(1, np.int64))
+        _int8.run_matmuls(jobs[i:i + 3], isa, nw, np.zeros(1, np.int64))
     return [j[-1] for j in jobs]

@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from . import _decode as D
-from ._kernels import KERNELS
+from . import _kernels as _k
 
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = tuple(GGMLQuantizationType(c) for c in D.BLOCK)
 
@@ -125,7 +125,7 @@ def dequantize(raw: np.ndarray, qtype, n_elements: int) -> np.ndarray:
         raise ValueError(f"buffer of {raw.size} bytes is too small for {n_elements} elements")
     blocks = _readonly(raw[: nb * ts].reshape(nb, 1, ts))
     out = np.empty((nb, bs), np.float32)
-    KERNELS[code][0](blocks, np.arange(nb, dtype=np.int64), out)
+    _k.rows(code, blocks, np.arange(nb, dtype=np.int64), out)
     return out.reshape(-1)
 
 
@@ -137,7 +137,7 @@ def get_rows(w: QuantMatrix, ids) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= w.N):
         raise IndexError(f"row id out of range [0, {w.N})")
     out = np.empty((ids.size, w.K), np.float32)
-    KERNELS[int(w.qtype)][0](w.blocks, ids, out)
+    _k.rows(int(w.qtype), w.blocks, ids, out)
     return out
 
 

@@ -13,6 +13,7 @@ Decoding a repacked row (`rows`) is bit-exact with gguf.quants.dequantize.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,6 +176,11 @@ class PackedMatrix:
     @property
     def sub(self) -> bool:
         return self.s.dtype == np.int8
+
+    @functools.cached_property
+    def W(self) -> np.ndarray:
+        """The addresses and sizes the tile kernels take (_int8.weight_fields), made once."""
+        return _int8.weight_fields(self.q, self.h, self.s, self.o, self.d, self.dm)
 
     @property
     def nbytes(self) -> int:
