@@ -61,6 +61,8 @@ class LoadedModel:
     name: str
     memory: int | None = None          # bytes resident (weights + KV)
     expires_at: datetime | None = None
+    # a load in progress: what it is doing ("compiling kernels (3/12)", "loading weights")
+    status: str | None = None
 
 
 @dataclass(frozen=True)
@@ -170,11 +172,30 @@ def parse_model(d: dict) -> ModelInfo:
 
 
 def parse_loaded(d: dict) -> LoadedModel:
+    """An /api/ps entry (or a /api/stats `models` one); a load in progress (state
+    "loading", or an entry of /api/stats `loading`) carries its progress text."""
+    status = None
+    if d.get("state") == "loading" or "stage" in d:
+        lp = d.get("load_progress") if isinstance(d.get("load_progress"), dict) else d
+        status = str(lp.get("text") or lp.get("stage") or "loading")
+        step = lp.get("step")
+        if step and lp.get("stage") == "compiling kernels":
+            status += f": {step}"
     return LoadedModel(
         name=str(d.get("name") or d.get("model") or "?"),
-        memory=_num(_get(d, "size_bytes", "memory", "memory_bytes", "size"), int),
-        expires_at=parse_time(d.get("expires_at")),
+        memory=None if status else _num(_get(d, "size_bytes", "memory", "memory_bytes", "size"), int),
+        expires_at=None if status else parse_time(d.get("expires_at")),
+        status=status,
     )
+
+
+def loading_status(models, model: str) -> str | None:
+    """The load progress of `model` among a sample's models ("compiling kernels (3/12), ..."),
+    or None when it is not loading."""
+    for m in models:
+        if m.status and (m.name == model or m.name == f"{model}:latest"):
+            return m.status
+    return None
 
 
 def _sum(models: list[dict], key: str) -> int | None:
@@ -220,7 +241,8 @@ def parse_stats(d: dict) -> Stats:
                            "gpu.used"), int),
         gpu_total=_num(_get(d, "gpu.memory_total_bytes", "gpu.total_bytes",
                             "gpu_memory_total", "gpu.total"), int),
-        models=tuple(parse_loaded(m) for m in models),
+        models=tuple(parse_loaded(m) for m in models) + tuple(
+            parse_loaded(m) for m in (d.get("loading") or []) if isinstance(m, dict)),
     )
 
 

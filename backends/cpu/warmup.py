@@ -1,45 +1,154 @@
-"""Compile every CPU kernel once into numba's on-disk cache (install.sh runs this), so the first
-request after installation does not wait for JIT compilation."""
+"""The CPU backend's kernels as compile steps: each step compiles (or loads from numba's disk
+cache) one group of kernels by calling it on tiny inputs of exactly the array types real calls
+use. edgeinfer.engine.warmup runs them, in child processes, with progress: at install for
+all of them, at pull and load for what a model needs that is not compiled yet.
+
+Step keys:
+- "int8:TYPE": the int8 tile kernel of one repackable weight type on this CPU's vector
+  instruction set (its first use also compiles the one parallel driver and the activation
+  quantizer); about a second each.
+- "float:TYPE": the GGUF-block kernels of one type (decode rows, row dots; the three
+  parallel drivers on first use): weights the int8 path does not take (F32, F16, BF16), and
+  every type when repacking is off.
+- "attention:KV": paged attention over a KV cache of type KV (f16, q8_0): the tiled kernel
+  and the one that splits a lone token's long context over the threads.
+- "ops": what a decoder model's forward does not reach with the default settings: f32
+  numerics' and encoder (BERT) kernels.
+"""
 from __future__ import annotations
 
-import time
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from . import _int8
+from .repack import REPACKABLE
 
 
-def run(model_path: str | None = None) -> None:
-    from edgeinfer.backends.cpu.matmul import warm_kernels
-    t = time.monotonic()
-    warm_kernels()
-    print(f"    quantized matmul kernels: {time.monotonic() - t:.1f} s")
-    if model_path is None:
-        try:
-            from edgeinfer.store.model_store import Store
-            model_path = str(Store().resolve("gemma3:270m").path)
-        except Exception:  # no bundled model: the model kernels compile on first use
-            return
-    from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
-    t = time.monotonic()
-    engine = Engine(model_path, EngineConfig(kv_budget_bytes=64 << 20, max_model_len=512))
-    prompt = engine.encode_raw("warm up " * 12)          # prefill path (many rows)
-    engine.generate(prompt, SamplingParams(temperature=0, max_tokens=3))
-    for temperature in (0.8, 0.0):                        # sampling kernels, batched decode
-        engine.submit(engine.encode_raw("a b"), SamplingParams(temperature=temperature, top_p=0.9,
-                                                               top_k=40, max_tokens=3), lambda o: None)
-    engine._drain_commands()
-    while engine.scheduler.has_work():
-        engine.step()
-    _warm_masked_sampling()
-    print(f"    model kernels (attention, norms, sampling): {time.monotonic() - t:.1f} s")
+def type_name(code: int) -> str:
+    return Q(code).name
 
 
-def _warm_masked_sampling() -> None:
-    """Structured output samples masked rows through their own kernels (0.7 s to compile)."""
-    import numpy as np
+def int8_types() -> list[int]:
+    """Weight types with an int8 tile kernel on this CPU (none without a vector kernel: the
+    default then keeps weights in their GGUF blocks)."""
+    return sorted(REPACKABLE) if _int8.HAVE_SIMD else []
 
-    from edgeinfer.engine.sampling import Sampler, SamplingParams, SeqSamplingState
-    logits = np.random.default_rng(0).standard_normal((1, 4096)).astype(np.float32)
-    mask = np.zeros(4096, bool)
-    mask[::7] = True
-    for temperature in (0.0, 0.8):
-        state = SeqSamplingState(SamplingParams(temperature=temperature, top_k=40, top_p=0.9))
-        Sampler().sample(logits, [state], [mask])
+
+def float_types() -> list[int]:
+    from .quants import SUPPORTED_TYPES
+    return [int(t) for t in SUPPORTED_TYPES]
+
+
+def all_keys() -> list[str]:
+    """Every step but the attention over a q8_0 KV cache (an opt-in setting)."""
+    return ([f"int8:{type_name(c)}" for c in int8_types()]
+            + [f"float:{type_name(c)}" for c in float_types()] + ["attention:f16", "ops"])
+
+
+def label(key: str) -> str:
+    kind, _, arg = key.partition(":")
+    return {"int8": f"int8 tile kernel {arg}", "float": f"GGUF block kernels {arg}",
+            "attention": f"attention, {arg} KV cache",
+            "ops": "f32 and encoder kernels"}.get(kind, key)
+
+
+def keys_for_model(gguf_file, ops) -> list[str]:
+    """The matmul steps a model's weights need on `ops` (a CpuOps): int8 for the matrices it
+    repacks, float for the others (2-D tensors; 1-D ones are read with numpy)."""
+    repack = ops.would_repack(gguf_file)
+    int8, flt = set(), set()
+    for t in gguf_file.tensors.values():
+        if len(t.shape) != 2:
+            continue
+        code = int(t.ggml_type)
+        (int8 if repack and code in REPACKABLE else flt).add(code)
+    if not repack:
+        return [f"float:{type_name(c)}" for c in sorted(flt)] + ["ops"]
+    return ([f"int8:{type_name(c)}" for c in sorted(int8)]
+            + [f"float:{type_name(c)}" for c in sorted(flt)])
+
+
+def run(key: str) -> None:
+    kind, _, arg = key.partition(":")
+    if kind == "int8":
+        _int8_step(int(Q[arg]))
+    elif kind == "float":
+        _float_step(int(Q[arg]))
+    elif kind == "attention":
+        _attention_step(arg)
+    elif kind == "ops":
+        _ops_step()
+    else:
+        raise KeyError(f"no kernel step {key!r}")
+
+
+def _int8_step(code: int) -> None:
+    """The type's tile kernel, through a product of 1 and 260 rows (serial and parallel
+    activation quantization, the driver's serial path; no parallel region starts), then a
+    two-matrix product (the driver takes one to three)."""
+    from .packed import packed_matmul, packed_matmuls
+    from .quants import QuantMatrix, random_quant_rows
+    from .repack import PackedMatrix
+    rng = np.random.default_rng(0)
+    for N in (40, 32):       # a partial last tile (tile_codes), whole tiles (Q8_0's direct path)
+        w = QuantMatrix.from_bytes(random_quant_rows(code, N, 256, rng), code, 256, N)
+        p = PackedMatrix.from_quant(w)
+    packed_matmul(np.zeros((1, 256), np.float32), p)
+    packed_matmul(np.zeros((260, 256), np.float32), p)
+    packed_matmuls(np.zeros((2, 256), np.float32), [p, p])
+
+
+def _float_step(code: int) -> None:
+    """The type's kernels as CpuOps runs them on weights kept in GGUF blocks: ggml's
+    activation rounding for the type (F16: halves, quants: 8-bit blocks), then the matvec,
+    the few-row matvec and the multi-row kernel, and the embedding rows."""
+    from .matmul import FEW_ROWS
+    from .ops import CpuOps
+    from .quants import QuantMatrix, get_rows, random_quant_rows
+    rng = np.random.default_rng(0)
+    K = 256
+    w = QuantMatrix.from_bytes(random_quant_rows(code, 4, K, rng), code, K, 4)
+    ops = CpuOps(repack=False)
+    x = np.zeros((FEW_ROWS + 1, K), np.float32)
+    ops.matmul(x[0], w)             # matvec
+    ops.matmul(x[:2], w)            # few-row matvec
+    ops.matmul(x, w)                # register-blocked multi-row
+    get_rows(w, [0])
+
+
+def _attention_step(kv: str) -> None:
+    """ops.attention's kernels for this KV cache type: tiles of query tokens (attention._run)
+    and a lone decode token over many keys split over the threads (_run_split, which long
+    contexts of models with few KV heads reach)."""
+    from . import attention as A
+    from .ops import CpuOps
+    ops = CpuOps(kv_cache_type=kv)
+    H, D, blocks = 4, 64, 132
+    keys = A.SPLIT_MIN_KEYS + 16
+    cache = ops.new_kv_cache(1, blocks, 16, 1, D)
+    tables = np.arange(blocks, dtype=np.int32).reshape(1, blocks)
+    rounding = kv == "f16"           # ggml rounding: f16 caches; a q8_0 one rounds q instead
+    q = np.zeros((2, H, D), np.float32)
+    A.paged_attention(q, cache.k[0], cache.v[0], tables, np.zeros(2, np.int32),
+                      np.arange(2, dtype=np.int32), 0, np.float32(0.125), rounding,
+                      np.empty_like(q), False, 1)
+    q = np.zeros((1, H, D), np.float32)
+    A.paged_attention(q, cache.k[0], cache.v[0], tables, np.zeros(1, np.int32),
+                      np.array([keys - 1], np.int32), 0, np.float32(0.125), rounding,
+                      np.empty_like(q), True, 1, threads=2)
+
+
+def _ops_step() -> None:
+    """Kernels a default decoder forward does not reach: f32 numerics' and encoder models'
+    (BERT, EmbeddingGemma) norms, activations and attention."""
+    from . import kernels as K
+    from .encoder import encoder_attention, layer_norm, sequence_bounds
+    x = np.zeros((3, 64), np.float32)
+    K.gelu_tanh_mul(x, x.copy(), np.empty_like(x), False)
+    K.gelu_tanh_mul_f16(x, x.copy(), np.empty_like(x), K.gelu_f16_table(), False)
+    layer_norm(x, np.ones(64, np.float32), np.zeros(64, np.float32), 1e-6, np.empty_like(x),
+               False)
+    lo, hi = sequence_bounds(np.zeros(3, np.int32))
+    q = np.zeros((3, 2, 32), np.float32)
+    encoder_attention(q, q, q, lo, hi, np.arange(3, dtype=np.int32), 0, np.float32(0.1),
+                      np.empty_like(q), False)

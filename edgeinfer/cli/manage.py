@@ -162,6 +162,13 @@ def _kv_cell(m: dict) -> str:
     return cell + (f" + {m['kv_window']}-tok window" if m.get("kv_window") else "")
 
 
+def _state(m: dict) -> str:
+    """The UNTIL cell: a load in progress says what it is doing (compiling kernels (3/12))."""
+    if m.get("state") == "loading":
+        return str((m.get("load_progress") or {}).get("text") or "loading")
+    return "busy" if m.get("active_requests") else _until(m.get("expires_at"))
+
+
 def format_ps(models: list[dict]) -> str:
     """Ollama's `ps` table plus the backend, the weights' format and the KV cache (type and
     bytes per token of context) of each loaded copy."""
@@ -173,8 +180,7 @@ def format_ps(models: list[dict]) -> str:
         proc = "100% GPU" if device in ("cuda", "mps") else "100% CPU"
         rows.append((m["name"], (m.get("digest") or "")[:12], _human_size(m.get("size", 0)),
                      proc, backend, m.get("weights_format") or "-", _kv_cell(m),
-                     str(m.get("context_length", "")),
-                     "busy" if m.get("active_requests") else _until(m.get("expires_at"))))
+                     str(m.get("context_length", "")), _state(m)))
     if any("replica" in m for m in models):       # serve --ray: one row per replica's copy
         rows[0] += ("REPLICA", "NODE", "RUN/QUEUE", "KV BLOCKS", "PREFIX HITS")
         for i, m in enumerate(models, 1):

@@ -55,10 +55,30 @@ def sampling_from_args(args: argparse.Namespace):
         raise UserError(str(e)) from None
 
 
+def prepare_kernels(path: str, backend: str, kv_cache_type: str | None = None) -> None:
+    """Compile, with a progress bar on stderr, the CPU kernels this model needs that no
+    install or pull compiled (edgeinfer.engine.warmup); a failure only leaves them to
+    compile on first use."""
+    if backend != "cpu":
+        return
+    from edgeinfer.cli.load_progress import KernelBar
+    from edgeinfer.engine import warmup
+    from edgeinfer.settings import current
+    try:
+        keys = warmup.keys_for_model(path, kv_cache_type or current().kv_cache_type,
+                                     current().repack)
+        with KernelBar() as bar:
+            warmup.prepare(keys, bar)
+    except Exception as e:         # noqa: BLE001 - the model still loads and runs
+        print(f"edgeinfer: compiling kernels ahead failed ({e}); they compile on first use",
+              file=sys.stderr)
+
+
 def load_engine(path: str, backend: str, num_ctx: int | None, kv_cache_type: str | None = None):
     from edgeinfer.engine.core import Engine, EngineConfig
     from edgeinfer.formats.gguf_file import GGUFError
     from edgeinfer.settings import current
+    prepare_kernels(path, backend, kv_cache_type)
     try:
         return Engine(path, EngineConfig(backend=backend, max_model_len=num_ctx,
                                          kv_cache_type=kv_cache_type or current().kv_cache_type)
@@ -230,21 +250,28 @@ class DaemonSession:
             messages, raw = None, True
             options = {**options, "stop": list(params.stop)}
         kw = dict(messages=messages) if messages is not None else dict(prompt=prompt, raw=raw)
+        from edgeinfer.cli.load_progress import LoadWatcher
         t0 = time.monotonic()
         first = None
         final = None
         text: list[str] = []
+        # a first request may load the model and compile kernels: say so on stderr
+        watcher = LoadWatcher(self.client.base_url, self.model).__enter__()
         try:
             for item in stream_generate(self.model, options=options, client=self.client, **kw):
                 if isinstance(item, GenerationStats):
                     final = item
                 else:
-                    first = first or time.monotonic()
+                    if first is None:
+                        first = time.monotonic()
+                        watcher.stop()
                     text.append(item)
                     sys.stdout.write(item)
                     sys.stdout.flush()
         except ClientError as e:
             raise UserError(str(e)) from None
+        finally:
+            watcher.stop()
         if final is None:
             raise UserError("the daemon ended the stream early")
         self.load_s = final.load_duration

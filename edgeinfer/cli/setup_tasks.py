@@ -17,12 +17,29 @@ def register_bundled() -> None:
 
 
 def warm_kernels() -> None:
-    try:
-        from edgeinfer.backends.cpu import warmup
-    except ImportError:
-        print("    (no kernels to warm yet)")
+    """Compile every CPU kernel into numba's disk cache (edgeinfer.engine.warmup), in two
+    processes: a model pulled later then compiles nothing (or only its new weight types)."""
+    import os
+    import time
+
+    from edgeinfer.engine import warmup
+    t = time.monotonic()
+    keys = warmup.install_keys()
+    todo = warmup.pending(keys)
+    if not todo:
+        print(f"    all {len(keys)} kernel steps are compiled already")
         return
-    warmup.run()
+
+    last = [0]
+
+    def show(p: warmup.Progress) -> None:
+        if p.done > last[0]:            # one line per finished step
+            last[0] = p.done
+            print(f"    {p.text} ({p.elapsed:.0f} s)", flush=True)
+    processes = max(1, min(2, os.cpu_count() or 1))
+    print(f"    {len(todo)} kernel steps, {processes} processes", flush=True)
+    warmup.prepare(todo, show, processes=processes)
+    print(f"    kernels compiled in {time.monotonic() - t:.0f} s")
 
 
 def main(argv: list[str]) -> int:

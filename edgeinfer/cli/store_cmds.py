@@ -90,10 +90,34 @@ def cmd_pull(args: argparse.Namespace) -> int:
     local = "://" not in src and (src.lower().endswith(".gguf") or Path(src).expanduser().exists())
     with _ProgressView() as view:
         if not local and _daemon_pull(args, view):
+            _prepare_kernels(None, args)
             return 0
         ref = pull(args.source, name=args.name, sha256=args.sha256, progress=view)
+    _prepare_kernels(ref, args)
     print(f"pulled {ref.full_name} ({ref.id}, {human_size(ref.size)})")
     return 0
+
+
+def _prepare_kernels(ref: ModelRef | None, args: argparse.Namespace) -> None:
+    """Compile the CPU kernels the pulled model needs that install did not (its weight
+    types, its architecture's forward; edgeinfer.engine.warmup), with a progress bar, so
+    its first request does not wait for them. Nothing to do for a model whose kernels are
+    compiled, or that the daemon's backend would not run on the native CPU engine."""
+    from edgeinfer.runners.choice import resolve_for_file
+    from edgeinfer.settings import current
+    try:
+        if ref is None:         # pulled through the daemon, into the same store
+            from edgeinfer.store.pull import resolve_source
+            store = Store()
+            ref = store.resolve(str(resolve_source(args.source, args.name, args.sha256,
+                                                   store).name), allow_path=False)
+        settings = current()
+        if resolve_for_file(str(ref.path), settings.backend, settings.device) != "cpu":
+            return
+    except Exception:           # noqa: BLE001 - the pull itself succeeded
+        return
+    from edgeinfer.cli.run import prepare_kernels
+    prepare_kernels(str(ref.path), "cpu")
 
 
 # ----- list / rm / cp ---------------------------------------------------------------------

@@ -210,6 +210,9 @@ class Metrics:
             "gpu": _gpu(),
             "compute": _compute(manager),
             "models": models,
+            # loads in progress: "compiling kernels (k/n)", then "loading weights"
+            "loading": [{"name": st.name, "backend": st.backend, **st.to_dict()}
+                        for st in list(getattr(manager, "loading", {}).values())],
         }
 
 

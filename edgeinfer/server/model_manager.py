@@ -180,6 +180,57 @@ def _new_engine(path: str, ecfg: EngineConfig) -> Engine:
     return Engine(path, ecfg).start()
 
 
+@dataclass
+class LoadStatus:
+    """A load in progress, as /api/ps, /api/stats and `edgeinfer run` show it: the stage
+    ("compiling kernels", "loading weights") and, while kernels compile, steps done of total
+    and the step that finished last."""
+    name: str
+    backend: str
+    stage: str = "loading weights"
+    done: int = 0
+    total: int = 0
+    step: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def text(self) -> str:
+        if self.stage == "compiling kernels":
+            return f"compiling kernels ({self.done}/{self.total})"
+        return self.stage
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "text": self.text, "done": self.done, "total": self.total,
+                "step": self.step, "elapsed_s": round(time.monotonic() - self.started, 1)}
+
+
+def _prepare_kernels(path: str, backend: str, kv_cache_type: str, repack: bool | None,
+                     status: LoadStatus) -> None:
+    """Compile, with progress in `status`, the CPU kernels this model needs that no install,
+    pull or earlier load compiled (edgeinfer.engine.warmup; child processes). A failure is
+    logged: the kernels then compile on first use, as they would have anyway."""
+    if backend != "cpu":
+        return
+    from edgeinfer.engine import warmup
+
+    def progress(p: warmup.Progress) -> None:
+        status.stage, status.done, status.total, status.step = (
+            "compiling kernels", p.done, p.total, p.label)
+    try:
+        keys = warmup.keys_for_model(path, kv_cache_type, repack)
+        todo = warmup.pending(keys)
+        if todo:
+            log.info("compiling %d kernel steps for %s: %s", len(todo), status.name,
+                     ", ".join(todo))
+            t0 = time.monotonic()
+            warmup.prepare(todo, progress)
+            log.info("kernels for %s compiled in %.1fs", status.name, time.monotonic() - t0)
+    except Exception as e:          # noqa: BLE001 - never fail a load over a warm-up
+        log.warning("compiling kernels ahead for %s failed (%s); they compile on first use",
+                    status.name, e)
+    status.stage = "loading weights"
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
@@ -189,6 +240,7 @@ class ModelManager:
         self.config = config
         self.store = store or Store()
         self.models: dict[tuple[str, str], LoadedModel] = {}
+        self.loading: dict[tuple[str, str], LoadStatus] = {}     # loads in progress
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._global = asyncio.Lock()       # serializes budget decisions between loads
         self._reaper: asyncio.Task | None = None
@@ -386,12 +438,17 @@ class ModelManager:
             ecfg = cfg.engine_config(key[1], governor=self.governor, kv_cache_type=kv_cache_type)
             t0 = time.monotonic()
             failure: BaseException | None = None
+            status = self.loading[key] = LoadStatus(ref.full_name, key[1])
             try:
+                await asyncio.to_thread(_prepare_kernels, str(ref.path), key[1], kv_cache_type,
+                                        cfg.repack, status)
                 engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg)
             except (APIError, MemoryError) as e:
                 failure = e
             except Exception as e:      # a broken file or unsupported arch: one sentence
                 failure = APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed")
+            finally:
+                self.loading.pop(key, None)
             if failure is not None:
                 # The half-built engine is garbage once no traceback holds its frames: drop
                 # them, collect and trim, then report.

@@ -356,7 +356,20 @@ async def ps(request: Request):
                     "weights_format": lm.weights_format, "active_requests": lm.active,
                     "kv_cache_type": lm.kv_cache_type,
                     "kv_bytes_per_token": lm.kv_bytes_per_token, "kv_bytes": lm.kv_bytes,
-                    "kv_window": lm.kv_window})
+                    "kv_window": lm.kv_window, "state": "loaded"})
+    # edgeinfer: loads in progress too (Ollama lists only loaded models), with what they are
+    # doing: "compiling kernels (k/n)" (a model with weight types no install or pull
+    # compiled), then "loading weights"
+    for (name, backend), st in list(manager.loading.items()):
+        if any(m["name"] == name and m["backend"] == backend for m in out):
+            continue
+        ref = manager.store.get(name) if ":" in name else None
+        out.append({"name": name, "model": name, "size": 0, "digest": ref.digest if ref else "",
+                    "details": _details(ref) if ref else {},
+                    "expires_at": "2262-04-11T23:47:16Z", "size_vram": 0, "context_length": 0,
+                    "backend": backend, "device": "cpu" if backend == "cpu" else backend,
+                    "weights_format": "", "active_requests": 0, "state": "loading",
+                    "load_progress": st.to_dict()})
     return {"models": out}
 
 

@@ -14,7 +14,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Markdown, Select
 
-from ..api import ApiError, ChatOptions, DaemonUnreachable
+from ..api import ApiError, ChatOptions, DaemonUnreachable, loading_status
 from ..widgets.banner import ConnectionBanner
 from ..widgets.chat_message import ChatMessage
 from ..widgets.stream_status import StreamStatus
@@ -43,6 +43,7 @@ class ChatScreen(Screen):
         super().__init__()
         self.history: list[dict[str, str]] = []
         self._run = 0              # bumped per send and by "new chat": a late finish is dropped
+        self._waiting_for: str | None = None    # the model a sent request waits on
 
     def compose(self) -> ComposeResult:
         yield ConnectionBanner()
@@ -69,6 +70,11 @@ class ChatScreen(Screen):
             return
         status = self.query_one(StreamStatus)
         status.rss, status.kv_used, status.kv_total = sample.rss, sample.kv_used, sample.kv_total
+        if status.state == "waiting" and self._waiting_for:
+            # the first request to a model loads it, and may compile kernels first: say so
+            loading = loading_status(sample.models, self._waiting_for)
+            if loading:
+                status.detail = f"loading {loading}"
 
     # ----- model list ---------------------------------------------------------------------
     def _models_changed(self, _version: int) -> None:
@@ -167,6 +173,7 @@ class ChatScreen(Screen):
         status = self.query_one(StreamStatus)
         status.reset()
         status.state = "waiting"
+        self._waiting_for = model
         self._run += 1
         run = self._run
         self.streaming = True
@@ -186,6 +193,9 @@ class ChatScreen(Screen):
                         first = now
                         status.ttft = now - t0
                         status.state = "streaming"
+                        self._waiting_for = None
+                        if status.detail.startswith("loading "):
+                            status.detail = ""
                     parts.append(chunk.content)
                     pending.append(chunk.content)
                     tokens += 1

@@ -91,7 +91,8 @@ class DashboardScreen(Screen):
         table = self.query_one("#loaded", DataTable)
         now = self.app.now()
         rows = [] if s is None else [
-            (m.name, fmt_bytes(m.memory), fmt_until(m.expires_at, now)) for m in s.models]
+            (m.name, "-" if m.status else fmt_bytes(m.memory),
+             m.status or fmt_until(m.expires_at, now)) for m in s.models]
         table.clear()
         for row in rows:
             table.add_row(*row)
