@@ -1,4 +1,4 @@
-"""An inter-process lock for compiling kernels that share one numba cache index file.
+"""Inter-process locks around numba's disk cache.
 
 numba's disk cache keeps every compiled specialization of a function in one index file and
 numbers its data files 1, 2, ... in the order they were saved. Two processes that compile
@@ -7,6 +7,12 @@ pull` or install warming another format) can both pick data file 1: one overwrit
 other's machine code and the index then maps a signature to the wrong kernel. Holding this
 lock around the compile-or-load of such a function makes those saves one at a time. A lock
 file per name under NUMBA_CACHE_DIR; a no-op where there is no fcntl (Windows) or no cache.
+
+`guard_numba_cache()` closes the same hole for every cached function: numba's save (read
+the index, add the entry, write the index, then the data file) runs under an exclusive lock
+on the cache directory and its load (index, then data) under a shared one, so a save never
+interleaves with another save, and a load never reads an index entry before its data file
+is written (after a source edit the data file of that number can be the old code's).
 """
 from __future__ import annotations
 
@@ -36,3 +42,40 @@ def cache_lock(name: str):
         yield
     finally:
         os.close(fd)         # closing releases the lock
+
+
+@contextlib.contextmanager
+def _dir_lock(directory: str, exclusive: bool):
+    try:
+        fd = os.open(os.path.join(directory, ".edgeinfer-cache.lock"), os.O_RDWR | os.O_CREAT,
+                     0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def guard_numba_cache() -> None:
+    """Put numba's cache index saves and loads under the directory lock (see the module
+    doc); once per process, a no-op without fcntl."""
+    if fcntl is None:
+        return
+    from numba.core import caching
+    cls = caching.IndexDataCacheFile
+    if getattr(cls.save, "_edgeinfer_guarded", False):
+        return
+    save, load = cls.save, cls.load
+
+    def guarded_save(self, key, data):
+        with _dir_lock(self._cache_path, True):
+            return save(self, key, data)
+
+    def guarded_load(self, key):
+        with _dir_lock(self._cache_path, False):
+            return load(self, key)
+    guarded_save._edgeinfer_guarded = True
+    cls.save, cls.load = guarded_save, guarded_load
