@@ -78,8 +78,13 @@ class Daemon:
 
 
 def register_gemma(home: Path, gemma3_path: Path) -> None:
+    """A store holding gemma3:270m and nothing else: the marker says the bundled models were
+    offered already, so listing it does not assemble the bundled chat model (491 MB) too
+    (test_first_run checks that a fresh store lists them)."""
+    from edgeinfer.store.bundled_listing import MARKER
     from edgeinfer.store.model_store import Store
     Store(home).register_file(gemma3_path, "gemma3:270m")
+    (home / MARKER).touch()
 
 
 def daemon_env(home: Path, **extra: str) -> dict:
