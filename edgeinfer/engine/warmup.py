@@ -211,15 +211,18 @@ def _stages(keys: list[str], processes: int) -> list[list[list[str]]]:
     return [[part for part in stage if part] for stage in stages if any(stage)]
 
 
-def prepare(keys, progress: ProgressFn | None = None, processes: int = 1,
+def prepare(keys, progress: ProgressFn | None = None, processes: int | None = None,
             env: dict | None = None) -> list[str]:
-    """Run the pending steps among `keys` in `processes` child processes; `progress` gets a
-    Progress when the work begins and after each step. Returns the steps it ran. Raises
-    WarmupError when a child fails (the kernels then compile on first use, as they would
-    have without this)."""
+    """Run the pending steps among `keys` in child processes (`processes` at once; None: two
+    on a machine with two cores or more when there are eight steps or more, else one);
+    `progress` gets a Progress when the work begins and as steps start and finish. Returns
+    the steps it ran. Raises WarmupError when a child fails (the kernels then compile on
+    first use, as they would have without this)."""
     todo = pending(keys)
     if not todo:
         return []
+    if processes is None:
+        processes = min(2, os.cpu_count() or 1) if len(todo) >= 8 else 1
     t0 = time.monotonic()
     total = len(todo)
     if progress:
