@@ -129,6 +129,7 @@ def test_n_choices_share_a_long_prefill(engines):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.slow          # ~30 s; test_serving_real covers preemption by recompute by default
 def test_preemption_with_a_small_pool_recomputes_the_same(path):
     # 78 blocks in each pool (a small budget: the planner makes them equal): the first two
     # prompts (38 + 39 blocks) are admitted in one step, their 48 outputs need 83: preemption

@@ -64,7 +64,9 @@ def test_runner_interface(engine):
     assert r.kv_plan.capacity_tokens <= r.ctx.n_ctx
 
 
-@pytest.mark.parametrize("text", PROMPTS)
+# one prompt in the default run, the others under -m slow (~20 s each here)
+@pytest.mark.parametrize("text", PROMPTS[:1] + [pytest.param(p, marks=pytest.mark.slow)
+                                                 for p in PROMPTS[1:]])
 def test_greedy_equals_llama_cpp_completion(engine, reference, text):
     out = engine.generate(engine.encode_raw(text), greedy(32))
     assert out.text == reference(text)

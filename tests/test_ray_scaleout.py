@@ -499,6 +499,7 @@ def test_ray_replica_killed_before_answering_is_retried(ray_daemon):
 
 
 @needs_ray
+@pytest.mark.slow          # ~34 s: a second Ray node
 def test_ray_api_key_and_a_replica_node_without_the_model(tmp_path, model_path, ray_daemon):
     """With an API key every route but /health wants it, through the replicas' own check and
     on the routes the Ingress answers itself, each 401 in its API's shape. The replica's store
