@@ -15,8 +15,9 @@
    first output byte and to its end, and pull + first answer; the daemon is stopped after.
 
 The models are the registry test models (.cache/test-models, assembled by install.sh --dev).
-Every command is the CLI a user types, in subprocesses, so --python can point at another
-checkout's interpreter (with PYTHONPATH) to measure a base revision the same way. Absolute
+Every command is the CLI a user types, in subprocesses, so --repo can point at another checkout
+(e.g. `git archive BASE | tar -x -C DIR`, with DIR/edgeinfer/{backends,models,tui} linked to
+DIR/{backends,models,tui} as the editable install maps them) to measure it the same way. Absolute
 numbers on the shared 2-core machine drift with its load: the script prints `uptime` with each.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+RUN_DIR = REPO          # where the commands run (--repo: another checkout)
 MODELS = {
     "qwen": REPO / ".cache/test-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     "smollm2": REPO / ".cache/test-models/smollm2-135m-instruct-q4_1.gguf",
@@ -74,7 +76,7 @@ def install_warmup(py: str, env: dict, cache: Path) -> tuple[float, float]:
     env = {**env, "NUMBA_CACHE_DIR": str(cache)}
     c0, t0 = children_cpu(), time.monotonic()
     subprocess.run([py, "-m", "edgeinfer.cli.setup_tasks", "warm-kernels"], env=env,
-                   cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                   cwd=RUN_DIR, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.monotonic() - t0, children_cpu() - c0
 
 
@@ -89,12 +91,12 @@ def first_answer(py: str, env: dict, install_cache: Path, model: Path, work: Pat
     try:
         t0 = time.monotonic()
         subprocess.run(cli + ["pull", f"http://127.0.0.1:{port}/{model.name}", "--name",
-                              "bench:first"], env=env, cwd=REPO, check=True,
+                              "bench:first"], env=env, cwd=RUN_DIR, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         pulled = time.monotonic()
         proc = subprocess.Popen(cli + ["run", "bench:first", "Why is the sky blue?",
                                        "--max-tokens", "16", "--temperature", "0"],
-                                env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                env=env, cwd=RUN_DIR, stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL)
         first = None
         while True:
@@ -109,7 +111,7 @@ def first_answer(py: str, env: dict, install_cache: Path, model: Path, work: Pat
             raise RuntimeError(f"edgeinfer run exited {proc.returncode}")
     finally:
         httpd.shutdown()
-        subprocess.run(cli + ["daemon", "stop"], env=env, cwd=REPO,
+        subprocess.run(cli + ["daemon", "stop"], env=env, cwd=RUN_DIR,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     first = first or end
     return {"pull": pulled - t0, "first": first - pulled, "end": end - pulled,
@@ -119,11 +121,18 @@ def first_answer(py: str, env: dict, install_cache: Path, model: Path, work: Pat
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--gguf", action="append", default=[], metavar="NAME=PATH",
+                    help="another model to measure (e.g. a Q4_K_M of tests/synth.py: q/k/v "
+                         "in Q4_K, Q4_K, Q6_K, as Qwen2.5 1.5B's)")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--install-cache", type=Path)
     ap.add_argument("--skip-install", action="store_true")
     ap.add_argument("--python", default=str(REPO / ".venv/bin/python"))
+    ap.add_argument("--repo", type=Path, default=REPO,
+                    help="the checkout whose edgeinfer runs (the commands' working directory)")
     a = ap.parse_args()
+    global RUN_DIR
+    RUN_DIR = a.repo
     env = dict(os.environ)
     env.pop("NUMBA_CACHE_DIR", None)
     tmp = Path(tempfile.mkdtemp(prefix="edgeinfer-first-"))
@@ -136,10 +145,12 @@ def main() -> None:
         wall, cpu = install_warmup(a.python, env, cache)
         print(f"install warm-up into an empty NUMBA_CACHE_DIR: {wall:.1f} s wall, "
               f"{cpu:.1f} s CPU (load after: {load()})")
-    for name in a.models:
+    models = {name: MODELS[name] for name in a.models}
+    models.update((g.split("=", 1)[0], Path(g.split("=", 1)[1]).resolve()) for g in a.gguf)
+    for name, path in models.items():
         rows = []
         for i in range(a.runs):
-            r = first_answer(a.python, env, cache, MODELS[name], tmp / f"{name}-{i}")
+            r = first_answer(a.python, env, cache, path, tmp / f"{name}-{i}")
             rows.append(r)
             print(f"{name} run {i + 1}: pull {r['pull']:.1f} s, run -> first answer "
                   f"{r['first']:.1f} s (done {r['end']:.1f} s); pull + first answer "
