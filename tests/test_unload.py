@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon_fixture import API_BACKENDS, register_gemma, start_daemon
+from daemon_fixture import register_gemma, start_daemon
 
 MB = 1 << 20
 TOLERANCE = 50 * MB           # issue 12: "within 50 MB of its pre-load figure"
@@ -31,7 +31,8 @@ TOLERANCE = 50 * MB           # issue 12: "within 50 MB of its pre-load figure"
 KERNEL_CODE_ALLOWANCE = 150 * MB
 
 
-@pytest.fixture(params=API_BACKENDS)
+# the llama.cpp copy (~20 s) under -m slow: the default run keeps the native runner's
+@pytest.fixture(params=["cpu", pytest.param("llamacpp", marks=pytest.mark.slow)])
 def daemon(request, tmp_path, gemma3_path):
     """A fresh daemon (nothing loaded yet) on the native runner, and on llama.cpp's."""
     home = tmp_path / "home"
