@@ -270,7 +270,14 @@ def test_ray_smoke_both_apis_streaming_and_not(ray_daemon):
     ps = d.get("/api/ps").json()
     assert len(ps["replicas"]) == 2 and len({r["pid"] for r in ps["replicas"]}) == 2
     assert all(r["node"] and r["kv_blocks_total"] > 0 for r in ps["replicas"])
-    stats = d.get("/api/stats").json()
+    # replicas push their figures to the registry periodically: wait for the latest push (a
+    # guard against a stale report, not a timing assertion)
+    deadline = time.monotonic() + 30
+    while True:
+        stats = d.get("/api/stats").json()
+        if stats["totals"].get("requests", 0) >= 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(stats["replicas"]) == 2 and {m["name"] for m in stats["models"]} == {MODEL}
     assert stats["totals"]["requests"] >= 5
     with httpx.stream("GET", d.url + "/api/stats/stream?interval=0.1", timeout=30) as r:
