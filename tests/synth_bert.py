@@ -130,6 +130,7 @@ def write_gemma_embedding(path: Path, seed: int = 0, dense: bool = True) -> Path
     """A random-weight `gemma-embedding` (EmbeddingGemma) model: tests/synth.py's gemma3
     shapes and vocabulary, bidirectional, mean pooling, optional dense_2/dense_3 projections."""
     import synth
+    from edgeinfer.formats.synthetic import spm_vocab
     rng = np.random.default_rng(seed)
     arch = "gemma-embedding"
     E, FF, H, KV, D, L = synth.N_EMBD, synth.N_FF, synth.N_HEAD, synth.N_KV, synth.HEAD_DIM, synth.N_LAYERS
@@ -150,7 +151,7 @@ def write_gemma_embedding(path: Path, seed: int = 0, dense: bool = True) -> Path
     w.add_causal_attention(False)
     w.add_uint32(f"{arch}.pooling_type", POOLING["mean"])
     w.add_file_type(0)
-    tokens, scores, types = synth._spm_vocab("gemma3")
+    tokens, scores, types = spm_vocab("gemma3")
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)

@@ -29,17 +29,7 @@ ASK = [{"role": "user", "content": "What is 2+2?"}]
 def daemon(tmp_path_factory):
     d = tmp_path_factory.mktemp("thinker")
     path = d / "thinker.gguf"
-
-    class Writer(synth.GGUFWriter):
-        def write_header_to_file(self, *a, **kw):
-            self.add_chat_template(TEMPLATE)
-            super().write_header_to_file(*a, **kw)
-    orig = synth.GGUFWriter
-    synth.GGUFWriter = Writer
-    try:
-        synth.write_model(path, "qwen3")
-    finally:
-        synth.GGUFWriter = orig
+    synth.write_model(path, "qwen3", chat_template=TEMPLATE)
     from edgeinfer.store.model_store import Store
     home = d / "home"
     Store(home).register_file(path, MODEL)

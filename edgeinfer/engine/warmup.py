@@ -290,121 +290,26 @@ def prepare_model(path: str, progress: ProgressFn | None = None, kv_cache_type: 
 N_EMBD, N_FF, N_HEAD, N_KV, HEAD_DIM = 128, 256, 4, 2, 64
 
 
-def _spm_vocab(arch: str) -> tuple[list[str], list[float], list[int]]:
-    if arch == "gemma3":
-        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-    else:
-        specials = ["<unk>", "<s>", "</s>"]
-    tokens = specials + [f"<0x{i:02X}>" for i in range(256)]
-    types = [3] * len(specials) + [6] * 256
-    types[specials.index("<unk>")] = 2
-    words = ["▁", "▁the", "▁a", "▁of", "▁and", "e", "t", "a", "o", "n"]
-    words += [f"▁w{i}" for i in range(320 - len(tokens) - len(words))]
-    scores = [0.0] * len(tokens) + [-float(i) for i in range(len(words))]
-    return tokens + words, scores, types + [1] * len(words)
-
-
-def _bpe_vocab() -> tuple[list[str], list[int], list[str]]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    merges = ["Ġ t", "Ġ a", "h e", "i n", "Ġt he"]
-    tokens = [chr(c) for c in cs] + [m.replace(" ", "") for m in merges]
-    tokens += [f"tok{i}" for i in range(317 - len(tokens))]
-    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    return tokens, [1] * (len(tokens) - 3) + [3, 3, 3], merges
-
-
 def write_tiny_model(path: Path, arch: str) -> Path:
     """A random-weight model of `arch` (llama, qwen2, qwen3, gemma3): Q8_0 matrices, F32
-    norms, a 320-token vocabulary."""
+    norms, the shared synthetic vocabulary (edgeinfer/formats/synthetic.py)."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFWriter
 
     from edgeinfer.backends.cpu.quants import random_quant_rows
+    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
     rng = np.random.default_rng(0)
+
+    def tensor(name: str, kind: str, dims: tuple, scale: float):
+        if kind in ("embd", "mat"):
+            return random_quant_rows(Q.Q8_0, dims[0], dims[1], rng), Q.Q8_0
+        if kind == "norm":
+            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+
     layers = 6 if arch == "gemma3" else 2          # gemma3: local and global layers
-    w = GGUFWriter(str(path), arch)
-    w.add_context_length(512)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_KV)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_key_length(HEAD_DIM)
-    w.add_value_length(HEAD_DIM)
-    w.add_rope_freq_base(10000.0)
-    w.add_file_type(7)
-    if arch == "gemma3":
-        w.add_sliding_window(32)
-    if arch in ("llama", "gemma3"):
-        tokens, scores, types = _spm_vocab(arch)
-        w.add_tokenizer_model("llama")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        if arch == "gemma3":
-            w.add_bos_token_id(2); w.add_eos_token_id(1); w.add_unk_token_id(3)
-            w.add_pad_token_id(0)
-        else:
-            w.add_bos_token_id(1); w.add_eos_token_id(2); w.add_unk_token_id(0)
-        w.add_add_bos_token(True)
-    else:
-        tokens, types, merges = _bpe_vocab()
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_merges(merges)
-        w.add_eos_token_id(len(tokens) - 1)
-        w.add_bos_token_id(len(tokens) - 3)
-        w.add_add_bos_token(False)
-    vocab = len(tokens)
-
-    def mat(name: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, random_quant_rows(Q.Q8_0, rows, cols, rng), raw_dtype=Q.Q8_0)
-
-    def vec(name: str, n: int) -> None:
-        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
-
-    mat("token_embd.weight", vocab, N_EMBD)
-    vec("output_norm.weight", N_EMBD)
-    if arch != "gemma3":
-        mat("output.weight", vocab, N_EMBD)
-    q, kv = N_HEAD * HEAD_DIM, N_KV * HEAD_DIM
-    for i in range(layers):
-        p = f"blk.{i}."
-        vec(p + "attn_norm.weight", N_EMBD)
-        mat(p + "attn_q.weight", q, N_EMBD)
-        mat(p + "attn_k.weight", kv, N_EMBD)
-        mat(p + "attn_v.weight", kv, N_EMBD)
-        mat(p + "attn_output.weight", N_EMBD, q)
-        vec(p + "ffn_norm.weight", N_EMBD)
-        mat(p + "ffn_gate.weight", N_FF, N_EMBD)
-        mat(p + "ffn_up.weight", N_FF, N_EMBD)
-        mat(p + "ffn_down.weight", N_EMBD, N_FF)
-        if arch in ("gemma3", "qwen3"):
-            vec(p + "attn_q_norm.weight", HEAD_DIM)
-            vec(p + "attn_k_norm.weight", HEAD_DIM)
-        if arch == "gemma3":
-            vec(p + "post_attention_norm.weight", N_EMBD)
-            vec(p + "post_ffw_norm.weight", N_EMBD)
-        if arch == "qwen2":
-            for n, size in (("attn_q.bias", q), ("attn_k.bias", kv), ("attn_v.bias", kv)):
-                w.add_tensor(p + n, (0.1 * rng.standard_normal(size)).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    shape = TinyShape(N_EMBD, N_FF, N_HEAD, N_KV, HEAD_DIM, layers, context=512)
+    return write_tiny_gguf(path, arch, shape, tensor, file_type=7)
 
 
 def _model_step(arch: str, kv: str) -> None:
