@@ -314,9 +314,8 @@ async def messages(body: MessagesRequest, request: Request):
         engine = gen.lm.engine
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
         chat, tvars = tl.prepare_chat(msgs, tools, choice, parallel, engine.chat_template)
-        if spec is None and tools and choice.mode == "auto" and \
-                tl.auto_grammar_fits(engine.chat_template):
-            spec = tl.call_grammar(tools, choice, parallel)
+        if spec is None:
+            spec = tl.auto_spec(tools, choice, parallel, engine.chat_template)
         try:
             prompt = await gen.encode(lambda e: e.encode_chat(chat, **tvars))
         except ChatTemplateError as e:

@@ -203,8 +203,9 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
         params = gen.adapt(params, _given(body.options),
                            body.options.stop_on_repetition if body.options else None)
         param = "format"
-        if spec is None and tools and tl.auto_grammar_fits(engine.chat_template):
-            spec, param = tl.call_grammar(tools, tl.Choice("auto"), True), "tools"
+        if spec is None and (auto := tl.auto_spec(tools, tl.Choice("auto"), True,
+                                                  engine.chat_template)) is not None:
+            spec, param = auto, "tools"
         constraints = (await tl.build_constraints(engine, spec, 1, param)
                        if spec is not None else None)
         tok = engine.tokenizer

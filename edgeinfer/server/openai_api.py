@@ -263,8 +263,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
         msgs, extra = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
                                       engine.chat_template)
-        if spec is None and choice.mode == "auto" and tl.auto_grammar_fits(engine.chat_template):
-            spec, spec_param = tl.call_grammar(tools, choice, body.parallel_tool_calls), "tools"
+        if spec is None and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
+                                                  engine.chat_template)) is not None:
+            spec, spec_param = auto, "tools"
         try:
             prompt = await gen.encode(lambda e: e.encode_chat(msgs, **extra))
         except ChatTemplateError as e:

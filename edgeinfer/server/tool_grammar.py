@@ -114,10 +114,22 @@ def call_grammar(tools: list[Tool], choice, parallel: bool) -> GrammarSpec:
                                f'"\\n{CLOSE}"\n')
 
 
+def template_supports_tools(template: str) -> bool:
+    """The template renders tools itself (else the built-in fallback prompt states them)."""
+    return bool(re.search(r"\btools\b", template or ""))
+
+
 def auto_grammar_fits(template: str) -> bool:
     """With tool_choice auto, constrain calls where the model writes the triggers above: the
     built-in fallback prompt (no tools in the template), or a Hermes / Qwen template
     (`<tool_call>`). Other families (Llama 3's `<|python_tag|>`, Mistral's `[TOOL_CALLS]`,
     control tokens the text grammar cannot see) are parsed from free output."""
-    template = template or ""
-    return not re.search(r"\btools\b", template) or OPEN in template
+    return not template_supports_tools(template) or OPEN in (template or "")
+
+
+def auto_spec(tools: list[Tool], choice, parallel: bool, template: str) -> GrammarSpec | None:
+    """The lazy grammar for tool_choice auto where it applies (tools given, a template whose
+    calls the grammar can see), else None: the one rule every API follows."""
+    if not tools or choice.mode != "auto" or not auto_grammar_fits(template):
+        return None
+    return call_grammar(tools, choice, parallel)

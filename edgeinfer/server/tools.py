@@ -32,7 +32,8 @@ from jsonschema.exceptions import SchemaError
 from edgeinfer.engine.grammar import GrammarError, GrammarSpec, check_schema
 
 from .errors import bad_param
-from .tool_grammar import auto_grammar_fits, call_grammar, call_schema  # noqa: F401
+from .tool_grammar import (auto_grammar_fits, auto_spec, call_grammar, call_schema,  # noqa: F401
+                           template_supports_tools)
 from .tool_parse import (CLOSE, OPEN, StreamSplitter, Tool, ToolCall, _holdback,  # noqa: F401
                          args_obj as _args_obj, parse_calls)
 
@@ -120,10 +121,6 @@ def parse_tool_choice(raw: Any, tools: list[Tool], param: str = "tool_choice") -
 
 
 # ----- prompts -----------------------------------------------------------------------------
-
-def template_supports_tools(template: str) -> bool:
-    return bool(re.search(r"\btools\b", template or ""))
-
 
 def fallback_system(tools: list[Tool], choice: Choice, parallel: bool) -> str:
     lines = ["You can call these functions (JSON schemas of their arguments):"]
