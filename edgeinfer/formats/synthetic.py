@@ -31,12 +31,15 @@ class TinyShape:
     sliding_window: int = 32          # gemma3's local layers
 
 
-def spm_vocab(arch: str) -> tuple[list[str], list[float], list[int]]:
-    """A 384-token SentencePiece vocabulary with the family's specials and byte tokens."""
+def spm_vocab(arch: str, extra_specials: tuple[str, ...] = ()
+              ) -> tuple[list[str], list[float], list[int]]:
+    """A 384-token SentencePiece vocabulary with the family's specials and byte tokens
+    (`extra_specials`: more control tokens after the family's, e.g. Gemma 3's image tags)."""
     if arch == "gemma3":
         specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     else:
         specials = ["<unk>", "<s>", "</s>"]
+    specials += list(extra_specials)
     tokens = specials + [f"<0x{i:02X}>" for i in range(256)]
     types = [3] * len(specials) + [6] * 256
     types[specials.index("<unk>")] = 2
@@ -70,7 +73,8 @@ def bpe_vocab() -> tuple[list[str], list[int], list[str]]:
 
 def write_tiny_gguf(path: Path, arch: str, shape: TinyShape, tensor: TensorFn, *,
                     file_type: int, rope_base: float = 10000.0, name: str | None = None,
-                    space_prefix: bool | None = None, chat_template: str | None = None) -> Path:
+                    space_prefix: bool | None = None, chat_template: str | None = None,
+                    extra_specials: tuple[str, ...] = ()) -> Path:
     """Write a model of `arch` whose tensors `tensor` makes, in llama.cpp's tensor order."""
     from gguf import GGUFWriter
     w = GGUFWriter(str(path), arch)
@@ -90,7 +94,7 @@ def write_tiny_gguf(path: Path, arch: str, shape: TinyShape, tensor: TensorFn, *
     if arch == "gemma3":
         w.add_sliding_window(shape.sliding_window)
     if arch in ("llama", "gemma3"):
-        tokens, scores, types = spm_vocab(arch)
+        tokens, scores, types = spm_vocab(arch, extra_specials)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
         w.add_token_list(tokens)

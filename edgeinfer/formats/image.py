@@ -1,0 +1,115 @@
+"""Images in: decode (Pillow), check, and preprocess as llama.cpp's libmtmd does.
+
+`decode_image` turns the bytes a client sent into RGB pixels, refusing what is not an image,
+a format we do not take, and anything over the limits (bytes, megapixels) before decoding
+the pixels. `preprocess_fixed` is libmtmd's fixed-size preprocessing (Gemma 3): scale to fit
+the square keeping the aspect ratio (Pillow-compatible bilinear resampling, which llama.cpp
+reimplements), pad with black to the square, centered, then (x / 255 - mean) / std per
+channel.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message is one sentence for the client."""
+
+
+@dataclass(frozen=True)
+class Image:
+    """One decoded image: RGB pixels [height, width, 3] and the sha256 of its bytes."""
+    rgb: np.ndarray
+    digest: str
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return int(self.rgb.shape[1]), int(self.rgb.shape[0])
+
+
+def b64_image(data: str, what: str = "image") -> bytes:
+    """Base64 (plain, or a data: URL) to bytes; ImageError when it is not base64."""
+    s = data.strip()
+    if s.startswith("data:"):
+        head, sep, s = s.partition(",")
+        if not sep or ";base64" not in head:
+            raise ImageError(f"{what}: a data URL must be base64-encoded "
+                             "(data:image/png;base64,...)")
+    if len(s) > (MAX_IMAGE_BYTES * 4) // 3 + 8:
+        raise ImageError(f"{what} is larger than the {MAX_IMAGE_BYTES // (1024 * 1024)} MB "
+                         "limit")
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{what} is not valid base64") from None
+
+
+def decode_image(data: bytes, what: str = "image", max_bytes: int = MAX_IMAGE_BYTES,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> Image:
+    """Bytes of a PNG / JPEG / WebP / GIF (first frame) / BMP to RGB pixels."""
+    from PIL import Image as PILImage
+    from PIL import UnidentifiedImageError
+    if not data:
+        raise ImageError(f"{what} is empty")
+    if len(data) > max_bytes:
+        raise ImageError(f"{what} is {len(data) / 2**20:.1f} MB, more than the "
+                         f"{max_bytes // 2**20} MB limit")
+    try:
+        im = PILImage.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ImageError(f"{what} is not an image in a known format "
+                         f"({', '.join(FORMATS)})") from None
+    except Exception as e:
+        raise ImageError(f"{what} could not be read: {e}") from None
+    if im.format not in FORMATS:
+        raise ImageError(f"{what} is {im.format}, which is not supported "
+                         f"({', '.join(FORMATS)})")
+    w, h = im.size
+    if w <= 0 or h <= 0:
+        raise ImageError(f"{what} has no pixels")
+    if w * h > max_pixels:
+        raise ImageError(f"{what} is {w}x{h} = {w * h / 1e6:.0f} megapixels, more than "
+                         f"the {max_pixels / 1e6:.0f} megapixel limit")
+    try:
+        im.seek(0)
+        rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except Exception as e:     # truncated or corrupt data shows up when the pixels load
+        raise ImageError(f"{what} is corrupt or truncated ({type(e).__name__}: {e})") from None
+    return Image(np.ascontiguousarray(rgb), hashlib.sha256(data).hexdigest())
+
+
+def resize_fit_pad(rgb: np.ndarray, size: int) -> np.ndarray:
+    """libmtmd's resize to size x size with PAD_CEIL: scale to fit (bilinear), black bars."""
+    from PIL import Image as PILImage
+    h, w = int(rgb.shape[0]), int(rgb.shape[1])
+    if (w, h) == (size, size):
+        return rgb
+    sw = np.float32(size) / np.float32(w)
+    sh = np.float32(size) / np.float32(h)
+    s = min(sw, sh)
+    nw = min(int(math.ceil(np.float32(w) * s)), size)
+    nh = min(int(math.ceil(np.float32(h) * s)), size)
+    small = np.asarray(PILImage.fromarray(rgb, "RGB").resize((nw, nh), PILImage.BILINEAR),
+                       np.uint8)
+    out = np.zeros((size, size, 3), np.uint8)
+    ox, oy = (size - nw) // 2, (size - nh) // 2
+    out[oy:oy + nh, ox:ox + nw] = small
+    return out
+
+
+def preprocess_fixed(rgb: np.ndarray, size: int, mean, std) -> np.ndarray:
+    """float32 [3, size, size]: resized, padded, normalized pixels."""
+    px = resize_fit_pad(rgb, size).astype(np.float32) / np.float32(255.0)
+    px = (px - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(px.transpose(2, 0, 1))

@@ -1,0 +1,154 @@
+"""Vision projector files (llama.cpp's "mmproj" GGUFs, general.architecture "clip"): the
+typed config and the checks that run before anything is loaded.
+
+Supported projector types: "gemma3" (Gemma 3's SigLIP tower, a 2-D average pool and the
+soft-embedding norm + input projection). Every other type is refused with one sentence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgeinfer.formats.gguf_file import GGUFError, GGUFFile, read_gguf
+
+SUPPORTED_PROJECTORS = ("gemma3",)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    projector: str              # clip.projector_type
+    n_embd: int                 # vision width
+    n_ff: int
+    n_head: int
+    n_layers: int
+    eps: float
+    image_size: int             # pixels per side after preprocessing
+    patch_size: int
+    n_merge: int                # gemma3: avg-pool kernel over the patch grid
+    n_embd_text: int            # the text model's width the projection writes
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    name: str = ""
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def n_patches(self) -> int:
+        return self.patches_per_side ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.patches_per_side // self.n_merge) ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def is_mmproj(gf: GGUFFile) -> bool:
+    return gf.metadata.get("general.architecture") == "clip"
+
+
+def _u32(md: dict, key: str, default: int | None = None) -> int:
+    v = md.get(key, default)
+    if v is None:
+        raise GGUFError(f"the projector has no {key}")
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise GGUFError(f"the projector's {key} is {v!r}, not a positive integer")
+    return int(v)
+
+
+def load_vision_config(gf: GGUFFile) -> VisionConfig:
+    """The projector's config, after checking its keys and tensor shapes (GGUFError with one
+    sentence otherwise)."""
+    md = gf.metadata
+    if not is_mmproj(gf):
+        raise GGUFError(f"{gf.path} is not a vision projector (general.architecture is "
+                        f"{md.get('general.architecture')!r}, expected 'clip')")
+    if not md.get("clip.has_vision_encoder", False):
+        raise GGUFError("the projector has no vision encoder (audio-only projectors are not "
+                        "supported)")
+    proj = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
+    if proj not in SUPPORTED_PROJECTORS:
+        raise GGUFError(f"projector type {proj!r} is not supported (supported: "
+                        f"{', '.join(SUPPORTED_PROJECTORS)})")
+    mean = md.get("clip.vision.image_mean")
+    std = md.get("clip.vision.image_std")
+    if mean is None or std is None or len(mean) < 3 or len(std) < 3:
+        raise GGUFError("the projector has no clip.vision.image_mean / image_std of 3 values")
+    if not md.get("clip.use_gelu", False):
+        raise GGUFError("the projector's feed-forward is not GELU (clip.use_gelu), which the "
+                        "gemma3 projector needs")
+    n_embd = _u32(md, "clip.vision.embedding_length")
+    n_head = _u32(md, "clip.vision.attention.head_count")
+    head_kv = md.get("clip.vision.attention.head_count_kv", n_head)
+    if head_kv != n_head or n_embd % n_head:
+        raise GGUFError(f"the projector's heads ({n_head}, kv {head_kv}) do not divide its "
+                        f"width {n_embd} evenly")
+    eps = md.get("clip.vision.attention.layer_norm_epsilon")
+    if not isinstance(eps, float) or not 0 < eps < 1:
+        raise GGUFError("the projector has no valid clip.vision.attention.layer_norm_epsilon")
+    cfg = VisionConfig(
+        projector=str(proj), n_embd=n_embd, n_ff=_u32(md, "clip.vision.feed_forward_length"),
+        n_head=n_head, n_layers=_u32(md, "clip.vision.block_count"), eps=float(eps),
+        image_size=_u32(md, "clip.vision.image_size"),
+        patch_size=_u32(md, "clip.vision.patch_size"),
+        n_merge=_u32(md, "clip.vision.projector.scale_factor", 4),
+        n_embd_text=0, image_mean=tuple(float(x) for x in mean[:3]),
+        image_std=tuple(float(x) for x in std[:3]), name=str(md.get("general.name", "")))
+    if cfg.image_size % cfg.patch_size or cfg.patches_per_side % cfg.n_merge:
+        raise GGUFError(f"image size {cfg.image_size} is not a whole number of "
+                        f"{cfg.patch_size}-pixel patches in groups of {cfg.n_merge}")
+    if any(s == 0 for s in cfg.image_std):
+        raise GGUFError("the projector's image_std has a zero")
+    e, ff, p = cfg.n_embd, cfg.n_ff, cfg.patch_size
+
+    def need(name: str, *shape: int) -> None:
+        t = gf.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"the projector has no tensor {name}")
+        got = tuple(int(d) for d in t.shape)        # ggml order
+        if shape and got != shape:
+            raise GGUFError(f"the projector's {name} has shape {got}, expected {shape}")
+    need("v.patch_embd.weight", p, p, 3, e)
+    need("v.patch_embd.bias", e)
+    need("v.position_embd.weight", e, cfg.n_patches)
+    for i in range(cfg.n_layers):
+        b = f"v.blk.{i}."
+        for n in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            need(b + n + ".weight", e, e)
+            need(b + n + ".bias", e)
+        for n in ("ln1", "ln2"):
+            need(b + n + ".weight", e)
+            need(b + n + ".bias", e)
+        need(b + "ffn_up.weight", e, ff)
+        need(b + "ffn_up.bias", ff)
+        need(b + "ffn_down.weight", ff, e)
+        need(b + "ffn_down.bias", e)
+    need("v.post_ln.weight", e)
+    need("v.post_ln.bias", e)
+    need("mm.soft_emb_norm.weight", e)
+    t = gf.tensors.get("mm.input_projection.weight")
+    if t is None or len(t.shape) != 2 or int(t.shape[1]) != e:
+        raise GGUFError("the projector has no mm.input_projection.weight of "
+                        f"[text width, {e}]")
+    from dataclasses import replace
+    return replace(cfg, n_embd_text=int(t.shape[0]))
+
+
+def read_mmproj(path: str) -> tuple[GGUFFile, VisionConfig]:
+    """Open and check a projector file; the caller closes the GGUFFile."""
+    gf = read_gguf(path)
+    try:
+        return gf, load_vision_config(gf)
+    except BaseException:
+        gf.close()
+        raise
+
+
+def check_pair(vision: VisionConfig, n_embd_text: int, model_name: str = "the model") -> None:
+    """A projector must write embeddings of its text model's width."""
+    if vision.n_embd_text != n_embd_text:
+        raise GGUFError(f"the projector writes {vision.n_embd_text}-wide embeddings but "
+                        f"{model_name} is {n_embd_text} wide: it belongs to another model")

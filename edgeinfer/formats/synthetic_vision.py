@@ -1,0 +1,116 @@
+"""Tiny random-weight vision projectors (mmproj GGUFs) in llama.cpp's clip layout, and a
+Gemma 3 text model whose vocabulary has the image tags, for tests.
+
+The layout is the one llama.cpp's tools/mtmd/clip.cpp reads for `clip.projector_type`
+"gemma3": a SigLIP vision tower (`v.patch_embd`, `v.position_embd`, `v.blk.N.{attn_q,attn_k,
+attn_v,attn_out,ln1,ln2,ffn_up,ffn_down}`, `v.post_ln`) and Gemma 3's projector
+(`mm.soft_emb_norm.weight`, `mm.input_projection.weight`), with the `clip.vision.*` keys.
+llama.cpp (libmtmd) loads the very same file, which is how the encoder's parity is tested.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Gemma 3's image tags (llama.cpp's mtmd wraps each image's embeddings in them)
+GEMMA3_IMAGE_TAGS = ("<start_of_image>", "<end_of_image>")
+
+
+@dataclass(frozen=True)
+class TinyVisionShape:
+    n_embd: int = 64            # vision width
+    n_ff: int = 128
+    n_head: int = 4
+    layers: int = 2
+    image_size: int = 64        # pixels per side
+    patch_size: int = 8         # -> 8 x 8 patches
+    n_merge: int = 2            # avg-pool kernel: 4 x 4 = 16 image tokens
+
+
+def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = TinyVisionShape(),
+                      seed: int = 0, f16: bool = False) -> Path:
+    """A Gemma 3 projector of `shape` for a text model of width `n_embd_text`."""
+    from gguf import GGUFWriter
+    rng = np.random.default_rng(seed)
+    e, ff, p = shape.n_embd, shape.n_ff, shape.patch_size
+    n_patches = (shape.image_size // p) ** 2
+    dt = np.float16 if f16 else np.float32
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(dt)
+
+    def vec(n: int, center: float = 0.0, spread: float = 0.1) -> np.ndarray:
+        return (center + spread * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("synthetic-gemma3-mmproj")
+    w.add_file_type(1 if f16 else 0)
+    w.add_string("clip.projector_type", "gemma3")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.has_audio_encoder", False)
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.image_size", shape.image_size)
+    w.add_uint32("clip.vision.patch_size", p)
+    w.add_uint32("clip.vision.embedding_length", e)
+    w.add_uint32("clip.vision.feed_forward_length", ff)
+    w.add_uint32("clip.vision.projection_dim", n_embd_text)
+    w.add_uint32("clip.vision.block_count", shape.layers)
+    w.add_uint32("clip.vision.attention.head_count", shape.n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_uint32("clip.vision.projector.scale_factor", shape.n_merge)
+    # conv weights [out, in, kh, kw] (ggml: kw, kh, in, out), f16 as in released files
+    w.add_tensor("v.patch_embd.weight",
+                 (rng.standard_normal((e, 3, p, p)) / np.sqrt(3 * p * p)).astype(np.float16))
+    w.add_tensor("v.patch_embd.bias", vec(e))
+    w.add_tensor("v.position_embd.weight", (0.5 * rng.standard_normal((n_patches, e))).astype(dt))
+    for i in range(shape.layers):
+        b = f"v.blk.{i}."
+        for n in ("attn_q", "attn_k", "attn_v"):
+            w.add_tensor(b + n + ".weight", mat(e, e))
+            w.add_tensor(b + n + ".bias", vec(e))
+        w.add_tensor(b + "attn_out.weight", mat(e, e, 0.5))
+        w.add_tensor(b + "attn_out.bias", vec(e))
+        w.add_tensor(b + "ln1.weight", vec(e, 1.0))
+        w.add_tensor(b + "ln1.bias", vec(e))
+        w.add_tensor(b + "ln2.weight", vec(e, 1.0))
+        w.add_tensor(b + "ln2.bias", vec(e))
+        w.add_tensor(b + "ffn_up.weight", mat(ff, e))
+        w.add_tensor(b + "ffn_up.bias", vec(ff))
+        w.add_tensor(b + "ffn_down.weight", mat(e, ff, 0.5))
+        w.add_tensor(b + "ffn_down.bias", vec(e))
+    w.add_tensor("v.post_ln.weight", vec(e, 1.0))
+    w.add_tensor("v.post_ln.bias", vec(e))
+    w.add_tensor("mm.soft_emb_norm.weight", vec(e, 1.0))
+    # Gemma 3's projection is stored [vision width, text width] (ggml ne0 = text width)
+    w.add_tensor("mm.input_projection.weight",
+                 (rng.standard_normal((e, n_embd_text)) * 4.0 / np.sqrt(e)).astype(dt))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_gemma3_vision_text(path: Path, seed: int = 0) -> Path:
+    """tests/synth.py's Gemma 3 text model with <start_of_image> / <end_of_image> in its
+    vocabulary (control tokens), as the vision-capable Gemma 3 models have."""
+    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
+    rng = np.random.default_rng(seed)
+
+    def tensor(name: str, kind: str, dims: tuple, scale: float):
+        if kind == "embd":
+            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
+        if kind == "mat":
+            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
+        if kind == "norm":
+            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+
+    shape = TinyShape(256, 512, 4, 2, 64, 7, 2048, 32)
+    return write_tiny_gguf(path, "gemma3", shape, tensor, file_type=0,
+                           name="synthetic-gemma3-vision", space_prefix=False,
+                           extra_specials=GEMMA3_IMAGE_TAGS)

@@ -1,0 +1,145 @@
+"""SigLIP vision tower + Gemma 3's multimodal projector, from an mmproj GGUF (llama.cpp's
+clip layout: edgeinfer.formats.mmproj), on a backend's ops.
+
+  pixels [3, S, S] -> 14x14 (patch_size) conv as one matmul over the flattened patches,
+  + bias + learned position embeddings -> N pre-norm blocks (LayerNorm, full attention over
+  all patches, LayerNorm, GELU MLP) -> post LayerNorm -> 2-D average pool of n_merge x
+  n_merge patches (64x64 -> 16x16 = 256 tokens for 896 px) -> RMSNorm * soft_emb_norm ->
+  x @ mm.input_projection [vision width, text width].
+
+The blocks' matrices go through the ops (the same kernels and quant types as the text
+model: quantized mmproj files stay quantized); the patch embedding, the pooling and the
+projection are small numpy steps at the edges.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgeinfer.backends.base import ForwardBatch
+from edgeinfer.formats.mmproj import VisionConfig
+
+
+def _dense(gf, name: str) -> np.ndarray:
+    """A tensor as float32 numpy in numpy order (ggml shape reversed)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    t = gf.tensors[name]
+    raw = gf.raw(name)
+    if t.ggml_type == GGMLQuantizationType.F32:
+        a = np.frombuffer(raw, np.float32)
+    elif t.ggml_type == GGMLQuantizationType.F16:
+        a = np.frombuffer(raw, np.float16).astype(np.float32)
+    else:
+        a = dequantize(raw, t.ggml_type)
+    return np.asarray(a, np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
+
+
+@dataclass
+class _Block:
+    wq: Any
+    wk: Any
+    wv: Any
+    wo: Any
+    bq: Any
+    bk: Any
+    bv: Any
+    bo: Any
+    ln1_w: Any
+    ln1_b: Any
+    ln2_w: Any
+    ln2_b: Any
+    w_up: Any
+    b_up: Any
+    w_down: Any
+    b_down: Any
+
+
+class SiglipVision:
+    """encode(pixels float32 [3, S, S]) -> float32 [tokens_per_image, text width]."""
+
+    def __init__(self, cfg: VisionConfig, ops, gf):
+        self.cfg, self.ops = cfg, ops
+        e, p = cfg.n_embd, cfg.patch_size
+        t = gf.tensors["v.patch_embd.weight"]
+        self.patch_f16 = int(t.ggml_type) == 1       # ggml's im2col rounds the pixels to f16
+        self.patch_w = np.ascontiguousarray(_dense(gf, "v.patch_embd.weight").reshape(e, 3 * p * p).T)
+        self.patch_b = _dense(gf, "v.patch_embd.bias").reshape(e)
+        self.pos = _dense(gf, "v.position_embd.weight").reshape(cfg.n_patches, e)
+        self.blocks = []
+        for i in range(cfg.n_layers):
+            b = f"v.blk.{i}."
+            self.blocks.append(_Block(
+                wq=ops.matrix(gf, b + "attn_q.weight"), wk=ops.matrix(gf, b + "attn_k.weight"),
+                wv=ops.matrix(gf, b + "attn_v.weight"), wo=ops.matrix(gf, b + "attn_out.weight"),
+                bq=ops.vector(gf, b + "attn_q.bias"), bk=ops.vector(gf, b + "attn_k.bias"),
+                bv=ops.vector(gf, b + "attn_v.bias"), bo=ops.vector(gf, b + "attn_out.bias"),
+                ln1_w=ops.vector(gf, b + "ln1.weight"), ln1_b=ops.vector(gf, b + "ln1.bias"),
+                ln2_w=ops.vector(gf, b + "ln2.weight"), ln2_b=ops.vector(gf, b + "ln2.bias"),
+                w_up=ops.matrix(gf, b + "ffn_up.weight"), b_up=ops.vector(gf, b + "ffn_up.bias"),
+                w_down=ops.matrix(gf, b + "ffn_down.weight"),
+                b_down=ops.vector(gf, b + "ffn_down.bias")))
+        self.post_w = ops.vector(gf, "v.post_ln.weight")
+        self.post_b = ops.vector(gf, "v.post_ln.bias")
+        self.soft_norm = _dense(gf, "mm.soft_emb_norm.weight").reshape(e)
+        self.proj = np.ascontiguousarray(_dense(gf, "mm.input_projection.weight"))  # [e, text]
+
+    def _patches(self, pixels: np.ndarray) -> np.ndarray:
+        """[n_patches, 3 * p * p] in row-major patch order, each patch (channel, y, x)."""
+        cfg = self.cfg
+        n, p = cfg.patches_per_side, cfg.patch_size
+        x = pixels.reshape(3, n, p, n, p).transpose(1, 3, 0, 2, 4).reshape(n * n, 3 * p * p)
+        if self.patch_f16:
+            x = x.astype(np.float16).astype(np.float32)
+        return np.ascontiguousarray(x)
+
+    def _to_ops(self, x: np.ndarray):
+        ops = self.ops
+        if ops.name.startswith("torch"):
+            import torch
+            return torch.from_numpy(x).to(ops.device, ops.dtype)
+        return x
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        cfg, ops = self.cfg, self.ops
+        S = cfg.image_size
+        if pixels.shape != (3, S, S):
+            raise ValueError(f"pixels of shape {pixels.shape}, expected (3, {S}, {S})")
+        ops.begin_step()
+        x = self._patches(np.asarray(pixels, np.float32)) @ self.patch_w
+        x += self.patch_b
+        x += self.pos
+        T, H, D = cfg.n_patches, cfg.n_head, cfg.head_dim
+        batch = ForwardBatch(np.zeros(T, np.int32), np.arange(T, dtype=np.int32),
+                             np.zeros(T, np.int64), np.zeros(T, np.int32),
+                             np.zeros((1, 1), np.int32), np.zeros(0, np.int64))
+        x = self._to_ops(np.ascontiguousarray(x, np.float32))
+        scale = 1.0 / math.sqrt(D)
+        for w in self.blocks:
+            h = ops.layer_norm(x, w.ln1_w, w.ln1_b, cfg.eps)
+            q, k, v = ops.matmuls(h, (w.wq, w.wk, w.wv))
+            q, k, v = ops.add_bias(q, w.bq), ops.add_bias(k, w.bk), ops.add_bias(v, w.bv)
+            a = ops.encoder_attention(ops.contiguous(q.reshape(T, H, D)),
+                                      ops.contiguous(k.reshape(T, H, D)),
+                                      ops.contiguous(v.reshape(T, H, D)), batch, scale)
+            a = ops.add_bias(ops.matmul(a.reshape(T, H * D), w.wo), w.bo)
+            x = ops.add(x, a)
+            h = ops.layer_norm(x, w.ln2_w, w.ln2_b, cfg.eps)
+            f = ops.gelu(ops.add_bias(ops.matmul(h, w.w_up), w.b_up))
+            f = ops.add_bias(ops.matmul(f, w.w_down), w.b_down)
+            x = ops.add(x, f)
+        x = ops.to_numpy(ops.layer_norm(x, self.post_w, self.post_b, cfg.eps))
+        return self.project(x)
+
+    def project(self, x: np.ndarray) -> np.ndarray:
+        """Gemma 3's projector over the tower's output [n_patches, e]."""
+        cfg = self.cfg
+        n, k, e = cfg.patches_per_side, cfg.n_merge, cfg.n_embd
+        m = n // k
+        pooled = x.reshape(m, k, m, k, e).mean(axis=(1, 3), dtype=np.float32).reshape(m * m, e)
+        rms = np.sqrt(np.mean(pooled * pooled, axis=1, keepdims=True) + np.float32(cfg.eps))
+        normed = pooled / rms * self.soft_norm
+        return np.ascontiguousarray(normed @ self.proj, np.float32)

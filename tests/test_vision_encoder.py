@@ -1,0 +1,101 @@
+"""The Gemma 3 vision encoder (SigLIP + projector) against llama.cpp's libmtmd on a synthetic
+mmproj in llama.cpp's exact clip layout; image decoding and projector checks."""
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+from edgeinfer.formats.gguf_file import GGUFError
+from edgeinfer.formats.image import (ImageError, b64_image, decode_image, preprocess_fixed,
+                                     resize_fit_pad)
+from edgeinfer.formats.mmproj import check_pair, read_mmproj
+
+from vision_synth import noise_rgb, png_bytes, vision_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return vision_pair(tmp_path_factory.mktemp("vision"))
+
+
+@pytest.fixture(scope="module")
+def oracle(pair):
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from mtmd_oracle import MtmdOracle
+    o = MtmdOracle(str(pair[0]), str(pair[1]))
+    yield o
+    o.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("hw", [(64, 64), (50, 90), (200, 120)])
+def test_embeddings_match_libmtmd(pair, oracle, backend, hw):
+    """Resize (Pillow bilinear, black bars), SigLIP, pool, norm, projection: libmtmd's
+    numbers within float tolerance, on both native backends."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    from edgeinfer.models.siglip import SiglipVision
+    from edgeinfer.runners.native import make_ops
+    gf, cfg = read_mmproj(str(pair[1]))
+    rgb = noise_rgb(*hw, seed=hw[0])
+    want = oracle.embeddings(rgb)
+    enc = SiglipVision(cfg, make_ops(backend), gf)
+    got = enc.encode(preprocess_fixed(rgb, cfg.image_size, cfg.image_mean, cfg.image_std))
+    assert got.shape == want.shape == (cfg.tokens_per_image, 256)
+    np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max(), rtol=0)
+
+
+def test_resize_pads_to_square():
+    rgb = np.full((20, 40, 3), 200, np.uint8)
+    out = resize_fit_pad(rgb, 64)
+    assert out.shape == (64, 64, 3)
+    assert (out[:16] == 0).all() and (out[48:] == 0).all() and (out[16:48] == 200).all()
+
+
+def test_decode_and_bad_images():
+    rgb = noise_rgb(10, 12)
+    img = decode_image(png_bytes(rgb))
+    assert img.size == (12, 10) and (img.rgb == rgb).all() and len(img.digest) == 64
+    jpg = decode_image(png_bytes(rgb, "JPEG"))
+    assert jpg.rgb.shape == (10, 12, 3)
+    data = png_bytes(noise_rgb(64, 64))
+    with pytest.raises(ImageError, match="corrupt or truncated"):
+        decode_image(data[:len(data) // 2])
+    with pytest.raises(ImageError, match="not an image"):
+        decode_image(b"hello, this is text")
+    with pytest.raises(ImageError, match="empty"):
+        decode_image(b"")
+    with pytest.raises(ImageError, match="MB limit"):
+        decode_image(data, max_bytes=100)
+    with pytest.raises(ImageError, match="megapixel"):
+        decode_image(data, max_pixels=1000)
+    from PIL import Image
+    import io
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "TIFF")
+    with pytest.raises(ImageError, match="TIFF"):
+        decode_image(buf.getvalue())
+
+
+def test_base64_forms():
+    data = png_bytes(noise_rgb(4, 4))
+    b = base64.b64encode(data).decode()
+    assert b64_image(b) == data
+    assert b64_image("data:image/png;base64," + b) == data
+    with pytest.raises(ImageError, match="base64"):
+        b64_image("data:image/png," + b)
+    with pytest.raises(ImageError, match="not valid base64"):
+        b64_image("!!!not base64!!!")
+
+
+def test_projector_checks(pair):
+    with pytest.raises(GGUFError, match="not a vision projector"):
+        read_mmproj(str(pair[0]))
+    gf, cfg = read_mmproj(str(pair[1]))
+    gf.close()
+    assert (cfg.projector, cfg.tokens_per_image, cfg.n_embd_text) == ("gemma3", 16, 256)
+    check_pair(cfg, 256)
+    with pytest.raises(GGUFError, match="belongs to another model"):
+        check_pair(cfg, 640)

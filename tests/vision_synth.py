@@ -1,0 +1,32 @@
+"""Synthetic vision test data: a tiny Gemma 3 text model with the image tags, its mmproj in
+llama.cpp's clip layout (edgeinfer/formats/synthetic_vision.py), and small test images."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+from edgeinfer.formats.synthetic_vision import write_gemma3_vision_text, write_tiny_mmproj
+
+
+def vision_pair(directory: Path) -> tuple[Path, Path]:
+    """(text model, mmproj) written once into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text, mmproj = directory / "gemma3-vision-text.gguf", directory / "gemma3-mmproj.gguf"
+    if not text.exists():
+        write_gemma3_vision_text(text.with_suffix(".tmp")).rename(text)
+    if not mmproj.exists():
+        write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256).rename(mmproj)
+    return text, mmproj
+
+
+def noise_rgb(h: int, w: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def png_bytes(rgb: np.ndarray, fmt: str = "PNG") -> bytes:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(buf, fmt)
+    return buf.getvalue()
