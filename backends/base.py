@@ -37,6 +37,12 @@ class ForwardBatch:
     window_tables: np.ndarray | None = None     # int32 [S, max_blocks]
     window_slots: np.ndarray | None = None      # int64 [T]
     window_layer: tuple[bool, ...] = ()
+    # images (edgeinfer/engine/images.py): rows whose input is an embedding, not a token id,
+    # and per row the last position it attends to (past its own inside an image; None: all
+    # rows causal)
+    embd_rows: np.ndarray | None = None         # int64 [R]
+    embd_values: np.ndarray | None = None       # float32 [R, E]
+    attn_until: np.ndarray | None = None        # int32 [T]
 
     @property
     def num_tokens(self) -> int:

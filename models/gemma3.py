@@ -13,6 +13,8 @@ from edgeinfer.models.llama import attention, final_head, load_head, load_layers
 
 
 class Gemma3Model:
+    accepts_embeddings = True       # image spans (ForwardBatch.embd_rows)
+
     def __init__(self, cfg: ModelConfig, ops, gf):
         self.cfg, self.ops = cfg, ops
         self.tok_embd, self.output_norm, self.output = load_head(cfg, ops, gf)
@@ -21,6 +23,8 @@ class Gemma3Model:
     def forward(self, batch: ForwardBatch, kv):
         cfg, ops = self.cfg, self.ops
         x = ops.scale(ops.embed(self.tok_embd, batch.token_ids), cfg.embed_scale)
+        if batch.embd_rows is not None:     # image embeddings: not scaled (as llama.cpp)
+            x = ops.put_rows(x, batch.embd_rows, batch.embd_values)
         eps, layers = cfg.rms_eps, self.layers
         h = ops.rms_norm(x, layers[0].attn_norm, eps)
         for i, w in enumerate(layers):

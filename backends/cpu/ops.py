@@ -363,4 +363,14 @@ class CpuOps:
         out = A.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
                                 batch.token_seq, batch.positions, window, np.float32(scale),
                                 ggml_rounding, out, par, nh)
+        if batch.attn_until is not None:       # image rows see their whole image
+            from edgeinfer.backends.cpu.image_attention import image_rows
+            image_rows(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
+                       cache.block_size, batch.token_seq, batch.positions, batch.attn_until,
+                       window, scale, out)
         return _rot.rotate(out, _par(out.size)) if rotated else out
+
+    def put_rows(self, x: np.ndarray, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """x[rows] = values (image embeddings in place of token embeddings), in place."""
+        x[rows] = values
+        return x

@@ -120,12 +120,17 @@ class _RequestState:
         self.prediction: np.ndarray | None = None     # Predicted Outputs: a draft source
         self.pooling: str | None = None     # embedding requests: how the runner pools
         self.scoring: PromptScoring | None = None   # prompt logprobs / max_tokens 0
+        self.images: tuple = ()             # the prompt's ImageSpans
 
 
 class Engine:
-    def __init__(self, path: str, config: EngineConfig = EngineConfig()):
+    def __init__(self, path: str, config: EngineConfig = EngineConfig(),
+                 mmproj: str | None = None):
+        """`mmproj`: a vision projector for the model (edgeinfer.engine.images); a file that
+        does not match the model fails the load, nothing half-loaded."""
         self.path = path
         self.config = config
+        self.vision = None
         self.runner: Runner = load_runner(
             path, config.backend, kv_budget_bytes=config.kv_budget_bytes or DEFAULT_KV_BUDGET,
             block_size=config.block_size, max_running_seqs=config.max_running_seqs,
@@ -140,6 +145,10 @@ class Engine:
             self.chat_template = chat_template_for(md, self.cfg.arch)
             self._specials = special_token_strings(md)
             self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
+            if mmproj:
+                from edgeinfer.engine.images import load_vision
+                self.vision = load_vision(self.runner, self.tokenizer, mmproj,
+                                          config.backend)
             plan = self.runner.kv_plan
             # the runner says what its block ids mean: shared prefix blocks (native) or only
             # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
@@ -154,6 +163,8 @@ class Engine:
                                 max_model_len=self.max_model_len),
                 kv)
         except BaseException:
+            if self.vision is not None:
+                self.vision.close()
             self.runner.close()
             raise
         self._ids = itertools.count(1)
@@ -182,11 +193,31 @@ class Engine:
     def encode_raw(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special=True, parse_special=False)
 
+    def encode_chat_images(self, messages: list[dict], images: list, **extra):
+        """(token ids, ImageSpans) for messages whose text holds one images.MEDIA_MARKER per
+        image of `images` (edgeinfer.formats.image.Image, in order), each image encoded by
+        the projector (its LRU skips images seen lately). RequestError for a model without
+        a projector."""
+        from edgeinfer.engine.images import MEDIA_MARKER, VisionError, splice_images
+        if self.vision is None:
+            raise RequestError(f"{self.cfg.name or 'this model'!r} has no vision projector: it "
+                               "cannot take images (pull it with --mmproj, or use a vision "
+                               "model)")
+        text = self.render(messages, **extra)
+        first = encode_prompt(self.tokenizer, text.partition(MEDIA_MARKER)[0])
+        embs = [self.vision.encode(im) for im in images]
+        try:
+            return splice_images(self.tokenizer, text, embs, [im.digest for im in images],
+                                 first)
+        except VisionError as e:
+            raise RequestError(str(e)) from None
+
     # -- client side (any thread) ----------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                choice: int = 0, constraint: TokenConstraint | None = None,
                follows: int | None = None, prompt_logprobs: int | None = None,
-               score_only: bool = False, prediction: list[int] | None = None) -> int:
+               score_only: bool = False, prediction: list[int] | None = None,
+               images: list | None = None) -> int:
         """Queue a request; returns its id. Raises RequestError for what can never run.
 
         `prompt_logprobs = k`: the request's events carry its prompt tokens' logprobs and k
@@ -198,7 +229,8 @@ class Engine:
         cache, so n choices share one prefill. `constraint` restricts every sampled token
         (structured output); the request stops when it is complete. `prediction`: tokens the
         output is expected to repeat (OpenAI's Predicted Outputs); speculative drafts are
-        looked up in them too, which changes speed, never the output."""
+        looked up in them too, which changes speed, never the output. `images`: the
+        ImageSpans of a prompt from encode_chat_images."""
         if getattr(self.runner, "embedding_only", False):
             raise RequestError(f"{self.cfg.name!r} is an embedding model: it cannot generate "
                                "text (use /api/embed or /v1/embeddings)")
@@ -212,7 +244,13 @@ class Engine:
         if capacity < n + 1:
             raise RequestError(f"the prompt is {n} tokens, more than the KV cache holds "
                                f"({capacity} tokens)")
+        images = tuple(images or ())
+        if images:
+            self._check_images(prompt_ids, images, prompt_logprobs)
         bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad and images:
+            bad = [t for t in self._text_ids(prompt_ids, images)
+                   if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         try:
@@ -236,9 +274,32 @@ class Engine:
             if ((pred < 0) | (pred >= self.cfg.vocab_size)).any():
                 raise RequestError("a prediction token id is outside the vocabulary")
         self._commands.put(("add", seq_id, list(prompt_ids), params, sink, choice, constraint,
-                            follows, scoring, pred))
+                            follows, scoring, pred, images))
         self._wake.set()
         return seq_id
+
+    def _check_images(self, prompt_ids: list[int], images: tuple, prompt_logprobs) -> None:
+        from edgeinfer.engine.images import placeholder_id
+        if self.vision is None:
+            raise RequestError(f"{self.cfg.name or 'this model'!r} has no vision projector: "
+                               "it cannot take images")
+        if prompt_logprobs is not None:
+            raise RequestError("prompt logprobs are not supported for prompts with images")
+        prev = 0
+        for im in images:
+            if im.start < prev or im.end > len(prompt_ids) or any(
+                    t != placeholder_id(im.digest) for t in prompt_ids[im.start:im.end]):
+                raise RequestError("image spans do not match the prompt's image positions")
+            if im.embeddings.shape[1:] != (self.cfg.n_embd,):
+                raise RequestError("image embeddings do not match the model's width")
+            prev = im.end
+
+    @staticmethod
+    def _text_ids(prompt_ids: list[int], images: tuple) -> list[int]:
+        keep = np.ones(len(prompt_ids), bool)
+        for im in images:
+            keep[im.start:im.end] = False
+        return [t for t, k in zip(prompt_ids, keep) if k]
 
     @property
     def pooling(self) -> str | None:
@@ -310,6 +371,8 @@ class Engine:
         """Shut down and release the runner: weights, KV pool and the file mapping."""
         self.shutdown()
         self._states.clear()
+        if self.vision is not None:
+            self.vision.close()
         self.runner.close()
 
     def _loop(self) -> None:
@@ -350,11 +413,13 @@ class Engine:
                             self._abort_unstarted(c)
 
     def _add(self, cmd: tuple) -> None:
-        _, seq_id, prompt, params, sink, choice, constraint, _, scoring, prediction = cmd
+        _, seq_id, prompt, params, sink, choice, constraint, _, scoring, prediction, images = cmd
         seq = Sequence(seq_id, prompt, params)
+        seq.image_spans = [(im.start, im.end) for im in images]
         self._states[seq_id] = _RequestState(self, seq_id, prompt, params, sink, choice,
                                              constraint)
         self._states[seq_id].prediction = prediction
+        self._states[seq_id].images = images
         if scoring is not None:
             self._states[seq_id].scoring = scoring
             seq.reuse_prefix = not scoring.wants   # every position's logits are needed
@@ -429,8 +494,11 @@ class Engine:
             st = self._states[rid]
             if rid not in self._announced:
                 self._announced.add(rid)
-                new.append(NewRequest(rid, tuple(seq.prompt_token_ids), seq.params, st.choice,
-                                      pooling=st.pooling))
+                prompt = seq.prompt_token_ids
+                if st.images:   # the sampler's history (penalties, DRY) is the text's
+                    prompt = self._text_ids(prompt, st.images)
+                new.append(NewRequest(rid, tuple(prompt), seq.params, st.choice,
+                                      pooling=st.pooling, images=st.images))
             mask = None
             if c.needs_logits and st.constraint is not None:
                 mask = st.constraint.allowed_tokens()
@@ -461,6 +529,8 @@ class Engine:
             # O(context) every step
             draft = propose(np.asarray(seq.token_ids[-SPEC_WINDOW:], np.int64),
                             st.spec.next_k, st.prediction)
+            if draft and min(draft) < 0:    # never an image placeholder as a guess
+                draft = draft[:[t < 0 for t in draft].index(True)]
             if draft:
                 drafts[seq.seq_id] = draft
         return drafts
@@ -590,10 +660,11 @@ class Engine:
 
     # -- a synchronous helper for scripts and tests -----------------------------------------
     def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 constraint: TokenConstraint | None = None) -> RequestOutput:
+                 constraint: TokenConstraint | None = None,
+                 images: list | None = None) -> RequestOutput:
         """Run one request to completion on the calling thread (the loop must not be running)."""
         events: list[RequestOutput] = []
-        self.submit(prompt_ids, params, events.append, constraint=constraint)
+        self.submit(prompt_ids, params, events.append, constraint=constraint, images=images)
         self._drain_commands()
         while self.scheduler.has_work():
             self.step()

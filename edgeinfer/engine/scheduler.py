@@ -260,6 +260,9 @@ class Scheduler:
     def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         start = seq.num_computed_tokens
         end = min(seq.num_tokens, start + budget)
+        for a, b in seq.image_spans:    # an image goes in one chunk: cut before it, or take it
+            if a < end < b:
+                end = a if a > start else b
         if not self.kv.prepare_write(seq, start, end):   # admission reserved these blocks
             return 0
         out.chunks.append(

@@ -79,6 +79,9 @@ class Sequence:
         # (embeddings pool them all; prompt scoring needs each position's logits)
         self.reuse_prefix = True
         self.num_preemptions = 0
+        # [start, end) of each image in the prompt: computed in one step each (its positions
+        # attend to one another), never cut across two chunks
+        self.image_spans: list[tuple[int, int]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None  # human-readable cause when finish_reason == "error"
         self.sampling_state: Any = None  # the engine's slot (RNG, penalties, detokenizer...)

@@ -130,6 +130,20 @@ def plan_kv(cfg: ModelConfig, budget_bytes: int, bytes_per_value: float, block_s
 
 
 @dataclass(frozen=True)
+class ImageSpan:
+    """Positions start..start+len(embeddings)-1 of a prompt are an image: their inputs are
+    these embeddings (not token embeddings), and they attend to every position of the image
+    (edgeinfer.engine.images)."""
+    start: int
+    embeddings: np.ndarray      # float32 [tokens, text width]
+    digest: str
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.embeddings.shape[0])
+
+
+@dataclass(frozen=True)
 class NewRequest:
     """What a runner keeps for a request from its first step to its last."""
     req_id: int
@@ -140,6 +154,8 @@ class NewRequest:
     # hidden states of all its prompt positions ("mean", "cls", "last", "rank" or "none") and
     # returns the result in StepResult.hidden in the step that computes its last position
     pooling: str | None = None
+    # the prompt's images, in order (their positions hold placeholder ids, see engine/images)
+    images: tuple[ImageSpan, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,7 @@ class ModelRunner:
         self._tokenizer = None
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
         self._prompts: dict[int, tuple[int, ...]] = {}   # prompt logprobs' targets
+        self._images: dict[int, tuple] = {}     # request id -> its prompt's ImageSpans
         # embeddings: the model's pooling, and per-request pools (non-causal encoders compute
         # a prompt only once all of it is scheduled)
         self.pooling = pooling_of(gf.metadata, cfg.arch)
@@ -206,8 +207,40 @@ class ModelRunner:
                 ib += n
         return np.concatenate(parts) if parts else a[:0]
 
+    @property
+    def supports_images(self) -> bool:
+        """The model takes embeddings in place of tokens and the backend attends inside an
+        image (ForwardBatch.embd_rows / attn_until)."""
+        return (bool(getattr(self.model, "accepts_embeddings", False))
+                and hasattr(self.ops, "put_rows"))
+
+    def _attach_images(self, spans, batch) -> None:
+        """The step's image positions: their embeddings, and how far they attend."""
+        rows, values, until = [], [], None
+        t = 0
+        for s in spans:
+            n = len(s.token_ids)
+            for img in self._images.get(s.req_id, ()):
+                lo, hi = max(s.start, img.start), min(s.start + n, img.end)
+                if lo >= hi:
+                    continue
+                r = np.arange(t + lo - s.start, t + hi - s.start, dtype=np.int64)
+                rows.append(r)
+                values.append(img.embeddings[lo - img.start:hi - img.start])
+                if until is None:
+                    until = batch.positions.copy()
+                until[r] = img.end - 1
+            t += n
+        if rows:
+            batch.embd_rows = np.concatenate(rows)
+            batch.embd_values = np.ascontiguousarray(np.concatenate(values), np.float32)
+            batch.token_ids[batch.embd_rows] = 0       # placeholders are not vocabulary ids
+            batch.attn_until = until
+
     def _forward(self, spans, hidden_of) -> np.ndarray:
         batch = build_forward_batch(spans, self.kv_plan.block_size, self.window_layer)
+        if self._images:
+            self._attach_images(spans, batch)
         self._check_blocks(batch)
         if hidden_of:
             return self._forward_hidden(spans, batch, hidden_of)
@@ -251,8 +284,11 @@ class ModelRunner:
         spans, pooled = self.pooler.split(plan.spans)
         for rid in plan.finished:
             self._prompts.pop(rid, None)
+            self._images.pop(rid, None)
         for req in plan.new_requests:
             self._prompts[req.req_id] = req.prompt_token_ids
+            if req.images:
+                self._images[req.req_id] = req.images
         scored = [s for s in spans if s.prompt_logprobs is not None]
         if scored:
             spans = [s for s in spans if s.prompt_logprobs is None]

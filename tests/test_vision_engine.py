@@ -1,0 +1,160 @@
+"""Images in the engine: image spans in prefill with bidirectional attention inside each
+image, next-token logits against llama.cpp (libmtmd), the scheduler never cutting an image,
+the prefix cache keyed by image content, the encoder's cache, and the load-time checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgeinfer.engine.core import Engine, EngineConfig, RequestError, greedy
+from edgeinfer.engine.images import MEDIA_MARKER, VisionError, placeholder_id
+from edgeinfer.formats.gguf_file import GGUFError
+from edgeinfer.formats.image import decode_image
+from edgeinfer.runners.base import ScheduledSpan
+
+from vision_synth import noise_rgb, png_bytes, vision_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return vision_pair(tmp_path_factory.mktemp("vision"))
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    e = Engine(str(pair[0]), EngineConfig(kv_budget_bytes=16 << 20), mmproj=str(pair[1]))
+    yield e
+    e.close()
+
+
+def _img(seed: int, hw=(64, 64)):
+    return decode_image(png_bytes(noise_rgb(*hw, seed=seed)))
+
+
+def _msgs(*parts):
+    return [{"role": "user", "content": "".join(parts)}]
+
+
+def _prompt(engine, text: str, images):
+    """Raw text with markers, as libmtmd tokenizes it (BOS, specials parsed)."""
+    from edgeinfer.engine.images import splice_images
+    from edgeinfer.formats.chat_template import encode_prompt
+    first = encode_prompt(engine.tokenizer, text.partition(MEDIA_MARKER)[0])
+    return splice_images(engine.tokenizer, text, [engine.vision.encode(i) for i in images],
+                         [i.digest for i in images], first)
+
+
+def _logits(engine, ids, spans, rid=1000):
+    r = engine.runner
+    r._images[rid] = tuple(spans)
+    try:
+        nb = -(-len(ids) // r.kv_plan.block_size)
+        return r.forward([ScheduledSpan(rid, 0, tuple(ids), tuple(range(nb)), True)])[0]
+    finally:
+        r._images.pop(rid, None)
+
+
+@pytest.mark.parametrize("text,n", [
+    (f"hello {MEDIA_MARKER} world", 1),
+    (f"a {MEDIA_MARKER} and {MEDIA_MARKER} the", 2),
+])
+def test_logits_after_images_match_llamacpp(pair, engine, text, n):
+    """Token layout (<start_of_image>, 16 image tokens, <end_of_image>) and the next-token
+    logits after the prompt match llama.cpp's libmtmd on the same files."""
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from mtmd_oracle import MtmdOracle
+    images = [_img(3 + i, (64, 40 + 30 * i)) for i in range(n)]
+    ids, spans = _prompt(engine, text, images)
+    o = MtmdOracle(str(pair[0]), str(pair[1]))
+    try:
+        layout = o.tokens(text, [i.rgb for i in images])
+        want = o.next_logits(text, [i.rgb for i in images])
+    finally:
+        o.close()
+    flat = []
+    for part in layout:
+        flat += ["img"] * part if isinstance(part, int) else part
+    assert [("img" if t < 0 else t) for t in ids] == flat
+    got = _logits(engine, ids, spans)
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
+    assert got.argmax() == want.argmax()
+
+
+def test_chunked_prefill_never_cuts_an_image(pair):
+    """A 16-token step budget: the scheduler cuts before the image and takes it whole, and
+    the output equals an unchunked run's."""
+    text = f"the w1 w2 w3 w4 w5 w6 w7 w8 {MEDIA_MARKER} the a"
+    img = _img(7)
+    outs = []
+    for step in (512, 16):
+        e = Engine(str(pair[0]), EngineConfig(kv_budget_bytes=16 << 20,
+                                              max_tokens_per_step=step, max_running_seqs=1),
+                   mmproj=str(pair[1]))
+        try:
+            ids, spans = _prompt(e, text, [img])
+            seen = []
+            orig = e.runner.forward
+
+            def spy(spans_, hidden_of=()):
+                seen.extend((s.start, s.end) for s in spans_ if not s.is_decode)
+                return orig(spans_, hidden_of)
+            e.runner.forward = spy
+            out = e.generate(ids, greedy(4, logprobs=0), images=spans)
+            a, b = spans[0].start, spans[0].end
+            assert all(not (s < b and a < en and (s > a or en < b)) for s, en in seen), seen
+            outs.append(out)
+        finally:
+            e.close()
+    assert outs[0].token_ids == outs[1].token_ids
+    np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-3)
+
+
+def test_prefix_cache_keys_blocks_by_image(engine):
+    """The same image again reuses its KV blocks and the encoder output; another image at
+    the same place reuses only the text before it."""
+    a, b = _img(11), _img(12)
+    words = " ".join(f"w{i}" for i in range(40))
+    text = f"{words} {MEDIA_MARKER} what is it"
+    ids_a, spans_a = _prompt(engine, text, [a])
+    hits = engine.vision.cache_hits
+    ids_a2, spans_a2 = _prompt(engine, text, [a])
+    assert engine.vision.cache_hits == hits + 1 and ids_a2 == ids_a
+    ids_b, spans_b = _prompt(engine, text, [b])
+    assert ids_b != ids_a and placeholder_id(b.digest) in ids_b
+    first = engine.generate(ids_a, greedy(2), images=spans_a)
+    again = engine.generate(ids_a2, greedy(2), images=spans_a2)
+    other = engine.generate(ids_b, greedy(2), images=spans_b)
+    bs = engine.runner.kv_plan.block_size
+    start = spans_a[0].start
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens >= (spans_a[0].end // bs) * bs > start
+    assert other.num_cached_tokens <= start
+
+
+def test_refusals(pair, engine, tmp_path):
+    img = _img(1)
+    with pytest.raises(RequestError, match="prompt logprobs"):
+        ids, spans = _prompt(engine, f"x {MEDIA_MARKER}", [img])
+        engine.submit(ids, greedy(1), lambda o: None, images=spans, prompt_logprobs=1)
+    ids, spans = _prompt(engine, f"x {MEDIA_MARKER}", [img])
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.submit(ids, greedy(1), lambda o: None)       # placeholders without images
+    with pytest.raises(RequestError, match="markers"):
+        engine.encode_chat_images(_msgs("no marker here"), [img])
+    # a text-only vocabulary, a projector of another width, a text model as projector
+    from edgeinfer.formats.synthetic_vision import write_tiny_mmproj
+    import synth
+    text_only = synth.write_model(tmp_path / "plain.gguf", "gemma3")
+    with pytest.raises(VisionError, match="not a vision model"):
+        Engine(str(text_only), EngineConfig(kv_budget_bytes=8 << 20), mmproj=str(pair[1]))
+    wide = write_tiny_mmproj(tmp_path / "wide.gguf", 512)
+    with pytest.raises(GGUFError, match="another model"):
+        Engine(str(pair[0]), EngineConfig(kv_budget_bytes=8 << 20), mmproj=str(wide))
+    with pytest.raises(GGUFError, match="not a vision projector"):
+        Engine(str(pair[0]), EngineConfig(kv_budget_bytes=8 << 20), mmproj=str(pair[0]))
+    plain = Engine(str(pair[0]), EngineConfig(kv_budget_bytes=8 << 20))
+    try:
+        with pytest.raises(RequestError, match="no vision projector"):
+            plain.encode_chat_images(_msgs(MEDIA_MARKER), [img])
+    finally:
+        plain.close()
