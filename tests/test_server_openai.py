@@ -241,11 +241,11 @@ def test_overload_is_429(oa):
     assert e.value.body["code"] == "overloaded"
 
 
-def test_image_content_is_400(oa):
+def test_image_to_text_model_is_400(oa):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(oa, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
-    assert "text only" in e.value.body["message"]
+    assert "text-only" in e.value.body["message"]     # no projector: tests/test_vision_api.py
 
 
 # ----- disconnects and concurrency -------------------------------------------------------------

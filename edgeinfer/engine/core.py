@@ -131,6 +131,7 @@ class Engine:
         self.path = path
         self.config = config
         self.vision = None
+        self.vision_note = ""       # why a model with a projector takes no images here
         self.runner: Runner = load_runner(
             path, config.backend, kv_budget_bytes=config.kv_budget_bytes or DEFAULT_KV_BUDGET,
             block_size=config.block_size, max_running_seqs=config.max_running_seqs,
@@ -145,7 +146,11 @@ class Engine:
             self.chat_template = chat_template_for(md, self.cfg.arch)
             self._specials = special_token_strings(md)
             self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
-            if mmproj:
+            if mmproj and not getattr(self.runner, "supports_images", False):
+                # text still works; image requests get this reason
+                self.vision_note = (f"images need the cpu backend for now; this model is "
+                                    f"loaded on {self.runner.kind}")
+            elif mmproj:
                 from edgeinfer.engine.images import load_vision
                 self.vision = load_vision(self.runner, self.tokenizer, mmproj,
                                           config.backend)
@@ -200,9 +205,9 @@ class Engine:
         a projector."""
         from edgeinfer.engine.images import MEDIA_MARKER, VisionError, splice_images
         if self.vision is None:
-            raise RequestError(f"{self.cfg.name or 'this model'!r} has no vision projector: it "
-                               "cannot take images (pull it with --mmproj, or use a vision "
-                               "model)")
+            raise RequestError(self.vision_note or (
+                f"{self.cfg.name or 'this model'!r} has no vision projector: it cannot take "
+                "images (pull it with --mmproj, or use a vision model)"))
         text = self.render(messages, **extra)
         first = encode_prompt(self.tokenizer, text.partition(MEDIA_MARKER)[0])
         embs = [self.vision.encode(im) for im in images]
@@ -281,8 +286,8 @@ class Engine:
     def _check_images(self, prompt_ids: list[int], images: tuple, prompt_logprobs) -> None:
         from edgeinfer.engine.images import placeholder_id
         if self.vision is None:
-            raise RequestError(f"{self.cfg.name or 'this model'!r} has no vision projector: "
-                               "it cannot take images")
+            raise RequestError(self.vision_note or f"{self.cfg.name or 'this model'!r} has no "
+                               "vision projector: it cannot take images")
         if prompt_logprobs is not None:
             raise RequestError("prompt logprobs are not supported for prompts with images")
         prev = 0

@@ -32,6 +32,7 @@ from edgeinfer.formats.chat_template import ChatTemplateError
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
+from .images import ImageCollector, build_with_images, check_text, from_b64, from_url
 from .schemas import _LlamaSamplers, sampler_kwargs
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
@@ -137,8 +138,23 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def chat_messages(body: _Base) -> list[dict[str, Any]]:
-    """Anthropic messages -> the chat messages tools.prepare_chat takes."""
+def _image_block(b: Block, where: str, images: ImageCollector) -> str:
+    """An image block (source base64, or a url that must be a data: URL) -> its marker."""
+    src = (b.model_extra or {}).get("source")
+    if not isinstance(src, dict):
+        raise bad_param(f"{where}.source", f"{where}: an image block needs a source")
+    kind = src.get("type")
+    if kind == "base64":
+        return images.add(from_b64(src.get("data"), f"{where}.source.data"))
+    if kind == "url":
+        return images.add(from_url(src.get("url"), f"{where}.source.url"))
+    raise bad_param(f"{where}.source.type", f"{where}: image source type {kind!r} is not "
+                    "supported (base64, or a data: url)")
+
+
+def chat_messages(body: _Base, images: ImageCollector | None = None) -> list[dict[str, Any]]:
+    """Anthropic messages -> the chat messages tools.prepare_chat takes (image blocks: a
+    marker in the text, their bytes in `images`)."""
     out: list[dict[str, Any]] = []
     if body.system:
         out.append({"role": "system", "content": _text_of(body.system, "system")})
@@ -151,7 +167,10 @@ def chat_messages(body: _Base) -> list[dict[str, Any]]:
         for j, b in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
             if b.type == "text":
-                texts.append(b.text or "")
+                texts.append(check_text(b.text or "", where) if images is not None
+                             else b.text or "")
+            elif b.type == "image" and images is not None and m.role == "user":
+                texts.append(_image_block(b, where, images))
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.name:
                     raise bad_param(f"{where}.name", f"{where}: a tool_use block needs a name")
@@ -304,7 +323,8 @@ async def messages(body: MessagesRequest, request: Request):
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
         min_p=body.min_p or 0.0, repeat_penalty=body.repeat_penalty or 1.0,
         seed=body.seed, max_tokens=body.max_tokens, stop=tuple(stops), **extra)
-    msgs = chat_messages(body)
+    images = ImageCollector()
+    msgs = chat_messages(body, images)
     tools, choice, parallel = parse_tools(body)
     spec = tl.call_grammar(tools, choice, parallel) if choice.mode in ("required", "named") \
         else None
@@ -316,15 +336,19 @@ async def messages(body: MessagesRequest, request: Request):
         chat, tvars = tl.prepare_chat(msgs, tools, choice, parallel, engine.chat_template)
         if spec is None:
             spec = tl.auto_spec(tools, choice, parallel, engine.chat_template)
+        spans = None
         try:
-            prompt = await gen.encode(lambda e: e.encode_chat(chat, **tvars))
+            if images:
+                prompt, spans = await gen.encode(build_with_images(images.refs, chat, **tvars))
+            else:
+                prompt = await gen.encode(lambda e: e.encode_chat(chat, **tvars))
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
         constraints = (await tl.build_constraints(engine, spec, 1, "tools")
                        if spec is not None else None)
         out = _ChatOut(tools, choice.mode, tl.can_think(engine))
         mid, model = f"msg_{uuid.uuid4().hex[:24]}", body.model
-        gen.submit(prompt, params, constraints=constraints)
+        gen.submit(prompt, params, constraints=constraints, images=spans)
         if body.stream:
             events = gen.events()
             return generation.streaming_response(
@@ -387,14 +411,18 @@ async def _stream(gen: Generation, events, out, mid: str, model: str, stops: lis
 @router.post("/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     manager, metrics = request.app.state.manager, request.app.state.metrics
-    msgs = chat_messages(body)
+    images = ImageCollector()
+    msgs = chat_messages(body, images)
     tools, choice, parallel = parse_tools(body)
     gen = await generation.start(manager, metrics, body.model, 1)
     try:
         engine = gen.lm.engine
         chat, tvars = tl.prepare_chat(msgs, tools, choice, parallel, engine.chat_template)
         try:
-            prompt = await gen.encode(lambda e: e.encode_chat(chat, **tvars))
+            if images:
+                prompt = (await gen.encode(build_with_images(images.refs, chat, **tvars)))[0]
+            else:
+                prompt = await gen.encode(lambda e: e.encode_chat(chat, **tvars))
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
         return JSONResponse({"input_tokens": len(prompt)})

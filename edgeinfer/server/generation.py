@@ -149,7 +149,7 @@ class Generation:
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                prompt_param: str = "messages", constraints: list | None = None,
                prompt_logprobs: int | None = None, score_only: bool = False,
-               prediction: list[int] | None = None) -> None:
+               prediction: list[int] | None = None, images: list | None = None) -> None:
         """`constraints`: one TokenConstraint per choice (structured output), or None.
         `prompt_logprobs`: choice 0 reports its prompt's logprobs (the prompt is the same
         for all); `score_only`: compute the prompt, sample nothing (max_tokens 0)."""
@@ -177,6 +177,8 @@ class Generation:
                     kw["score_only"] = True
                 if prediction:
                     kw["prediction"] = prediction
+                if images:
+                    kw["images"] = images
                 # choices after the first wait for its prefill and share it (prefix cache)
                 self._ids.append(engine.submit(prompt_ids, params, sink, choice=i,
                                                follows=self._ids[0] if i else None, **kw))

@@ -176,8 +176,8 @@ def _forget_grammars() -> None:
         grammar.cache.clear()
 
 
-def _new_engine(path: str, ecfg: EngineConfig) -> Engine:
-    return Engine(path, ecfg).start()
+def _new_engine(path: str, ecfg: EngineConfig, mmproj=None) -> Engine:
+    return Engine(path, ecfg, mmproj=str(mmproj) if mmproj else None).start()
 
 
 @dataclass
@@ -442,7 +442,8 @@ class ModelManager:
             try:
                 await asyncio.to_thread(_prepare_kernels, str(ref.path), key[1], kv_cache_type,
                                         cfg.repack, status)
-                engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg)
+                engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg,
+                                                 getattr(ref, "projector_path", None))
             except (APIError, MemoryError) as e:
                 failure = e
             except Exception as e:      # a broken file or unsupported arch: one sentence

@@ -23,6 +23,7 @@ from edgeinfer.engine.grammar import any_json_object, json_schema
 from . import generation, tools as tl
 from .errors import APIError, bad_param, not_found
 from .generation import Generation, params_or_400
+from .images import MEDIA_MARKER, ImageCollector, build_with_images, check_text, from_b64
 from .metrics import iso
 from .model_manager import parse_keep_alive
 from edgeinfer.store.bundled_listing import list_models
@@ -199,6 +200,9 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
             prompt = await gen.encode(lambda e: build_prompt(e, body.think))
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
+        spans = None
+        if isinstance(prompt, tuple):       # (ids, image spans)
+            prompt, spans = prompt
         params = _sampling(body.options, len(prompt), body.logprobs, body.top_logprobs)
         params = gen.adapt(params, _given(body.options),
                            body.options.stop_on_repetition if body.options else None)
@@ -217,7 +221,7 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
                     **_timings(gen, t0)}
 
         if body.stream:
-            gen.submit(prompt, params, constraints=constraints)
+            gen.submit(prompt, params, constraints=constraints, images=spans)
             events = gen.events()
 
             async def lines() -> AsyncIterator[bytes]:
@@ -236,7 +240,7 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
                     yield _ndjson(e.ollama_body())
             return _stream(gen, events, lines())
         text, thinking, calls, lps = "", "", [], []
-        gen.submit(prompt, params, constraints=constraints)
+        gen.submit(prompt, params, constraints=constraints, images=spans)
         async for _, out in gen.events(lambda: request.is_disconnected()):
             th, tx, cl = o.feed(out.text, final=out.finished, reason=out.finish_reason)
             text, thinking, calls = text + tx, thinking + th, calls + cl
@@ -254,17 +258,30 @@ def _stream(gen: Generation, events, agen: AsyncIterator[bytes]) -> StreamingRes
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request):
+    images = ImageCollector()
     if body.images:
-        raise bad_param("images", "images are not supported (text models only)")
+        if body.raw:
+            raise bad_param("images", "images need the model's chat template: they cannot be "
+                            "sent with raw: true")
+        if not isinstance(body.images, list):
+            raise bad_param("images", "images must be a list of base64 strings")
+        for j, data in enumerate(body.images):
+            images.add(from_b64(data, f"images[{j}]"))
+        check_text(body.prompt or "", "prompt")
     ka = parse_keep_alive(body.keep_alive, None) if body.keep_alive is not None else None
-    if not body.prompt and not body.system:
+    if not body.prompt and not body.system and not images:
         return await _load_or_unload(request, body, ka, {"response": ""})
 
-    def build(engine, think) -> list[int]:
+    def build(engine, think):
         if body.raw:
             return engine.encode_raw(body.prompt or "")
+        # the images before the text, as Ollama places them
+        prompt = "".join(MEDIA_MARKER for _ in images.refs) + (body.prompt or "")
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-            [{"role": "user", "content": body.prompt or ""}]
+            [{"role": "user", "content": prompt}]
+        if images:
+            return build_with_images(images.refs, messages, "prompt",
+                                     **_think_vars(think))(engine)
         return engine.encode_chat(messages, **_think_vars(think))
 
     def shape(text: str, lp, thinking: str, calls: list) -> dict:
@@ -280,17 +297,24 @@ def _think_vars(think) -> dict:
 
 @router.post("/chat")
 async def chat(body: ChatRequest, request: Request):
+    images = ImageCollector()
+    markers: list[str] = []
     for i, m in enumerate(body.messages or []):
+        if m.images and not isinstance(m.images, list):
+            raise bad_param(f"messages[{i}].images", "images must be a list of base64 strings")
         if m.images:
-            raise bad_param(f"messages[{i}].images", "images are not supported (text models only)")
+            check_text(m.content or "", f"messages[{i}].content")
+        markers.append("".join(images.add(from_b64(d, f"messages[{i}].images[{j}]"))
+                               for j, d in enumerate(m.images or [])))
     ka = parse_keep_alive(body.keep_alive, None) if body.keep_alive is not None else None
     if not body.messages:
         return await _load_or_unload(request, body, ka,
                                      {"message": {"role": "assistant", "content": ""}})
     tools = tl.parse_tools(body.tools)
     messages = []
-    for m in body.messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+    for m, mark in zip(body.messages, markers):
+        # a message's images before its text, as Ollama places them
+        d: dict[str, Any] = {"role": m.role, "content": mark + (m.content or "")}
         if m.tool_calls:
             d["tool_calls"] = [{"type": "function",
                                 "function": {"name": c.function.name,
@@ -301,8 +325,10 @@ async def chat(body: ChatRequest, request: Request):
         messages.append(d)
     choice = tl.Choice("auto" if tools else "none")
 
-    def build(engine, think) -> list[int]:
+    def build(engine, think):
         msgs, extra = tl.prepare_chat(messages, tools, choice, True, engine.chat_template)
+        if images:
+            return build_with_images(images.refs, msgs, **extra, **_think_vars(think))(engine)
         return engine.encode_chat(msgs, **extra, **_think_vars(think))
 
     def shape(text: str, lp, thinking: str, calls: list) -> dict:
@@ -406,10 +432,22 @@ async def show(body: ModelNameRequest, request: Request):
             details["family"] = s.arch
             details["families"] = [s.arch]
             details["quantization_level"] = s.file_type
+        proj = ref.manifest.get("projector") if ref.registered else None
+        if isinstance(proj, dict):      # Ollama lists the projector's family beside the model's
+            details["families"] = list(dict.fromkeys([*(details.get("families") or []),
+                                                      "clip"]))
         return {"license": str(md.get("general.license", "")),
                 "modelfile": f"# Modelfile generated by edgeinfer\nFROM {ref.path}\n",
                 "parameters": "", "template": template, "details": details,
-                "model_info": info, "capabilities": _capabilities(template, md),
+                "model_info": info,
+                "capabilities": _capabilities(template, md) + (
+                    ["vision"] if isinstance(proj, dict) else []),
+                **({"projector_info": {
+                    "clip.projector_type": proj.get("projector_type"),
+                    "clip.vision.image_size": proj.get("image_size"),
+                    "tokens_per_image": proj.get("tokens_per_image"),
+                    "size": proj.get("size"), "digest": proj.get("digest")}}
+                   if isinstance(proj, dict) else {}),
                 # edgeinfer: no chat template of its own (a base model; see README)
                 "base_model": not (isinstance(md.get("tokenizer.chat_template"), str)
                                    and md["tokenizer.chat_template"].strip()),

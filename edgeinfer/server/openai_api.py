@@ -21,6 +21,7 @@ from edgeinfer.store.bundled_listing import list_models as list_store_models
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
+from .images import ImageCollector, build_with_images, check_text, from_url
 from .schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling, sampler_kwargs
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -60,18 +61,27 @@ def _given(body: _OpenAISampling) -> set[str]:
     return given
 
 
-def _messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _messages(body: ChatCompletionRequest, images: ImageCollector | None = None
+              ) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them; `image_url` parts become a marker in
+    the text, their bytes go to `images`."""
     out = []
     for i, m in enumerate(body.messages):
         content = m.content
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type == "image_url" and images is not None:
+                    url = (part.model_extra or {}).get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    texts.append(images.add(from_url(url, f"{where}.image_url")))
+                    continue
                 if part.type != "text" or part.text is None:
                     raise bad_param(f"messages[{i}].content",
                                     f"content part type {part.type!r} is not supported "
-                                    "(text only)")
-                texts.append(part.text)
+                                    "(text and image_url)")
+                texts.append(check_text(part.text, where) if images else part.text)
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": content or ""}
@@ -247,7 +257,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs and not want_lp:
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
     params = _sampling(body, max_tokens, (body.top_logprobs or 0) if want_lp else None)
-    messages = _messages(body)
+    images = ImageCollector()
+    messages = _messages(body, images)
     tools = tl.parse_tools(body.tools)
     choice = tl.parse_tool_choice(body.tool_choice, tools)
     spec, spec_param = _output_spec(body)
@@ -266,8 +277,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if spec is None and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
                                                   engine.chat_template)) is not None:
             spec, spec_param = auto, "tools"
+        spans = None
         try:
-            prompt = await gen.encode(lambda e: e.encode_chat(msgs, **extra))
+            if images:
+                prompt, spans = await gen.encode(build_with_images(images.refs, msgs, **extra))
+            else:
+                prompt = await gen.encode(lambda e: e.encode_chat(msgs, **extra))
         except ChatTemplateError as e:
             raise bad_param("messages", str(e)) from None
         constraints = (await tl.build_constraints(engine, spec, body.n, spec_param)
@@ -279,12 +294,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         predicted = await asyncio.to_thread(_prediction_ids, body.prediction, engine)
         if body.stream:
             usage_on = bool(body.stream_options and body.stream_options.include_usage)
-            gen.submit(prompt, params, constraints=constraints, prediction=predicted)
+            gen.submit(prompt, params, constraints=constraints, prediction=predicted,
+                       images=spans)
             events = gen.events()
             return _stream(gen, _chat_chunks(gen, events, rid, created, model, body.n,
                                              want_lp, usage_on, pieces, outs))
         lps: list[list] = [[] for _ in range(body.n)]
-        gen.submit(prompt, params, constraints=constraints, prediction=predicted)
+        gen.submit(prompt, params, constraints=constraints, prediction=predicted, images=spans)
         async for i, out in gen.events(lambda: request.is_disconnected()):
             outs[i].feed(out.text, final=out.finished, reason=out.finish_reason)
             if want_lp:

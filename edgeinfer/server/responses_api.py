@@ -44,6 +44,7 @@ from edgeinfer.formats.chat_template import ChatTemplateError
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation
+from .images import MAX_IMAGES, ImageCollector, build_with_images, check_text, from_url
 from .schemas import _OpenAISampling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -86,7 +87,9 @@ class ResponseStore:
         return len(self._d)
 
     def put(self, rid: str, messages: list[dict], body: dict) -> None:
-        size = len(json.dumps(messages)) + len(json.dumps(body))
+        # images (ImageRef) count by their bytes
+        size = len(json.dumps(messages, default=lambda o: "")) + len(json.dumps(body)) + \
+            sum(len(r.data) for m in messages for r in m.get("_edgeinfer_images", ()))
         with self._lock:
             self._drop(rid)
             self._d[rid] = (time.monotonic(), size, messages, body)
@@ -131,7 +134,10 @@ def _unknown(rid: str) -> APIError:
 
 # ----- input -> chat messages --------------------------------------------------------------
 
-def _content_text(content: Any, where: str) -> str:
+IMAGES_KEY = "_edgeinfer_images"      # a message's ImageRefs, kept with it in the store
+
+
+def _content_text(content: Any, where: str, images: ImageCollector | None = None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -141,10 +147,17 @@ def _content_text(content: Any, where: str) -> str:
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images is not None:
+            if part.get("file_id"):
+                raise bad_param(f"{where}[{j}].file_id", f"{where}[{j}]: file_id images are "
+                                "not supported; send image_url as a data: URL")
+            out.append(images.add(from_url(part.get("image_url"), f"{where}[{j}].image_url")))
+            continue
         if kind not in ("input_text", "output_text", "text"):
             raise bad_param(f"{where}[{j}]", f"{where}[{j}]: content type {kind!r} is not "
-                            "supported (input_text and output_text only)")
-        out.append(str(part.get("text") or ""))
+                            "supported (input_text, output_text and input_image only)")
+        text = str(part.get("text") or "")
+        out.append(check_text(text, f"{where}[{j}]") if images is not None else text)
     return "".join(out)
 
 
@@ -163,8 +176,13 @@ def input_messages(raw: Union[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_param(f"{where}.role", f"{where}.role must be user, assistant, "
                                 "system or developer")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _content_text(item.get("content"), f"{where}.content")})
+            images = ImageCollector()
+            msg = {"role": "system" if role == "developer" else role,
+                   "content": _content_text(item.get("content"), f"{where}.content",
+                                            images if role == "user" else None)}
+            if images:
+                msg[IMAGES_KEY] = list(images.refs)
+            out.append(msg)
         elif kind == "function_call":
             name, args = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not name:
@@ -326,8 +344,16 @@ async def create_response(body: ResponsesRequest, request: Request):
         if spec is None and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
                                                   engine.chat_template)) is not None:
             spec, spec_param = auto, "tools"
+        refs = [r for m in messages for r in m.get(IMAGES_KEY, ())]
+        spans = None
         try:
-            prompt = await gen.encode(lambda e: e.encode_chat(chat, **tvars))
+            if refs:
+                if len(refs) > MAX_IMAGES:
+                    raise bad_param("input", f"at most {MAX_IMAGES} images per conversation")
+                prompt, spans = await gen.encode(build_with_images(refs, chat, "input",
+                                                                   **tvars))
+            else:
+                prompt = await gen.encode(lambda e: e.encode_chat(chat, **tvars))
         except ChatTemplateError as e:
             raise bad_param("input", str(e)) from None
         constraints = (await tl.build_constraints(engine, spec, 1, spec_param)
@@ -337,7 +363,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         resp = _skeleton(body, rid, created, tools)
         keep = (lambda output: store.put(rid, _conversation(history + turn, output), resp)) \
             if body.store else (lambda output: None)
-        gen.submit(prompt, params, "input", constraints=constraints)
+        gen.submit(prompt, params, "input", constraints=constraints, images=spans)
         if body.stream:
             events = gen.events()
             return generation.streaming_response(

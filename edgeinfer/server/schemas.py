@@ -141,7 +141,7 @@ class CompletionRequest(_OpenAISampling):
 
 # ----- Ollama ------------------------------------------------------------------------------
 
-OLLAMA_IGNORED = ("template", "context", "suffix", "images",
+OLLAMA_IGNORED = ("template", "context", "suffix",
                   "options.num_keep", "options.tfs_z",
                   "options.penalize_newline", "options.num_batch",
                   "options.num_gpu", "options.main_gpu", "options.num_thread",

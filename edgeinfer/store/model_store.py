@@ -141,6 +141,14 @@ class ModelRef:
         return f"{self.name}:{self.tag}" if self.tag else self.name
 
     @property
+    def projector_path(self) -> Path | None:
+        """The vision projector (mmproj) stored with this model, if any."""
+        p = self.manifest.get("projector")
+        if isinstance(p, dict) and isinstance(p.get("path"), str):
+            return Path(p["path"])
+        return None
+
+    @property
     def id(self) -> str:
         """Ollama-style short id: the first 12 hex of the digest."""
         return (self.digest or "")[:12]
@@ -215,6 +223,10 @@ class Store:
 
     def _ref(self, n: ModelName, m: dict[str, Any]) -> ModelRef:
         digest = m["digest"].removeprefix("sha256:")
+        proj = m.get("projector")
+        if isinstance(proj, dict) and isinstance(proj.get("digest"), str):
+            m = dict(m, projector=dict(proj, path=str(self.blob_path(
+                proj["digest"].removeprefix("sha256:")))))
         return ModelRef(n.name, n.tag, self.blob_path(digest), digest, int(m.get("size", 0)), m)
 
     def get(self, model: str) -> ModelRef | None:
@@ -279,6 +291,9 @@ class Store:
             m = self._read_manifest(path)
             if m is not None:
                 used.add(m["digest"].removeprefix("sha256:"))
+                proj = m.get("projector")
+                if isinstance(proj, dict) and isinstance(proj.get("digest"), str):
+                    used.add(proj["digest"].removeprefix("sha256:"))
         return used
 
     # ----- writing ---------------------------------------------------------------------
@@ -408,9 +423,76 @@ class Store:
             for d in (path.parent, path.parent.parent):   # tidy empty name dirs
                 with contextlib.suppress(OSError):
                     d.rmdir()
-            if ref.digest not in self._digests_in_use():
+            used = self._digests_in_use()
+            if ref.digest not in used:
                 ref.path.unlink(missing_ok=True)
+            proj = m.get("projector")
+            if isinstance(proj, dict) and isinstance(proj.get("digest"), str):
+                pd = proj["digest"].removeprefix("sha256:")
+                if pd not in used:
+                    self.blob_path(pd).unlink(missing_ok=True)
         return ref
+
+    def attach_projector(self, model: str, path: Path | str, source: str | None = None,
+                         move: bool = False) -> ModelRef:
+        """Store a vision projector (mmproj GGUF) with the registered model `name[:tag]`:
+        checked (a projector, of the model's width), linked or copied into blobs/, named in
+        the model's manifest. `show`, /api/show and the loads find it there."""
+        from edgeinfer.formats.gguf_file import read_gguf
+        from edgeinfer.formats.mmproj import check_pair, read_mmproj
+        from edgeinfer.formats.model_config import load_model_config
+        path = Path(path).expanduser()
+        ref = self.resolve(model, allow_path=False)
+        try:
+            gf, vcfg = read_mmproj(str(path))
+            gf.close()
+            tf = read_gguf(str(ref.path))
+            try:
+                width = load_model_config(tf).n_embd
+            finally:
+                tf.close()
+            check_pair(vcfg, width, ref.full_name)
+        except GGUFError as e:
+            raise StoreError(f"{path} cannot be {ref.full_name}'s projector: {e}") from None
+        self.ensure_dirs()
+        tmp = self.new_temp("mmproj")
+        try:
+            linked = False
+            if move:
+                try:
+                    os.replace(path, tmp)
+                except OSError:
+                    shutil.copyfile(path, tmp)
+                    path.unlink()
+            else:
+                try:
+                    os.link(path, tmp)
+                    linked = True
+                except OSError:
+                    self._check_space(path.stat().st_size)
+                    shutil.copyfile(path, tmp)
+            digest = sha256_file(tmp)
+            blob = self.blob_path(digest)
+            n = parse_name(ref.full_name)
+            with self.lock():
+                if blob.is_file():
+                    tmp.unlink(missing_ok=True)
+                else:
+                    if not linked:
+                        os.chmod(tmp, 0o444)
+                    os.replace(tmp, blob)
+                m = self._read_manifest(self._manifest_path(n))
+                if m is None:
+                    raise ModelNotFound(f"model {ref.full_name!r} vanished from the store")
+                m["projector"] = {"digest": f"sha256:{digest}", "size": blob.stat().st_size,
+                                  "source": source or str(path.resolve()),
+                                  "projector_type": vcfg.projector,
+                                  "tokens_per_image": vcfg.tokens_per_image,
+                                  "image_size": vcfg.image_size}
+                self._write_manifest(n, m)
+            return self._ref(n, m)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     # ----- the bundled models ---------------------------------------------------------
 

@@ -1,0 +1,97 @@
+"""Images in API requests: every API's image part becomes raw bytes here (base64 or a
+data: URL; http(s) URLs are refused: an offline daemon fetches nothing), each image a
+MEDIA_MARKER in the message text; decoding and the projector run on a worker thread while
+the prompt is built (edgeinfer.engine.core.Engine.encode_chat_images). Bad images are a 400
+in the calling API's shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgeinfer.engine.core import RequestError
+from edgeinfer.engine.images import MEDIA_MARKER
+from edgeinfer.formats.image import ImageError, b64_image, decode_image
+
+from .errors import APIError
+
+MAX_IMAGES = 16         # per request
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    data: bytes
+    param: str          # where in the request it came from, for the error
+
+
+def bad_image(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_image")
+
+
+def from_b64(data, param: str) -> ImageRef:
+    if not isinstance(data, str):
+        raise bad_image(param, f"{param} must be a base64 string")
+    try:
+        return ImageRef(b64_image(data, param), param)
+    except ImageError as e:
+        raise bad_image(param, str(e)) from None
+
+
+def from_url(url, param: str) -> ImageRef:
+    """An image URL: data: URLs only."""
+    if not isinstance(url, str) or not url:
+        raise bad_image(param, f"{param} must be a URL string")
+    if url.startswith("data:"):
+        return from_b64(url, param)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise bad_image(param, f"{param}: fetching images from http(s) URLs is not enabled on "
+                        "this server; send the image inline as a data: URL "
+                        "(data:image/png;base64,...)")
+    raise bad_image(param, f"{param}: unsupported URL scheme {scheme or url[:20]!r}; send a "
+                    "data: URL (data:image/png;base64,...)")
+
+
+class ImageCollector:
+    """Collects a request's images in order; `marker()` is what goes in the text."""
+
+    def __init__(self):
+        self.refs: list[ImageRef] = []
+
+    def add(self, ref: ImageRef) -> str:
+        if len(self.refs) >= MAX_IMAGES:
+            raise bad_image(ref.param, f"at most {MAX_IMAGES} images per request")
+        self.refs.append(ref)
+        return MEDIA_MARKER
+
+    def __bool__(self) -> bool:
+        return bool(self.refs)
+
+
+def check_text(text: str, param: str) -> str:
+    """Text parts must not carry the marker themselves (it would count as an image)."""
+    if isinstance(text, str) and MEDIA_MARKER in text:
+        raise APIError(400, f"{param} contains the reserved text {MEDIA_MARKER!r}",
+                       param=param, code="invalid_parameter")
+    return text
+
+
+def build_with_images(refs: list[ImageRef], messages: list[dict], param: str = "messages",
+                      **extra):
+    """A gen.encode() builder: (engine) -> (prompt ids, image spans)."""
+    def build(engine):
+        if getattr(engine, "vision", None) is None:
+            note = getattr(engine, "vision_note", "")
+            name = getattr(getattr(engine, "cfg", None), "name", "") or "this model"
+            raise bad_image(refs[0].param, note or (
+                f"{name!r} is a text-only model here: it has no vision projector, so it "
+                "cannot take images (pull it with --mmproj FILE)"))
+        images = []
+        for r in refs:
+            try:
+                images.append(decode_image(r.data, r.param))
+            except ImageError as e:
+                raise bad_image(r.param, str(e)) from None
+        try:
+            return engine.encode_chat_images(messages, images, **extra)
+        except RequestError as e:
+            raise APIError(400, str(e), param=param, code="invalid_prompt") from None
+    return build

@@ -1,0 +1,162 @@
+"""Images through every API of a real daemon, with the official clients: OpenAI chat
+`image_url` parts, Ollama `images` on /api/chat and /api/generate, Anthropic `image` blocks,
+Responses `input_image`; the 400s (an http URL, a corrupt image, a text-only model, a
+format we do not take); /api/show's `vision` capability. The model is the synthetic Gemma 3
+text model with its mmproj (tests/vision_synth.py), stored together in the daemon's store."""
+from __future__ import annotations
+
+import base64
+
+import httpx
+import pytest
+
+from daemon_fixture import start_daemon
+from vision_synth import noise_rgb, png_bytes, vision_pair
+
+VISION, PLAIN = "gemma3-vision:tiny", "gemma3-plain:tiny"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    from edgeinfer.store.bundled_listing import MARKER
+    from edgeinfer.store.model_store import Store
+    text, mmproj = vision_pair(tmp_path_factory.mktemp("vision-files"))
+    home = tmp_path_factory.mktemp("vision-home")
+    store = Store(home)
+    store.register_file(text, VISION)
+    store.attach_projector(VISION, mmproj)
+    store.register_file(text, PLAIN)            # the same blob, no projector
+    (home / MARKER).touch()
+    d = start_daemon(home, EDGEINFER_MAX_MODEL_LEN="512")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def _png(seed: int = 1) -> bytes:
+    return png_bytes(noise_rgb(48, 64, seed=seed))
+
+
+def _b64(seed: int = 1) -> str:
+    return base64.b64encode(_png(seed)).decode()
+
+
+def _data_url(seed: int = 1) -> str:
+    return "data:image/png;base64," + _b64(seed)
+
+
+@pytest.fixture(scope="module")
+def oai(daemon):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def test_openai_image_url(oai):
+    r = oai.chat.completions.create(
+        model=VISION, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is in"},
+            {"type": "image_url", "image_url": {"url": _data_url(1)}},
+            {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": {"url": _data_url(2), "detail": "low"}}]}])
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert r.usage.prompt_tokens > 2 * (16 + 2)          # two images of 16 tokens + tags
+    # the same request again: its image blocks come from the prefix cache
+    again = oai.chat.completions.create(
+        model=VISION, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is in"},
+            {"type": "image_url", "image_url": {"url": _data_url(1)}},
+            {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": {"url": _data_url(2), "detail": "low"}}]}])
+    assert again.choices[0].message.content == r.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+def test_openai_refusals(oai, daemon):
+    import openai
+    bad = [
+        ("https://example.com/cat.png", "http"),
+        ("data:image/png;base64," + base64.b64encode(_png()[:60]).decode(), "corrupt"),
+        ("data:image/png;base64,@@@@", "base64"),
+        ("data:image/tiff;base64," + base64.b64encode(b"II*\x00" + b"\0" * 64).decode(),
+         "not an image"),
+    ]
+    for url, words in bad:
+        with pytest.raises(openai.BadRequestError, match=words):
+            oai.chat.completions.create(
+                model=VISION, max_tokens=2,
+                messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}}]}])
+    with pytest.raises(openai.BadRequestError, match="text-only"):
+        oai.chat.completions.create(
+            model=PLAIN, max_tokens=2,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": _data_url()}}]}])
+    # the daemon keeps serving
+    r = oai.chat.completions.create(model=VISION, max_tokens=2,
+                                    messages=[{"role": "user", "content": "hi"}])
+    assert r.usage.completion_tokens == 2
+
+
+def test_ollama_images(daemon):
+    ollama = pytest.importorskip("ollama")
+    c = ollama.Client(host=daemon.url, timeout=300)
+    r = c.chat(model=VISION, options={"temperature": 0, "num_predict": 3},
+               messages=[{"role": "user", "content": "describe", "images": [_png(3)]}])
+    assert r.done and r.eval_count == 3 and r.prompt_eval_count > 16
+    g = c.generate(model=VISION, prompt="describe", images=[_b64(3)],
+                   options={"temperature": 0, "num_predict": 3})
+    assert g.done and g.eval_count == 3
+    with pytest.raises(ollama.ResponseError) as e:
+        c.chat(model=PLAIN, messages=[{"role": "user", "content": "x", "images": [_png()]}])
+    assert e.value.status_code == 400 and "text-only" in str(e.value)
+    with pytest.raises(ollama.ResponseError) as e:
+        c.generate(model=VISION, prompt="x", images=[base64.b64encode(b"junk").decode()])
+    assert e.value.status_code == 400
+    show = c.show(VISION)
+    assert "vision" in show.capabilities
+    assert "vision" not in c.show(PLAIN).capabilities
+
+
+def test_anthropic_image_block(daemon):
+    anthropic = pytest.importorskip("anthropic")
+    with anthropic.Anthropic(base_url=daemon.url, api_key="x", max_retries=0,
+                             timeout=300) as ac:
+        r = ac.messages.create(model=VISION, max_tokens=3, extra_body={"temperature": 0},
+                               messages=[{"role": "user", "content": [
+                                   {"type": "image", "source": {
+                                       "type": "base64", "media_type": "image/png",
+                                       "data": _b64(4)}},
+                                   {"type": "text", "text": "what is this?"}]}])
+        assert r.stop_reason == "max_tokens" and r.usage.input_tokens > 16
+        n = ac.messages.count_tokens(model=VISION, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": _b64(4)}},
+            {"type": "text", "text": "what is this?"}]}])
+        assert n.input_tokens == r.usage.input_tokens
+        with pytest.raises(anthropic.BadRequestError, match="http"):
+            ac.messages.create(model=VISION, max_tokens=3, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+
+
+def test_responses_input_image(oai):
+    r = oai.responses.create(model=VISION, max_output_tokens=3, temperature=0, input=[
+        {"role": "user", "content": [
+            {"type": "input_text", "text": "what is this?"},
+            {"type": "input_image", "image_url": _data_url(5)}]}])
+    assert r.status in ("completed", "incomplete") and r.usage.input_tokens > 16
+    # a follow-up keeps the first turn's image
+    r2 = oai.responses.create(model=VISION, max_output_tokens=2, temperature=0,
+                              previous_response_id=r.id, input="and its colour?")
+    assert r2.usage.input_tokens > r.usage.input_tokens
+
+
+def test_oversized_image_refused(daemon):
+    from edgeinfer.formats.image import MAX_IMAGE_BYTES
+    big = base64.b64encode(b"\x89PNG" + b"\0" * (MAX_IMAGE_BYTES + 10)).decode()
+    r = httpx.post(daemon.url + "/api/chat", timeout=120, json={
+        "model": VISION, "stream": False,
+        "messages": [{"role": "user", "content": "x", "images": [big]}]})
+    assert r.status_code == 400 and "limit" in r.json()["error"]
