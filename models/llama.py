@@ -76,8 +76,10 @@ def attention(cfg: ModelConfig, ops, w: LayerWeights, h, batch: ForwardBatch, kv
 
 def load_head(cfg: ModelConfig, ops, gf):
     """Token embedding, final norm and output projection (the embedding when tied)."""
-    tok_embd = ops.matrix(gf, "token_embd.weight")
-    output = tok_embd if cfg.tied_output else ops.matrix(gf, "output.weight")
+    if cfg.tied_output:
+        tok_embd = output = ops.matrix(gf, "token_embd.weight")
+    else:       # only ever read by rows: the backend need not make it a matmul weight
+        tok_embd, output = ops.table(gf, "token_embd.weight"), ops.matrix(gf, "output.weight")
     return tok_embd, ops.vector(gf, "output_norm.weight"), output
 
 

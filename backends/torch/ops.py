@@ -90,6 +90,9 @@ class TorchOps:
         self._check_model_fits(gguf_file)
         return load_tensor(gguf_file, name, self.device, self.dtype)
 
+    def table(self, gguf_file, name: str) -> torch.Tensor:
+        return self.matrix(gguf_file, name)
+
     def vector(self, gguf_file, name: str) -> torch.Tensor:
         return load_tensor(gguf_file, name, self.device, torch.float32).reshape(-1)
 
