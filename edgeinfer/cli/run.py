@@ -74,17 +74,19 @@ def prepare_kernels(path: str, backend: str, kv_cache_type: str | None = None) -
               file=sys.stderr)
 
 
-def load_engine(path: str, backend: str, num_ctx: int | None, kv_cache_type: str | None = None):
+def load_engine(path: str, backend: str, num_ctx: int | None, kv_cache_type: str | None = None,
+                mmproj: str | None = None):
     from edgeinfer.engine.core import Engine, EngineConfig
     from edgeinfer.formats.gguf_file import GGUFError
     from edgeinfer.settings import current
     prepare_kernels(path, backend, kv_cache_type)
     try:
         return Engine(path, EngineConfig(backend=backend, max_model_len=num_ctx,
-                                         kv_cache_type=kv_cache_type or current().kv_cache_type)
-                      ).start()
+                                         kv_cache_type=kv_cache_type or current().kv_cache_type),
+                      mmproj=mmproj).start()
     except GGUFError as e:
-        raise UserError(f"{path}: {e}") from None
+        raise UserError(f"{mmproj if mmproj and str(e).startswith('the projector') else path}: "
+                        f"{e}") from None
     except ValueError as e:     # e.g. a KV cache type the backend does not have
         raise UserError(str(e)) from None
 
@@ -110,8 +112,35 @@ def given_from_args(args: argparse.Namespace) -> set[str]:
     return given
 
 
+def read_image(path: str) -> bytes:
+    """An --image / /image file's bytes, checked to be an image we take (UserError if not)."""
+    from edgeinfer.formats.image import ImageError, decode_image
+    try:
+        data = open(os.path.expanduser(path), "rb").read()
+    except OSError as e:
+        raise UserError(f"{path}: {e.strerror or e}") from None
+    try:
+        decode_image(data, path)
+    except ImageError as e:
+        raise UserError(str(e)) from None
+    return data
+
+
+def with_image_markers(messages: list[dict]) -> tuple[list[dict], list[bytes]]:
+    """Messages whose "images" (bytes) become markers before their text, as the daemon's
+    /api/chat places them; the images in order."""
+    from edgeinfer.engine.images import MEDIA_MARKER
+    out, images = [], []
+    for m in messages:
+        imgs = m.get("images") or []
+        images += imgs
+        out.append({k: v for k, v in m.items() if k != "images"} |
+                   {"content": MEDIA_MARKER * len(imgs) + (m.get("content") or "")})
+    return out, images
+
+
 def stream(engine, prompt_ids: list[int], params, out=None,
-           guard=None) -> tuple[str, RunStats]:
+           guard=None, images=None) -> tuple[str, RunStats]:
     """Submit, print text as it arrives, return the text and timings. Ctrl-C aborts.
     `guard` (a RepetitionGuard) ends the request with reason "repetition" when it fires."""
     out = out or sys.stdout
@@ -119,7 +148,7 @@ def stream(engine, prompt_ids: list[int], params, out=None,
     events: queue.SimpleQueue = queue.SimpleQueue()
     t0 = time.monotonic()
     try:
-        rid = engine.submit(prompt_ids, params, events.put)
+        rid = engine.submit(prompt_ids, params, events.put, images=images)
     except RequestError as e:
         raise UserError(str(e)) from None
     text, first, last, final = [], None, t0, None
@@ -156,10 +185,10 @@ class LocalSession:
 
     def __init__(self, path: str, backend: str, num_ctx: int | None, params,
                  given: set[str] = frozenset(), repetition_stop: bool | None = None,
-                 kv_cache_type: str | None = None):
+                 kv_cache_type: str | None = None, mmproj: str | None = None):
         from edgeinfer.server.generation import base_model_params, is_base_model
         t = time.monotonic()
-        self.engine = load_engine(path, backend, num_ctx, kv_cache_type)
+        self.engine = load_engine(path, backend, num_ctx, kv_cache_type, mmproj)
         self.load_s = time.monotonic() - t
         base = is_base_model(self.engine)
         self.backend = backend
@@ -175,7 +204,17 @@ class LocalSession:
         if qa:
             prompt, params = qa_framed(prompt, params)
             messages, raw = None, True
-        if messages is not None:
+        spans = None
+        if messages is not None and any(m.get("images") for m in messages):
+            from edgeinfer.engine.core import RequestError
+            from edgeinfer.formats.image import decode_image
+            msgs, data = with_image_markers(messages)
+            try:
+                ids, spans = self.engine.encode_chat_images(
+                    msgs, [decode_image(d) for d in data])
+            except RequestError as e:
+                raise UserError(str(e)) from None
+        elif messages is not None:
             ids = self.engine.encode_chat(messages)
         elif raw:
             ids = self.engine.encode_raw(prompt)
@@ -185,7 +224,7 @@ class LocalSession:
         from edgeinfer.engine.sampling import with_vocabulary
         guard = RepetitionGuard() if self.repetition_stop else None
         return stream(self.engine, ids, with_vocabulary(params, self.engine.tokenizer),
-                      guard=guard)
+                      guard=guard, images=spans)
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -249,6 +288,10 @@ class DaemonSession:
             prompt, params = qa_framed(prompt, self.params)
             messages, raw = None, True
             options = {**options, "stop": list(params.stop)}
+        if messages is not None and any(m.get("images") for m in messages):
+            import base64
+            messages = [m | {"images": [base64.b64encode(d).decode() for d in m["images"]]}
+                        if m.get("images") else m for m in messages]
         kw = dict(messages=messages) if messages is not None else dict(prompt=prompt, raw=raw)
         from edgeinfer.cli.load_progress import LoadWatcher
         t0 = time.monotonic()
@@ -285,7 +328,8 @@ class DaemonSession:
 def chat_loop(session, system: str | None, verbose: bool) -> int:
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     print("Chatting with the model. /bye or Ctrl-D to quit, /clear to start over, "
-          "Ctrl-C to stop a reply.", file=sys.stderr)
+          "/image PATH to add a picture, Ctrl-C to stop a reply.", file=sys.stderr)
+    pending: list[bytes] = []       # /image: goes with the next message
     while True:
         try:
             line = input(">>> ")
@@ -301,18 +345,31 @@ def chat_loop(session, system: str | None, verbose: bool) -> int:
             return 0
         if line.strip() == "/clear":
             messages = messages[:1] if system else []
+            pending = []
             print("(conversation cleared)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
+        if line.strip().startswith("/image"):
+            path = line.strip()[len("/image"):].strip()
+            try:
+                pending.append(read_image(path))
+                print(f"(image {path} added to your next message)", file=sys.stderr)
+            except UserError as e:
+                print(f"edgeinfer: {e}", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line,
+                         **({"images": pending} if pending else {})})
+        sent, pending = pending, []
         try:
             reply, stats = session.generate(messages, None, False)
         except KeyboardInterrupt:
             print("\n(stopped)", file=sys.stderr)
             messages.pop()
+            pending = sent
             continue
         except UserError as e:
             print(f"\nedgeinfer: {e}", file=sys.stderr)
             messages.pop()
+            pending = sent
             continue
         print()
         messages.append({"role": "assistant", "content": reply})
@@ -344,12 +401,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     device = getattr(args, "device", None)
-    if args.no_daemon or args.model.endswith(".gguf") or os.path.exists(args.model):
+    images = [read_image(p) for p in (getattr(args, "image", None) or [])]
+    mmproj = getattr(args, "mmproj", None)
+    if images and args.raw:
+        raise UserError("--image needs the chat template: it cannot go with --raw")
+    if images and prompt is None:
+        raise UserError("--image goes with a PROMPT; in the interactive chat use /image PATH")
+    local_file = args.model.endswith(".gguf") or os.path.exists(args.model)
+    if args.no_daemon or local_file:
         path = resolve_model_file(args.model)
+        if mmproj is None and not local_file:      # a store model's own projector
+            from edgeinfer.store.model_store import Store
+            proj = Store().resolve(args.model).projector_path
+            mmproj = str(proj) if proj else None
         session = LocalSession(path, local_backend(path, args.backend, device), args.num_ctx,
                                params, given_from_args(args), args.repetition_stop,
-                               args.kv_cache_type)
+                               args.kv_cache_type, mmproj)
     else:
+        if mmproj:
+            raise UserError(f"--mmproj is for a model file run in this process; store it with "
+                            f"the model instead: edgeinfer pull SOURCE --name {args.model} "
+                            f"--mmproj {mmproj}")
         session = DaemonSession(args.model, args.backend, args.num_ctx, params, device,
                                 given_from_args(args), args.repetition_stop,
                                 args.kv_cache_type)
@@ -359,8 +431,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         msgs = None
         if not args.raw:
             msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                [{"role": "user", "content": prompt}]
-        qa = not args.raw and not args.system and session.base_model
+                [{"role": "user", "content": prompt, **({"images": images} if images else {})}]
+        qa = not args.raw and not args.system and not images and session.base_model
         _, stats = session.generate(msgs, prompt, args.raw, qa=qa)
         print()
         if args.verbose:
@@ -421,6 +493,12 @@ def add_commands(subparsers) -> None:
     p.add_argument("--raw", action="store_true",
                    help="send PROMPT as plain text (BOS per the model, no chat template)")
     p.add_argument("--system", help="a system prompt")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="a picture for the prompt (PNG, JPEG, WebP, GIF, BMP; repeatable); "
+                        "the model needs a vision projector")
+    p.add_argument("--mmproj", metavar="FILE",
+                   help="the vision projector for a model run from a file (a store model "
+                        "uses the one pulled with it: pull --mmproj)")
     add_sampling_args(p)
     p.add_argument("--backend", default="auto",
                    choices=["auto", "cpu", "llamacpp", "torch", "torch:cuda", "torch:mps", "torch:cpu"],

@@ -148,8 +148,28 @@ def cmd_show(args: argparse.Namespace) -> int:
     loaded = loaded_copies(args.model)
     backend = loaded[0].get("backend") if loaded else _auto_backend(summary)
     kv_type = (loaded[0].get("kv_cache_type") if loaded else None) or args.kv_cache_type
-    print(format_summary(summary, args.model, placement_rows(summary, loaded), backend, kv_type))
+    print(format_summary(summary, args.model,
+                         placement_rows(summary, loaded) + projector_rows(args.model),
+                         backend, kv_type))
     return 0
+
+
+def projector_rows(model: str) -> list[tuple[str, str]]:
+    """The vision projector stored with a store model (edgeinfer pull --mmproj)."""
+    if model.endswith(".gguf") or os.sep in model or os.path.exists(model):
+        return [("vision", "no projector (a file path; run it with --mmproj FILE)")]
+    from edgeinfer.store.model_store import Store
+    try:
+        proj = Store().resolve(model).manifest.get("projector")
+    except Exception:       # a description only
+        return []
+    if not isinstance(proj, dict):
+        return [("vision", "no (text only; add a projector with pull --mmproj FILE)")]
+    return [("vision", f"{proj.get('projector_type')} projector, "
+                       f"{proj.get('tokens_per_image')} tokens per "
+                       f"{proj.get('image_size')}x{proj.get('image_size')} image, "
+                       f"{_human_bytes(int(proj.get('size') or 0))}"),
+            ("projector", str(proj.get("path") or proj.get("digest")))]
 
 
 def add_commands(subparsers) -> None:

@@ -20,6 +20,10 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("source", metavar="SOURCE")
     p.add_argument("--name", metavar="NAME:TAG", help="register under this name")
     p.add_argument("--sha256", metavar="HEX", help="refuse the file unless it has this digest")
+    p.add_argument("--mmproj", metavar="FILE",
+                   help="the model's vision projector (an mmproj .gguf: a local path, an "
+                        "http(s) URL or hf://OWNER/REPO/FILE.gguf), stored with the model so "
+                        "it takes images")
     p.set_defaults(func=cmd_pull)
 
     p = subparsers.add_parser("list", aliases=["ls"], help="list models in the store")
@@ -91,11 +95,29 @@ def cmd_pull(args: argparse.Namespace) -> int:
     with _ProgressView() as view:
         if not local and _daemon_pull(args, view):
             _prepare_kernels(None, args)
+            if args.mmproj:
+                _pull_projector(args, None)
             return 0
         ref = pull(args.source, name=args.name, sha256=args.sha256, progress=view)
     _prepare_kernels(ref, args)
     print(f"pulled {ref.full_name} ({ref.id}, {human_size(ref.size)})")
+    if args.mmproj:
+        _pull_projector(args, ref)
     return 0
+
+
+def _pull_projector(args: argparse.Namespace, ref: ModelRef | None) -> None:
+    """--mmproj: the projector goes into the store with the model just pulled."""
+    from edgeinfer.store.projector import pull_projector
+    store = Store()
+    if ref is None:         # pulled through the daemon, into the same store
+        from edgeinfer.store.pull import resolve_source
+        ref = store.resolve(str(resolve_source(args.source, args.name, args.sha256,
+                                               store).name), allow_path=False)
+    ref = pull_projector(store, ref.full_name, args.mmproj)
+    proj = ref.manifest["projector"]
+    print(f"vision projector for {ref.full_name}: {proj['projector_type']} "
+          f"({proj['tokens_per_image']} tokens per image, {human_size(proj['size'])})")
 
 
 def _prepare_kernels(ref: ModelRef | None, args: argparse.Namespace) -> None:
