@@ -99,3 +99,24 @@ def test_projector_checks(pair):
     check_pair(cfg, 256)
     with pytest.raises(GGUFError, match="belongs to another model"):
         check_pair(cfg, 640)
+
+
+def test_f16_projector_matches_libmtmd(pair, tmp_path):
+    """Released mmproj files keep their matrices in f16: the tower computes them with the
+    f16 kernels (activations rounded to f16 as ggml does) and still matches."""
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from edgeinfer.formats.synthetic_vision import write_tiny_mmproj
+    from edgeinfer.models.siglip import SiglipVision
+    from edgeinfer.runners.native import make_ops
+    from mtmd_oracle import MtmdOracle
+    f16 = write_tiny_mmproj(tmp_path / "f16.gguf", 256, f16=True, seed=5)
+    rgb = noise_rgb(70, 64, seed=9)
+    o = MtmdOracle(str(pair[0]), str(f16))
+    try:
+        want = o.embeddings(rgb)
+    finally:
+        o.close()
+    gf, cfg = read_mmproj(str(f16))
+    got = SiglipVision(cfg, make_ops("cpu"), gf).encode(
+        preprocess_fixed(rgb, cfg.image_size, cfg.image_mean, cfg.image_std))
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)

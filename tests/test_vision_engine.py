@@ -158,3 +158,28 @@ def test_refusals(pair, engine, tmp_path):
             plain.encode_chat_images(_msgs(MEDIA_MARKER), [img])
     finally:
         plain.close()
+
+
+def test_batch_mixes_image_and_text_requests(engine):
+    """Continuous batching: an image request and text requests in the same steps give each
+    the tokens it gets alone."""
+    img = _img(21, (40, 64))
+    ids_i, spans = _prompt(engine, f"the a {MEDIA_MARKER} is", [img])
+    ids_t = engine.encode_raw("the w3 w4 a of and")
+    alone_i = engine.generate(ids_i, greedy(6), images=spans).token_ids
+    alone_t = engine.generate(ids_t, greedy(6)).token_ids
+    got: dict[int, list[int]] = {}
+
+    def sink(o):
+        got.setdefault(o.request_id, []).extend(o.token_ids)
+    a = engine.submit(ids_t, greedy(6), sink)
+    b = engine.submit(ids_i, greedy(6), sink, images=spans)
+    c = engine.submit(ids_t, greedy(6), sink)
+    engine._drain_commands()
+    mixed = 0
+    while engine.scheduler.has_work():
+        out = engine.step()
+        if len({ch.seq.seq_id for ch in out.chunks}) > 1:
+            mixed += 1
+    assert mixed > 0
+    assert got[b] == alone_i and got[a] == got[c] == alone_t

@@ -66,7 +66,9 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     w.add_tensor("v.patch_embd.weight",
                  (rng.standard_normal((e, 3, p, p)) / np.sqrt(3 * p * p)).astype(np.float16))
     w.add_tensor("v.patch_embd.bias", vec(e))
-    w.add_tensor("v.position_embd.weight", (0.5 * rng.standard_normal((n_patches, e))).astype(dt))
+    # f32 always: ggml adds it to the f32 patch embeddings (no f32 + f16 add on the CPU)
+    w.add_tensor("v.position_embd.weight",
+                 (0.5 * rng.standard_normal((n_patches, e))).astype(np.float32))
     for i in range(shape.layers):
         b = f"v.blk.{i}."
         for n in ("attn_q", "attn_k", "attn_v"):
