@@ -111,9 +111,10 @@ class SiglipVision:
                 bv=ops.vector(gf, b + "attn_v.bias"), bo=ops.vector(gf, b + "attn_out.bias"),
                 ln1_w=ops.vector(gf, b + "ln1.weight"), ln1_b=ops.vector(gf, b + "ln1.bias"),
                 ln2_w=ops.vector(gf, b + "ln2.weight"), ln2_b=ops.vector(gf, b + "ln2.bias"),
-                w_up=ops.matrix(gf, b + "ffn_up.weight"), b_up=ops.vector(gf, b + "ffn_up.bias"),
-                w_down=ops.matrix(gf, b + "ffn_down.weight"),
-                b_down=ops.vector(gf, b + "ffn_down.bias")))
+                w_up=ops.matrix(gf, b + cfg.ffn_up_name + ".weight"),
+                b_up=ops.vector(gf, b + cfg.ffn_up_name + ".bias"),
+                w_down=ops.matrix(gf, b + cfg.ffn_down_name + ".weight"),
+                b_down=ops.vector(gf, b + cfg.ffn_down_name + ".bias")))
         self.post_w = ops.vector(gf, "v.post_ln.weight")
         self.post_b = ops.vector(gf, "v.post_ln.bias")
         self.soft_norm = _dense(gf, "mm.soft_emb_norm.weight").reshape(e)

@@ -101,15 +101,17 @@ def test_projector_checks(pair):
         check_pair(cfg, 640)
 
 
-def test_f16_projector_matches_libmtmd(pair, tmp_path):
+@pytest.mark.parametrize("swapped", [False, True])
+def test_f16_projector_matches_libmtmd(pair, tmp_path, swapped):
     """Released mmproj files keep their matrices in f16: the tower computes them with the
-    f16 kernels (activations rounded to f16 as ggml does) and still matches."""
+    f16 kernels (activations rounded to f16 as ggml does) and still matches; early Gemma 3
+    conversions had ffn_up / ffn_down swapped, which both sides read back the right way."""
     pytest.importorskip("llama_cpp.mtmd_cpp")
     from edgeinfer.formats.synthetic_vision import write_tiny_mmproj
     from edgeinfer.models.siglip import SiglipVision
     from edgeinfer.runners.native import make_ops
     from mtmd_oracle import MtmdOracle
-    f16 = write_tiny_mmproj(tmp_path / "f16.gguf", 256, f16=True, seed=5)
+    f16 = write_tiny_mmproj(tmp_path / "f16.gguf", 256, f16=True, seed=5, swapped_ffn=swapped)
     rgb = noise_rgb(70, 64, seed=9)
     o = MtmdOracle(str(pair[0]), str(f16))
     try:

@@ -28,6 +28,10 @@ class VisionConfig:
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
     name: str = ""
+    # early Gemma 3 conversions stored ffn_up / ffn_down under each other's names (llama.cpp
+    # swaps them back when ffn_down's rows are the width): tensor names to read
+    ffn_up_name: str = "ffn_up"
+    ffn_down_name: str = "ffn_down"
 
     @property
     def patches_per_side(self) -> int:
@@ -103,6 +107,10 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
     if any(s == 0 for s in cfg.image_std):
         raise GGUFError("the projector's image_std has a zero")
     e, ff, p = cfg.n_embd, cfg.n_ff, cfg.patch_size
+    down0 = gf.tensors.get("v.blk.0.ffn_down.weight")
+    if down0 is not None and e != ff and int(down0.shape[0]) == e:
+        from dataclasses import replace as _replace
+        cfg = _replace(cfg, ffn_up_name="ffn_down", ffn_down_name="ffn_up")
 
     def need(name: str, *shape: int) -> None:
         t = gf.tensors.get(name)
@@ -122,10 +130,10 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         for n in ("ln1", "ln2"):
             need(b + n + ".weight", e)
             need(b + n + ".bias", e)
-        need(b + "ffn_up.weight", e, ff)
-        need(b + "ffn_up.bias", ff)
-        need(b + "ffn_down.weight", ff, e)
-        need(b + "ffn_down.bias", e)
+        need(b + cfg.ffn_up_name + ".weight", e, ff)
+        need(b + cfg.ffn_up_name + ".bias", ff)
+        need(b + cfg.ffn_down_name + ".weight", ff, e)
+        need(b + cfg.ffn_down_name + ".bias", e)
     need("v.post_ln.weight", e)
     need("v.post_ln.bias", e)
     need("mm.soft_emb_norm.weight", e)

@@ -30,8 +30,9 @@ class TinyVisionShape:
 
 
 def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = TinyVisionShape(),
-                      seed: int = 0, f16: bool = False) -> Path:
-    """A Gemma 3 projector of `shape` for a text model of width `n_embd_text`."""
+                      seed: int = 0, f16: bool = False, swapped_ffn: bool = False) -> Path:
+    """A Gemma 3 projector of `shape` for a text model of width `n_embd_text`
+    (`swapped_ffn`: ffn_up / ffn_down under each other's names, as early conversions)."""
     from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
     e, ff, p = shape.n_embd, shape.n_ff, shape.patch_size
@@ -80,10 +81,11 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
         w.add_tensor(b + "ln1.bias", vec(e))
         w.add_tensor(b + "ln2.weight", vec(e, 1.0))
         w.add_tensor(b + "ln2.bias", vec(e))
-        w.add_tensor(b + "ffn_up.weight", mat(ff, e))
-        w.add_tensor(b + "ffn_up.bias", vec(ff))
-        w.add_tensor(b + "ffn_down.weight", mat(e, ff, 0.5))
-        w.add_tensor(b + "ffn_down.bias", vec(e))
+        up, down = ("ffn_down", "ffn_up") if swapped_ffn else ("ffn_up", "ffn_down")
+        w.add_tensor(b + up + ".weight", mat(ff, e))
+        w.add_tensor(b + up + ".bias", vec(ff))
+        w.add_tensor(b + down + ".weight", mat(e, ff, 0.5))
+        w.add_tensor(b + down + ".bias", vec(e))
     w.add_tensor("v.post_ln.weight", vec(e, 1.0))
     w.add_tensor("v.post_ln.bias", vec(e))
     w.add_tensor("mm.soft_emb_norm.weight", vec(e, 1.0))
