@@ -80,6 +80,30 @@ def test_logits_after_images_match_llamacpp(pair, engine, text, n):
     assert got.argmax() == want.argmax()
 
 
+def test_torch_backend_logits_match_llamacpp(pair):
+    """The torch backend: embeddings spliced in, the attention mask open to the whole image."""
+    pytest.importorskip("torch")
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from mtmd_oracle import MtmdOracle
+    e = Engine(str(pair[0]), EngineConfig(backend="torch:cpu", kv_budget_bytes=16 << 20),
+               mmproj=str(pair[1]))
+    try:
+        text = f"a {MEDIA_MARKER} and {MEDIA_MARKER} the"
+        images = [_img(31), _img(32, (30, 64))]
+        ids, spans = _prompt(e, text, images)
+        o = MtmdOracle(str(pair[0]), str(pair[1]))
+        try:
+            want = o.next_logits(text, [i.rgb for i in images])
+        finally:
+            o.close()
+        got = _logits(e, ids, spans)
+        np.testing.assert_allclose(got, want, atol=3e-3 * np.abs(want).max(), rtol=0)
+        out = e.generate(ids, greedy(2), images=spans)
+        assert out.token_ids[0] == want.argmax()
+    finally:
+        e.close()
+
+
 def test_chunked_prefill_never_cuts_an_image(pair):
     """A 16-token step budget: the scheduler cuts before the image and takes it whole, and
     the output equals an unchunked run's."""

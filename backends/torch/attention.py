@@ -39,6 +39,9 @@ class StepLayout:
     tables_np: np.ndarray      # int64 [S, max_blocks]
     device: torch.device
     gathers: dict[int, _Gather] = field(default_factory=dict)
+    # int64 [S, M] the last position each row attends to: its own, or its image's last
+    # (ForwardBatch.attn_until: bidirectional inside an image); None = q_pos
+    q_hi: np.ndarray | None = None
 
     @classmethod
     def build(cls, batch: ForwardBatch, block_size: int, device: torch.device) -> "StepLayout":
@@ -50,13 +53,19 @@ class StepLayout:
         local = np.arange(len(seq)) - starts[seq]   # tokens of a sequence are contiguous
         pad_index = seq * M + local
         q_pos = np.empty((S, M), np.int64)
+        until = batch.attn_until
+        q_hi = np.empty((S, M), np.int64) if until is not None else None
         for s in range(S):  # per sequence, not per token: S is at most the running batch
             p = batch.positions[starts[s]:starts[s] + counts[s]]
             q_pos[s, :counts[s]] = p
             q_pos[s, counts[s]:] = p[-1] if len(p) else 0
+            if q_hi is not None:
+                u = until[starts[s]:starts[s] + counts[s]]
+                q_hi[s, :counts[s]] = u
+                q_hi[s, counts[s]:] = u[-1] if len(u) else 0
         return cls(torch.from_numpy(batch.slot_mapping.astype(np.int64)).to(device),
                    torch.from_numpy(pad_index).to(device), S, M, block_size, q_pos,
-                   batch.block_tables.astype(np.int64), device)
+                   batch.block_tables.astype(np.int64), device, q_hi=q_hi)
 
     def gather(self, window: int) -> _Gather:
         g = self.gathers.get(window)
@@ -66,7 +75,8 @@ class StepLayout:
 
     def _make_gather(self, window: int) -> _Gather:
         bs = self.block_size
-        last = self.q_pos.max(axis=1)                     # [S]
+        hi = self.q_pos if self.q_hi is None else self.q_hi
+        last = hi.max(axis=1)                             # [S]
         first_pos = self.q_pos.min(axis=1) - window + 1 if window > 0 else np.zeros(self.S, np.int64)
         first_blk = np.maximum(first_pos, 0) // bs        # [S]
         nb = int((last // bs - first_blk).max()) + 1
@@ -74,7 +84,7 @@ class StepLayout:
         tables = np.take_along_axis(self.tables_np, np.minimum(blk_idx, self.tables_np.shape[1] - 1), 1)
         k_pos = (blk_idx[:, :, None] * bs + np.arange(bs)).reshape(self.S, 1, nb * bs)
         q = self.q_pos[:, :, None]
-        mask = k_pos <= q
+        mask = k_pos <= hi[:, :, None]
         if window > 0:
             mask &= k_pos > q - window
         return _Gather(torch.from_numpy(tables).to(self.device),

@@ -212,6 +212,13 @@ class TorchOps:
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
         return x.float().cpu().numpy()
 
+    def put_rows(self, x: torch.Tensor, rows: np.ndarray, values: np.ndarray) -> torch.Tensor:
+        """x[rows] = values (image embeddings in place of token embeddings), in place; the
+        attention reads ForwardBatch.attn_until (torch/attention.py)."""
+        x[self._ids_raw(rows)] = torch.from_numpy(np.ascontiguousarray(values)).to(
+            self.device, x.dtype)
+        return x
+
     # -- paged KV cache --------------------------------------------------------------------
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
                      head_dim: int) -> TorchKVCache:
