@@ -137,8 +137,8 @@ def load_vision(runner, tokenizer, mmproj: str, backend: str = "cpu") -> VisionE
     VisionError (one sentence) otherwise; nothing stays open then."""
     from edgeinfer.formats.mmproj import check_pair
     if not getattr(runner, "supports_images", False):
-        raise VisionError(f"images need the cpu backend for now; {runner.kind} cannot run "
-                          f"them (load the model with backend cpu)")
+        raise VisionError(f"images need a native backend (cpu or torch); {runner.kind} cannot "
+                          f"run them yet (load the model with backend cpu)")
     image_tags(tokenizer)
     enc = VisionEncoder(mmproj, backend)
     try:
