@@ -207,3 +207,46 @@ def test_batch_mixes_image_and_text_requests(engine):
             mixed += 1
     assert mixed > 0
     assert got[b] == alone_i and got[a] == got[c] == alone_t
+
+
+def test_llamacpp_backend_takes_images(pair):
+    """The llama.cpp runner: libmtmd encodes the image against the runner's own model, the
+    image rows decode non-causally as embeddings; the first token and its logprob are
+    llama.cpp's own (libmtmd's helper on the same files)."""
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from mtmd_oracle import MtmdOracle
+    e = Engine(str(pair[0]), EngineConfig(backend="llamacpp", kv_budget_bytes=16 << 20),
+               mmproj=str(pair[1]))
+    try:
+        assert e.vision is not None and e.vision._external is not None
+        text = f"hello {MEDIA_MARKER} world"
+        img = _img(41, (50, 64))
+        ids, spans = _prompt(e, text, [img])
+        out = e.generate(ids, greedy(3, logprobs=0), images=spans)
+        o = MtmdOracle(str(pair[0]), str(pair[1]))
+        try:
+            want = o.next_logits(text, [img.rgb])
+        finally:
+            o.close()
+        lp = want - want.max()
+        lp = lp - np.log(np.exp(lp).sum())
+        assert out.token_ids[0] == int(want.argmax())
+        assert abs(out.logprobs[0] - lp[out.token_ids[0]]) < 1e-3
+        # the same image again: llama.cpp's slot reuse skips the image's positions
+        again = e.generate(ids, greedy(3), images=spans)
+        assert again.token_ids == out.token_ids and again.num_cached_tokens >= spans[0].end
+    finally:
+        e.close()
+
+
+def test_penalties_and_dry_ignore_image_placeholders(engine):
+    """Repeat/frequency penalties and DRY over a prompt with images: the sampler's history
+    is the text (a placeholder id never indexes the logits)."""
+    from edgeinfer.engine.sampling import SamplingParams
+    img = _img(51)
+    ids, spans = _prompt(engine, f"the the {MEDIA_MARKER} the the", [img])
+    p = SamplingParams(temperature=0.8, seed=3, max_tokens=8, repeat_penalty=1.3,
+                       frequency_penalty=0.5, presence_penalty=0.2, dry_multiplier=0.8)
+    out = engine.generate(ids, p, images=spans)
+    assert out.finish_reason in ("length", "stop") and len(out.token_ids) >= 1
+    assert all(0 <= t < engine.cfg.vocab_size for t in out.token_ids)

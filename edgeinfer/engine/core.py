@@ -499,10 +499,7 @@ class Engine:
             st = self._states[rid]
             if rid not in self._announced:
                 self._announced.add(rid)
-                prompt = seq.prompt_token_ids
-                if st.images:   # the sampler's history (penalties, DRY) is the text's
-                    prompt = self._text_ids(prompt, st.images)
-                new.append(NewRequest(rid, tuple(prompt), seq.params, st.choice,
+                new.append(NewRequest(rid, tuple(seq.prompt_token_ids), seq.params, st.choice,
                                       pooling=st.pooling, images=st.images))
             mask = None
             if c.needs_logits and st.constraint is not None:

@@ -44,17 +44,25 @@ class VisionError(ValueError):
 class VisionEncoder:
     """One projector file loaded on a native backend's ops."""
 
-    def __init__(self, path: str, backend: str = "cpu", cache_images: int = 16):
+    def __init__(self, path: str, backend: str = "cpu", cache_images: int = 16,
+                 runner=None):
+        """`runner`: one whose own library encodes images (the llama.cpp runner: libmtmd,
+        `runner.image_encoder(path)`); else the native tower on `backend`'s ops."""
         from edgeinfer.formats.mmproj import read_mmproj
-        from edgeinfer.models.siglip import SiglipVision
-        from edgeinfer.runners.native import make_ops
         self.path = path
         self.gf, self.cfg = read_mmproj(path)
+        self._external = None
         try:
-            # the tower's own ops (its repack choice and per-step caches stay apart from the
-            # text model's); torch on the device the text model uses
-            ops = make_ops(backend if backend.startswith("torch") else "cpu")
-            self.model = SiglipVision(self.cfg, ops, self.gf)
+            if runner is not None and hasattr(runner, "image_encoder"):
+                self._external = runner.image_encoder(path)
+                self.model = None
+            else:
+                from edgeinfer.models.siglip import SiglipVision
+                from edgeinfer.runners.native import make_ops
+                # the tower's own ops (its repack choice and per-step caches stay apart from
+                # the text model's); torch on the device the text model uses
+                ops = make_ops(backend if backend.startswith("torch") else "cpu")
+                self.model = SiglipVision(self.cfg, ops, self.gf)
         except BaseException:
             self.gf.close()
             raise
@@ -82,8 +90,11 @@ class VisionEncoder:
                 self.cache_hits += 1
                 return hit
             cfg = self.cfg
-            px = preprocess_fixed(image.rgb, cfg.image_size, cfg.image_mean, cfg.image_std)
-            out = self.model.encode(px)
+            if self._external is not None:
+                out = self._external(image.rgb)
+            else:
+                px = preprocess_fixed(image.rgb, cfg.image_size, cfg.image_mean, cfg.image_std)
+                out = self.model.encode(px)
             out.setflags(write=False)
             self._cache[image.digest] = out
             while len(self._cache) > self._cache_images:
@@ -93,6 +104,9 @@ class VisionEncoder:
 
     def close(self) -> None:
         self.model = None
+        if self._external is not None:
+            self._external.close()
+            self._external = None
         self._cache.clear()
         self.gf.close()
 
@@ -135,15 +149,12 @@ def load_vision(runner, tokenizer, mmproj: str, backend: str = "cpu") -> VisionE
     """The projector for a loaded runner, after the checks that it belongs to it: a backend
     that runs image spans, the image tags in the vocabulary, the text width. GGUFError or
     VisionError (one sentence) otherwise; nothing stays open then."""
-    from edgeinfer.formats.mmproj import check_pair
+    from edgeinfer.formats.mmproj import check_pair, read_mmproj
     if not getattr(runner, "supports_images", False):
         raise VisionError(f"images need a native backend (cpu or torch); {runner.kind} cannot "
                           f"run them yet (load the model with backend cpu)")
     image_tags(tokenizer)
-    enc = VisionEncoder(mmproj, backend)
-    try:
-        check_pair(enc.cfg, runner.cfg.n_embd, runner.cfg.name or "the model")
-    except BaseException:
-        enc.close()
-        raise
-    return enc
+    gf, cfg = read_mmproj(mmproj)
+    gf.close()
+    check_pair(cfg, runner.cfg.n_embd, runner.cfg.name or "the model")
+    return VisionEncoder(mmproj, backend, runner=runner)

@@ -32,8 +32,11 @@ class SamplingStage:
             self._add(req)
 
     def _add(self, req: NewRequest) -> None:
+        prompt = req.prompt_token_ids
+        if req.images:      # penalties and DRY see the text: no image placeholders
+            prompt = tuple(t for t in prompt if t >= 0)
         self._states[req.req_id] = SeqSamplingState(
-            req.sampling, req.prompt_token_ids, choice_index=req.choice_index,
+            req.sampling, prompt, choice_index=req.choice_index,
             eos_token_ids=self.eos_token_ids)
 
     def sample(self, spans: Sequence[ScheduledSpan], logits: np.ndarray) -> StepResult:

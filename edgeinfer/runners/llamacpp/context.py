@@ -72,6 +72,8 @@ class LlamaContext:
         self.n_batch = n_batch
         self.n_threads = threads
         self._batch = L.llama_batch_init(n_batch, 0, 1)
+        self._ebatch = None         # an embeddings batch, made on the first image
+        self.n_embd = int(L.llama_model_n_embd(self.model))
 
     # -- model facts -----------------------------------------------------------------------
     def model_int(self, fn: str) -> int:
@@ -109,6 +111,30 @@ class LlamaContext:
         b.n_tokens = n
         return int(self.L.llama_decode(self.ctx, b))
 
+    def decode_embd(self, embd: np.ndarray, positions: list[int], seq: int,
+                    want_last: bool) -> int:
+        """One llama_decode of embedding rows (an image) of one sequence, non-causal (the
+        rows attend to one another, as libmtmd decodes Gemma 3's images)."""
+        L = self.L
+        n = int(embd.shape[0])
+        assert n <= self.n_batch and embd.shape[1] == self.n_embd
+        if self._ebatch is None:
+            self._ebatch = L.llama_batch_init(self.n_batch, self.n_embd, 1)
+        b = self._ebatch
+        flat = np.ascontiguousarray(embd, np.float32).reshape(-1)
+        ctypes.memmove(b.embd, flat.ctypes.data, flat.nbytes)
+        for i in range(n):
+            b.pos[i] = positions[i]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = want_last and i == n - 1
+        b.n_tokens = n
+        L.llama_set_causal_attn(self.ctx, False)
+        try:
+            return int(L.llama_decode(self.ctx, b))
+        finally:
+            L.llama_set_causal_attn(self.ctx, True)
+
     def logits(self, i: int) -> np.ndarray:
         ptr = self.L.llama_get_logits_ith(self.ctx, i)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
@@ -135,6 +161,8 @@ class LlamaContext:
     def close(self) -> None:
         if getattr(self, "ctx", None):
             self.L.llama_batch_free(self._batch)
+            if self._ebatch is not None:
+                self.L.llama_batch_free(self._ebatch)
             self.L.llama_free(self.ctx)
             self.L.llama_model_free(self.model)
             self.ctx = None

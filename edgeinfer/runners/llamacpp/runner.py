@@ -72,6 +72,9 @@ class LlamaCppRunner:
     weights_format = "gguf (llama.cpp)"
     prefix_caching = False
     supports_drafts = False       # llama.cpp gives one row of logits per sampled span here
+    # images: libmtmd encodes them (image_encoder), their rows decode non-causally as
+    # embeddings (LlamaContext.decode_embd)
+    supports_images = True
 
     def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
                  min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,
@@ -105,6 +108,7 @@ class LlamaCppRunner:
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
         # request id -> its tokens so far (prompt + sampled): what a slot must hold
         self._history: dict[int, list[int]] = {}
+        self._images: dict[int, tuple] = {}     # request id -> its prompt's ImageSpans
 
     @property
     def kv_bytes(self) -> int:
@@ -118,6 +122,11 @@ class LlamaCppRunner:
     def load(cls, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
              min_kv_tokens: int = 0, **kw) -> "LlamaCppRunner":
         return cls(str(path), kv_budget_bytes, block_size, min_kv_tokens, **kw)
+
+    def image_encoder(self, mmproj: str):
+        """libmtmd on this runner's model: a callable RGB pixels -> embeddings."""
+        from edgeinfer.runners.llamacpp.mtmd import MtmdEncoder
+        return MtmdEncoder(mmproj, self.ctx, self.ctx.n_threads)
 
     def _tokenizer(self):
         from edgeinfer.formats.tokenizer import Tokenizer
@@ -174,8 +183,11 @@ class LlamaCppRunner:
         self.sampling.begin(plan)
         for rid in plan.finished:
             self._history.pop(rid, None)
+            self._images.pop(rid, None)
         for req in plan.new_requests:
             self._history[req.req_id] = list(req.prompt_token_ids)
+            if req.images:
+                self._images[req.req_id] = req.images
             self._prompt_len[req.req_id] = len(req.prompt_token_ids)
         for rid in plan.finished:
             self._prompt_len.pop(rid, None)
@@ -220,24 +232,42 @@ class LlamaCppRunner:
             if keep > span.start:
                 reused[span.req_id] = keep - span.start
             # from what the slot holds (below span.start when it lacks part of the prefix)
+            images = self._images.get(span.req_id, ())
             for p in range(keep, end):
                 last = span.sample and p == end - 1
-                if scored and p in want:
+                if target[p] < 0:       # an image position: its embedding row
+                    k = next(i for i, im in enumerate(images) if im.start <= p < im.end)
+                    rows.append((target[p], p, slot.sid, False, None, False,
+                                 (span.req_id, k, images[k].embeddings[p - images[k].start])))
+                elif scored and p in want:
                     rows.append((target[p], p, slot.sid, True, (span.req_id, span.prompt_logprobs),
-                                 last))
+                                 last, None))
                 else:
-                    rows.append((target[p], p, slot.sid, last, None, last))
+                    rows.append((target[p], p, slot.sid, last, None, last, None))
             slot.tokens = target
         self._evict_for(len(rows))
         self.tokens_decoded += len(rows)
         return self._decode(rows, prompt_logprobs), reused
 
     def _parts(self, rows: list[tuple]):
-        """Decode calls: at most n_batch rows, and at most CHUNK_ROWS rows with logits."""
+        """Decode calls: at most n_batch rows, and at most CHUNK_ROWS rows with logits; the
+        rows of one image in a call of their own (decoded non-causally, never cut)."""
         nb, i = self.ctx.n_batch, 0
         while i < len(rows):
+            img = rows[i][6]
+            if img is not None:
+                j = i
+                while j < len(rows) and rows[j][6] is not None and rows[j][6][:2] == img[:2]:
+                    j += 1
+                if j - i > nb:
+                    raise LlamaError(f"an image of {j - i} tokens does not fit one llama.cpp "
+                                     f"batch of {nb}")
+                yield rows[i:j]
+                i = j
+                continue
             j, wanted = i, 0
-            while j < len(rows) and j - i < nb and (wanted < CHUNK_ROWS or not rows[j][3]):
+            while (j < len(rows) and j - i < nb and rows[j][6] is None
+                   and (wanted < CHUNK_ROWS or not rows[j][3])):
                 wanted += rows[j][3]
                 j += 1
             yield rows[i:j]
@@ -247,7 +277,11 @@ class LlamaCppRunner:
         out = []
         for part in self._parts(rows):
             tok, pos, sid, want = (list(x) for x in zip(*(r[:4] for r in part)))
-            rc = self.ctx.decode(tok, pos, sid, want)
+            if part[0][6] is not None:
+                rc = self.ctx.decode_embd(np.stack([r[6][2] for r in part]), pos, sid[0],
+                                          want_last=False)
+            else:
+                rc = self.ctx.decode(tok, pos, sid, want)
             if rc != 0:
                 for s in self.slots:  # state is unknown now: recompute from scratch next time
                     self.ctx.seq_rm(s.sid)
