@@ -153,6 +153,29 @@ async def test_chat_streams_reply_with_figures_and_keeps_history(fake):
 
 
 @pytest.mark.asyncio
+async def test_image_command_sends_pictures_with_the_next_message(fake, tmp_path):
+    """/image PATH (issue 26): the file goes base64 on the next user message, as Ollama's
+    /api/chat takes it; a missing file is a notice, nothing is sent."""
+    import base64
+    pic = tmp_path / "cat.png"
+    pic.write_bytes(b"\x89PNG fake bytes")
+    async with chat_session(fake.host) as (app, pilot):
+        screen = app.screen
+        await send(pilot, f"/image {tmp_path / 'nope.png'}")
+        await send(pilot, f"/image {pic}")
+        await pilot.pause()
+        assert not fake.state.chats and [n for n, _ in screen.pending_images] == ["cat.png"]
+        await send(pilot, "what is this?")
+        status = screen.query_one(StreamStatus)
+        await wait_for(pilot, lambda: status.state == "done", what="reply done")
+        user = fake.state.chats[-1]["messages"][-1]
+        assert user["content"] == "what is this?"
+        assert user["images"] == [base64.b64encode(pic.read_bytes()).decode()]
+        assert "[image: cat.png]" in list(screen.query(ChatMessage))[0].markdown.source
+        assert screen.pending_images == []
+
+
+@pytest.mark.asyncio
 async def test_tokens_per_s_is_live_while_streaming(fake):
     fake.state.reply = [f" w{i}" for i in range(40)]
     fake.state.token_delay = 0.05

@@ -24,6 +24,7 @@ DEFAULT_TEMPERATURE = "0.8"
 # this often while a reply streams: per token, the app took ~2.4 s of CPU per 256-token reply
 # on a 2-core machine, CPU the engine in the daemon then lacks (README "The terminal app").
 FLUSH_S = 0.15
+MAX_IMAGE_BYTES = 20 * 2**20      # the daemon's limit (edgeinfer.formats.image)
 
 
 class ChatScreen(Screen):
@@ -41,7 +42,9 @@ class ChatScreen(Screen):
 
     def __init__(self) -> None:
         super().__init__()
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict] = []
+        # /image PATH: (file name, base64) pictures that go with the next message
+        self.pending_images: list[tuple[str, str]] = []
         self._run = 0              # bumped per send and by "new chat": a late finish is dropped
         self._waiting_for: str | None = None    # the model a sent request waits on
 
@@ -131,6 +134,10 @@ class ChatScreen(Screen):
         text = event.value.strip()
         if not text:
             return
+        if text == "/image" or text.startswith("/image "):
+            event.input.value = ""
+            self._add_image(text[len("/image"):].strip())
+            return
         if self.streaming:
             self.notify("A reply is still streaming: Esc stops it.", severity="warning")
             return
@@ -143,10 +150,39 @@ class ChatScreen(Screen):
         if temperature is False:
             return
         event.input.value = ""
-        self.history.append({"role": "user", "content": text})
+        message: dict = {"role": "user", "content": text}
+        shown = text
+        if self.pending_images:     # Ollama's shape: base64 images on the message
+            message["images"] = [b for _, b in self.pending_images]
+            shown += "\n\n" + " ".join(f"`[image: {n}]`" for n, _ in self.pending_images)
+            self.pending_images = []
+        self.history.append(message)
         options = ChatOptions(temperature=temperature,
                               system=self.query_one("#system", Input).value)
-        self.send(model, list(self.history), options, text)
+        self.send(model, list(self.history), options, shown)
+
+    def _add_image(self, path: str) -> None:
+        """/image PATH: read the file now (the daemon checks it is an image it takes)."""
+        import base64
+        import os
+        if not path:
+            self.notify("Usage: /image PATH (the picture goes with your next message)",
+                        severity="warning")
+            return
+        full = os.path.expanduser(path)
+        try:
+            if os.path.getsize(full) > MAX_IMAGE_BYTES:
+                self.notify(f"{path} is larger than {MAX_IMAGE_BYTES // 2**20} MB",
+                            severity="error")
+                return
+            with open(full, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            self.notify(f"{path}: {e.strerror or e}", severity="error")
+            return
+        self.pending_images.append((os.path.basename(full), base64.b64encode(data).decode()))
+        self.notify(f"{os.path.basename(full)} goes with your next message "
+                    f"({len(self.pending_images)} image{'s' * (len(self.pending_images) > 1)})")
 
     def _temperature(self) -> float | None | bool:
         raw = self.query_one("#temperature", Input).value.strip()
@@ -265,6 +301,7 @@ class ChatScreen(Screen):
         self.workers.cancel_group(self, "chat")
         self.streaming = False
         self.history.clear()
+        self.pending_images = []
         await self.query_one("#messages", VerticalScroll).remove_children()
         self.query_one(StreamStatus).reset()
         self.query_one("#prompt", Input).focus()
