@@ -444,3 +444,21 @@ def test_token_is_not_sent_to_another_origin(server, store, payload, monkeypatch
         assert ref.digest == sha256(payload)
         assert cdn.headers_seen and all("Authorization" not in h for h in cdn.headers_seen)
     assert any(h.get("Authorization") == "Bearer hf_secret" for h in server.headers_seen)
+
+
+def test_catalog_entry_with_a_projector_pulls_both(server, store, tmp_path):
+    """A catalog entry that names an mmproj (gemma3:4b) brings its vision projector: both
+    files from the hub, the projector stored with the model (issue 26)."""
+    from vision_synth import vision_pair
+    text, mmproj = vision_pair(tmp_path / "v")
+    entry = load_catalog()["gemma3:4b"]
+    assert entry.mmproj and entry.mmproj_uri.startswith("hf://ggml-org/")
+    server.add(f"/{entry.repo}/resolve/{entry.revision}/{entry.file}", text.read_bytes())
+    server.add(f"/{entry.repo}/resolve/{entry.revision}/{entry.mmproj}", mmproj.read_bytes())
+    events = []
+    ref = pull("gemma3:4b", store=store, policy=FAST, progress=events.append)
+    assert ref.full_name == "gemma3:4b" and ref.projector_path is not None
+    assert ref.projector_path.read_bytes() == mmproj.read_bytes()
+    assert "pulling vision projector" in [e.status for e in events]
+    assert store.resolve("gemma3:4b").manifest["projector"]["tokens_per_image"] == 16
+    assert partials(store) == []

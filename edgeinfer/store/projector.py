@@ -10,7 +10,8 @@ from .model_store import ModelRef, Store
 
 
 def pull_projector(store: Store, model: str, source: str,
-                   on_bytes: Callable[[int, int | None], None] | None = None) -> ModelRef:
+                   on_bytes: Callable[[int, int | None], None] | None = None,
+                   policy=None) -> ModelRef:
     """Attach the projector at `source` to the registered model `model`."""
     if "://" not in source:
         return store.attach_projector(model, Path(source))
@@ -29,7 +30,7 @@ def pull_projector(store: Store, model: str, source: str,
                          "http(s) URL or hf://OWNER/REPO/FILE.gguf")
     store.ensure_dirs()
     tmp = store.new_temp("mmproj-download")
-    policy = DownloadPolicy()
+    policy = policy or DownloadPolicy()
     try:
         with httpx.Client(timeout=policy.timeout()) as client:
             download(client, url, tmp, headers, policy, on_bytes or (lambda done, total: None))

@@ -70,10 +70,15 @@ class CatalogEntry:
     description: str = ""
     bundled: str | None = None          # importable package that ships the same model
     bundled_sha256: str | None = None
+    mmproj: str | None = None           # the vision projector's file in the same repo
 
     @property
     def hf_uri(self) -> str:
         return f"hf://{self.repo}/{self.file}@{self.revision}"
+
+    @property
+    def mmproj_uri(self) -> str | None:
+        return f"hf://{self.repo}/{self.mmproj}@{self.revision}" if self.mmproj else None
 
 
 def load_catalog() -> dict[str, CatalogEntry]:
@@ -85,7 +90,7 @@ def load_catalog() -> dict[str, CatalogEntry]:
         name = str(parse_name(key))
         out[name] = CatalogEntry(name, e["repo"], e["file"], e.get("revision", "main"),
                                  e.get("sha256"), e.get("description", ""), e.get("bundled"),
-                                 e.get("bundled_sha256"))
+                                 e.get("bundled_sha256"), e.get("mmproj"))
     return out
 
 
@@ -100,6 +105,7 @@ class PullSource:
     headers: tuple[tuple[str, str], ...] = ()
     bundled: str | None = None  # package to use instead of downloading (catalog only)
     bundled_sha256: str | None = None
+    mmproj: str | None = None   # a projector that comes with it (catalog entries that name one)
 
 
 def hf_endpoint() -> str:
@@ -176,7 +182,8 @@ def resolve_source(source: str, name: str | None = None, sha256: str | None = No
         return PullSource("catalog", entry.hf_uri, given or n,
                           url=hf_url(entry.repo, entry.file, entry.revision),
                           sha256=sha or entry.sha256, headers=_hf_headers(),
-                          bundled=entry.bundled, bundled_sha256=entry.bundled_sha256)
+                          bundled=entry.bundled, bundled_sha256=entry.bundled_sha256,
+                          mmproj=entry.mmproj_uri)
     # Not in the catalog: re-pull a registered model from where it came from.
     store = store or Store()
     ref = store.get(str(n))
@@ -205,7 +212,21 @@ def pull(source: str, name: str | None = None, sha256: str | None = None,
          store: Store | None = None, progress: ProgressFn | None = None,
          policy: DownloadPolicy | None = None) -> ModelRef:
     """Pull SOURCE into the store and return the registered model. `progress` receives
-    PullProgress events; it may raise to cancel (the partial file is kept for resuming)."""
+    PullProgress events; it may raise to cancel (the partial file is kept for resuming).
+    A catalog entry that names a vision projector brings it too (Store.attach_projector)."""
+    store = store or Store()
+    ref = _pull_model(source, name, sha256, store, progress, policy)
+    src = resolve_source(source, name, sha256, store)
+    if src.mmproj and ref.projector_path is None:
+        from .projector import pull_projector
+        _emit(progress, "pulling vision projector")
+        ref = pull_projector(store, ref.full_name, src.mmproj, policy=policy)
+        _emit(progress, "success")
+    return ref
+
+
+def _pull_model(source: str, name: str | None, sha256: str | None, store: Store,
+                progress: ProgressFn | None, policy: DownloadPolicy | None) -> ModelRef:
     started = time.time()   # a concurrent pull of this source that ends later is reused
     store = store or Store()
     policy = policy or DownloadPolicy()
