@@ -25,6 +25,7 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_SPECULATIVE         | speculative         | on (prompt-lookup drafts, batch <= 2)|
 | EDGEINFER_HF_ENDPOINT / HF_TOKEN | hf_endpoint / hf_token | huggingface.co / none        |
 | EDGEINFER_DEBUG               | debug               | off                                 |
+| EDGEINFER_ALLOW_IMAGE_URLS    | allow_image_urls    | off (images only inline, base64)    |
 """
 from __future__ import annotations
 
@@ -142,6 +143,7 @@ class Settings:
     hf_token: str | None = None
     debug: bool = False
     backend_set: bool = False               # backend came from the environment or a flag
+    allow_image_urls: bool = False          # the daemon fetches http(s) image URLs
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Settings":
@@ -176,6 +178,7 @@ class Settings:
             hf_endpoint=env.get("EDGEINFER_HF_ENDPOINT") or None,
             hf_token=env.get("HF_TOKEN") or None,
             debug=bool(env.get("EDGEINFER_DEBUG")),
+            allow_image_urls=bool(_flag(env, "EDGEINFER_ALLOW_IMAGE_URLS")),
         )
         return s.with_overrides(**overrides)
 

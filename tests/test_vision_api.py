@@ -160,3 +160,38 @@ def test_oversized_image_refused(daemon):
         "model": VISION, "stream": False,
         "messages": [{"role": "user", "content": "x", "images": [big]}]})
     assert r.status_code == 400 and "limit" in r.json()["error"]
+
+
+def test_image_urls_fetched_only_when_allowed(tmp_path_factory):
+    """serve --allow-image-urls (EDGEINFER_ALLOW_IMAGE_URLS=1): http(s) image URLs are
+    fetched (a missing one is a 400 naming the status); without it they are refused."""
+    openai = pytest.importorskip("openai")
+    from edgeinfer.store.bundled_listing import MARKER
+    from edgeinfer.store.model_store import Store
+    from httpfault import FaultServer
+    text, mmproj = vision_pair(tmp_path_factory.mktemp("vision-files-2"))
+    home = tmp_path_factory.mktemp("vision-home-2")
+    Store(home).register_file(text, VISION)
+    Store(home).attach_projector(VISION, mmproj)
+    (home / MARKER).touch()
+    d = start_daemon(home, EDGEINFER_MAX_MODEL_LEN="512", EDGEINFER_ALLOW_IMAGE_URLS="1")
+    try:
+        with FaultServer() as web:
+            web.add("/cat.png", _png(8))
+            oai = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0,
+                                timeout=300)
+
+            def ask(url):
+                return oai.chat.completions.create(
+                    model=VISION, max_tokens=2, temperature=0,
+                    messages=[{"role": "user", "content": [
+                        {"type": "text", "text": "what?"},
+                        {"type": "image_url", "image_url": {"url": url}}]}])
+            fetched = ask(web.url + "/cat.png")
+            inline = ask(_data_url(8))
+            assert fetched.choices[0].message.content == inline.choices[0].message.content
+            assert inline.usage.prompt_tokens_details.cached_tokens >= 16   # same image
+            with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+                ask(web.url + "/missing.png")
+    finally:
+        d.stop()

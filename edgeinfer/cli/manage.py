@@ -60,6 +60,9 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     add_device_arg(p, "default device for the models it loads, for torch and auto (default "
                       "EDGEINFER_DEVICE): --backend torch --device cuda is torch:cuda; a "
                       "device alone lets auto place models on it")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in requests (default off: images come "
+                        "inline as base64 / data: URLs; EDGEINFER_ALLOW_IMAGE_URLS=1)")
 
 
 def _ray_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +95,15 @@ def _user_error(msg: str) -> Exception:
     return UserError(msg)
 
 
+def _image_urls_flag(args: argparse.Namespace) -> None:
+    """--allow-image-urls reaches the daemon (this process or its child) as the setting."""
+    if getattr(args, "allow_image_urls", False):
+        import os
+        os.environ["EDGEINFER_ALLOW_IMAGE_URLS"] = "1"
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    _image_urls_flag(args)
     if args.ray or args.ray_address:
         from edgeinfer.scaleout.launch import ScaleOutError, serve_ray
         try:
@@ -111,6 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon_start(args: argparse.Namespace) -> int:
+    _image_urls_flag(args)
     try:
         running = daemon.read_pid_file()
         info = daemon.start_background(args.host, args.port, args.api_key, args.backend,

@@ -32,7 +32,7 @@ from edgeinfer.formats.chat_template import ChatTemplateError
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
-from .images import ImageCollector, build_with_images, check_text, from_b64, from_url
+from .images import ImageCollector, build_with_images, check_text, from_b64
 from .schemas import _LlamaSamplers, sampler_kwargs
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
@@ -147,7 +147,7 @@ def _image_block(b: Block, where: str, images: ImageCollector) -> str:
     if kind == "base64":
         return images.add(from_b64(src.get("data"), f"{where}.source.data"))
     if kind == "url":
-        return images.add(from_url(src.get("url"), f"{where}.source.url"))
+        return images.url(src.get("url"), f"{where}.source.url")
     raise bad_param(f"{where}.source.type", f"{where}: image source type {kind!r} is not "
                     "supported (base64, or a data: url)")
 
@@ -323,7 +323,7 @@ async def messages(body: MessagesRequest, request: Request):
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
         min_p=body.min_p or 0.0, repeat_penalty=body.repeat_penalty or 1.0,
         seed=body.seed, max_tokens=body.max_tokens, stop=tuple(stops), **extra)
-    images = ImageCollector()
+    images = ImageCollector.for_request(request)
     msgs = chat_messages(body, images)
     tools, choice, parallel = parse_tools(body)
     spec = tl.call_grammar(tools, choice, parallel) if choice.mode in ("required", "named") \
@@ -411,7 +411,7 @@ async def _stream(gen: Generation, events, out, mid: str, model: str, stops: lis
 @router.post("/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     manager, metrics = request.app.state.manager, request.app.state.metrics
-    images = ImageCollector()
+    images = ImageCollector.for_request(request)
     msgs = chat_messages(body, images)
     tools, choice, parallel = parse_tools(body)
     gen = await generation.start(manager, metrics, body.model, 1)

@@ -21,7 +21,7 @@ from edgeinfer.store.bundled_listing import list_models as list_store_models
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
-from .images import ImageCollector, build_with_images, check_text, from_url
+from .images import ImageCollector, build_with_images, check_text
 from .schemas import ChatCompletionRequest, CompletionRequest, _OpenAISampling, sampler_kwargs
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -75,7 +75,7 @@ def _messages(body: ChatCompletionRequest, images: ImageCollector | None = None
                 if part.type == "image_url" and images is not None:
                     url = (part.model_extra or {}).get("image_url")
                     url = url.get("url") if isinstance(url, dict) else url
-                    texts.append(images.add(from_url(url, f"{where}.image_url")))
+                    texts.append(images.url(url, f"{where}.image_url"))
                     continue
                 if part.type != "text" or part.text is None:
                     raise bad_param(f"messages[{i}].content",
@@ -257,7 +257,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs and not want_lp:
         raise bad_param("top_logprobs", "top_logprobs requires logprobs: true")
     params = _sampling(body, max_tokens, (body.top_logprobs or 0) if want_lp else None)
-    images = ImageCollector()
+    images = ImageCollector.for_request(request)
     messages = _messages(body, images)
     tools = tl.parse_tools(body.tools)
     choice = tl.parse_tool_choice(body.tool_choice, tools)

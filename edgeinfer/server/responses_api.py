@@ -44,7 +44,7 @@ from edgeinfer.formats.chat_template import ChatTemplateError
 from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation
-from .images import MAX_IMAGES, ImageCollector, build_with_images, check_text, from_url
+from .images import MAX_IMAGES, ImageCollector, build_with_images, check_text
 from .schemas import _OpenAISampling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -151,7 +151,7 @@ def _content_text(content: Any, where: str, images: ImageCollector | None = None
             if part.get("file_id"):
                 raise bad_param(f"{where}[{j}].file_id", f"{where}[{j}]: file_id images are "
                                 "not supported; send image_url as a data: URL")
-            out.append(images.add(from_url(part.get("image_url"), f"{where}[{j}].image_url")))
+            out.append(images.url(part.get("image_url"), f"{where}[{j}].image_url"))
             continue
         if kind not in ("input_text", "output_text", "text"):
             raise bad_param(f"{where}[{j}]", f"{where}[{j}]: content type {kind!r} is not "
@@ -161,8 +161,10 @@ def _content_text(content: Any, where: str, images: ImageCollector | None = None
     return "".join(out)
 
 
-def input_messages(raw: Union[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The request's input as chat messages (tool calls and results included)."""
+def input_messages(raw: Union[str, list[dict[str, Any]]], allow_fetch: bool = False
+                   ) -> list[dict[str, Any]]:
+    """The request's input as chat messages (tool calls and results included); images as
+    markers, their refs under IMAGES_KEY (`allow_fetch`: http(s) image URLs allowed)."""
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     out: list[dict[str, Any]] = []
@@ -176,7 +178,7 @@ def input_messages(raw: Union[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_param(f"{where}.role", f"{where}.role must be user, assistant, "
                                 "system or developer")
-            images = ImageCollector()
+            images = ImageCollector(allow_fetch)
             msg = {"role": "system" if role == "developer" else role,
                    "content": _content_text(item.get("content"), f"{where}.content",
                                             images if role == "user" else None)}
@@ -321,7 +323,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             raise _unknown(body.previous_response_id)
         history = got[0]
     params = _sampling(body, body.max_output_tokens, None)
-    turn = input_messages(body.input)
+    turn = input_messages(body.input, ImageCollector.for_request(request).allow_fetch)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions
                 else []) + history + turn
     tools, choice = _tools(body)
