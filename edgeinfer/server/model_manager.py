@@ -407,6 +407,10 @@ class ModelManager:
         except Exception as e:  # the file broke after it was stored: one sentence, as a load
             raise APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed") from None
         weights = est.weights_bytes
+        proj = getattr(ref, "projector_path", None)
+        if proj is not None:        # the vision projector loads with it (its GGUF's size)
+            with contextlib.suppress(OSError):
+                weights += proj.stat().st_size
         need = weights + cfg.kv_budget_bytes
         async with self._global:
             budget = cfg.budget()
@@ -460,7 +464,9 @@ class ModelManager:
                 runner = engine.runner
                 lm = LoadedModel(
                     name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
-                    weights_bytes=runner.weights_bytes, kv_bytes=runner.kv_bytes,
+                    weights_bytes=runner.weights_bytes + int(
+                        getattr(getattr(engine, "vision", None), "nbytes", 0) or 0),
+                    kv_bytes=runner.kv_bytes,
                     loaded_at=time.time(), load_duration=time.monotonic() - t0,
                     keep_alive=cfg.keep_alive, kv_cache_type=kv_cache_type,
                     kv_bytes_per_token=int(getattr(runner.kv_plan, "bytes_per_token", 0)),
