@@ -195,3 +195,16 @@ def test_image_urls_fetched_only_when_allowed(tmp_path_factory):
                 ask(web.url + "/missing.png")
     finally:
         d.stop()
+
+
+def test_n_choices_share_the_image_prefill(oai):
+    """n = 2: the second choice waits for the first's prefill and takes its image blocks
+    from the prefix cache; both see the image (greedy: the same text)."""
+    r = oai.chat.completions.create(
+        model=VISION, max_tokens=3, temperature=0, n=2,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(9)}},
+            {"type": "text", "text": "describe"}]}])
+    assert len(r.choices) == 2
+    assert r.choices[0].message.content == r.choices[1].message.content
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16

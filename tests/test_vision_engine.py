@@ -250,3 +250,27 @@ def test_penalties_and_dry_ignore_image_placeholders(engine):
     out = engine.generate(ids, p, images=spans)
     assert out.finish_reason in ("length", "stop") and len(out.token_ids) >= 1
     assert all(0 <= t < engine.cfg.vocab_size for t in out.token_ids)
+
+
+def test_preempted_image_request_recomputes_the_same(pair):
+    """A pool too small for three image requests at once: some are preempted and recomputed
+    from their prompt (image spans included) and still give their solo tokens."""
+    e = Engine(str(pair[0]), EngineConfig(kv_budget_bytes=560 << 10, speculative=False),
+               mmproj=str(pair[1]))
+    try:
+        import dataclasses
+        # admission keeps no room for output: the three start together and must give way
+        e.scheduler.config = dataclasses.replace(e.scheduler.config, output_reserve=0)
+        prompts = [_prompt(e, f"w{i} {MEDIA_MARKER} the", [_img(60 + i)]) for i in range(3)]
+        solo = [e.generate(ids, greedy(60), images=sp).token_ids for ids, sp in prompts]
+        got: dict[int, list[int]] = {}
+        rids = [e.submit(ids, greedy(60), lambda o: got.setdefault(o.request_id, []).extend(
+            o.token_ids), images=sp) for ids, sp in prompts]
+        e._drain_commands()
+        preempted = 0
+        while e.scheduler.has_work():
+            preempted += len(e.step().preempted)
+        assert preempted > 0, "the pool was large enough: no preemption exercised"
+        assert [got[r] for r in rids] == solo
+    finally:
+        e.close()
