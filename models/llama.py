@@ -84,6 +84,8 @@ def load_head(cfg: ModelConfig, ops, gf):
 
 
 class LlamaModel:
+    accepts_embeddings = True       # image spans (ForwardBatch.embd_rows): SmolVLM's text model
+
     def __init__(self, cfg: ModelConfig, ops, gf):
         self.cfg, self.ops = cfg, ops
         self.tok_embd, self.output_norm, self.output = load_head(cfg, ops, gf)
@@ -93,6 +95,8 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv):
         cfg, ops = self.cfg, self.ops
         x = ops.embed(self.tok_embd, batch.token_ids)
+        if batch.embd_rows is not None:
+            x = ops.put_rows(x, batch.embd_rows, batch.embd_values)
         for i, w in enumerate(self.layers):
             h = ops.rms_norm(x, w.attn_norm, cfg.rms_eps)
             x = ops.add(x, attention(cfg, ops, w, h, batch, kv, i, cfg.rope_base, 0, self.rope_freqs))

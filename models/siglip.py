@@ -1,5 +1,9 @@
-"""SigLIP vision tower + Gemma 3's multimodal projector, from an mmproj GGUF (llama.cpp's
-clip layout: edgeinfer.formats.mmproj), on a backend's ops.
+"""SigLIP vision tower + Gemma 3's multimodal projector (or SmolVLM's: Idefics3), from an
+mmproj GGUF (llama.cpp's clip layout: edgeinfer.formats.mmproj), on a backend's ops.
+
+Idefics3 (SmolVLM) ends differently: after the tower, a pixel shuffle folds each n_merge x
+n_merge group of patches into one vector (n_merge^2 x the width), and `mm.model.fc` projects
+it to the text width; each tile of the image (and its overview) is one such encode.
 
   pixels [3, S, S] -> 14x14 (patch_size) conv as one matmul over the flattened patches,
   + bias + learned position embeddings -> N pre-norm blocks (LayerNorm, full attention over
@@ -117,8 +121,11 @@ class SiglipVision:
                 b_down=ops.vector(gf, b + cfg.ffn_down_name + ".bias")))
         self.post_w = ops.vector(gf, "v.post_ln.weight")
         self.post_b = ops.vector(gf, "v.post_ln.bias")
-        self.soft_norm = _dense(gf, "mm.soft_emb_norm.weight").reshape(e)
-        self.proj = np.ascontiguousarray(_dense(gf, "mm.input_projection.weight"))  # [e, text]
+        if cfg.projector == "idefics3":
+            self.fc = ops.matrix(gf, "mm.model.fc.weight")          # [text, e * n_merge^2]
+        else:
+            self.soft_norm = _dense(gf, "mm.soft_emb_norm.weight").reshape(e)
+            self.proj = np.ascontiguousarray(_dense(gf, "mm.input_projection.weight"))
 
     def _patches(self, pixels: np.ndarray) -> np.ndarray:
         """[n_patches, 3 * p * p] in row-major patch order, each patch (channel, y, x)."""
@@ -176,10 +183,16 @@ class SiglipVision:
         return self.project(x)
 
     def project(self, x: np.ndarray) -> np.ndarray:
-        """Gemma 3's projector over the tower's output [n_patches, e]."""
+        """The projector over the tower's output [n_patches, e]."""
         cfg = self.cfg
         n, k, e = cfg.patches_per_side, cfg.n_merge, cfg.n_embd
         m = n // k
+        if cfg.projector == "idefics3":
+            # token (Y, X) = patches (Y*k + i, X*k + j) for i, j < k, in that order (ggml's
+            # build_patch_merge_permute)
+            shuffled = x.reshape(m, k, m, k, e).transpose(0, 2, 1, 3, 4).reshape(m * m, k * k * e)
+            y = self.ops.matmul(self._to_ops(np.ascontiguousarray(shuffled, np.float32)), self.fc)
+            return np.ascontiguousarray(self.ops.to_numpy(y), np.float32)
         pooled = x.reshape(m, k, m, k, e).mean(axis=(1, 3), dtype=np.float32).reshape(m * m, e)
         rms = np.sqrt(np.mean(pooled * pooled, axis=1, keepdims=True) + np.float32(cfg.eps))
         normed = pooled / rms * self.soft_norm

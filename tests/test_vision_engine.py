@@ -41,7 +41,7 @@ def _prompt(engine, text: str, images):
     from edgeinfer.formats.chat_template import encode_prompt
     first = encode_prompt(engine.tokenizer, text.partition(MEDIA_MARKER)[0])
     return splice_images(engine.tokenizer, text, [engine.vision.encode(i) for i in images],
-                         [i.digest for i in images], first)
+                         first, engine.vision.layout)
 
 
 def _logits(engine, ids, spans, rid=1000):

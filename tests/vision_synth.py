@@ -30,3 +30,17 @@ def png_bytes(rgb: np.ndarray, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rgb, "RGB").save(buf, fmt)
     return buf.getvalue()
+
+
+def smolvlm_pair(directory: Path) -> tuple[Path, Path]:
+    """(llama text model with SmolVLM's image tokens, Idefics3 mmproj: 64 px tiles, 8 px
+    patches, pixel shuffle 2 -> 16 tokens a tile, longest edge 128 -> up to 2x2 tiles)."""
+    from edgeinfer.formats.synthetic_vision import write_smolvlm_text
+    directory.mkdir(parents=True, exist_ok=True)
+    text, mmproj = directory / "smolvlm-text.gguf", directory / "smolvlm-mmproj.gguf"
+    if not text.exists():
+        write_smolvlm_text(text.with_suffix(".tmp")).rename(text)
+    if not mmproj.exists():
+        write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256, projector="idefics3",
+                          longest_edge=128, seed=3).rename(mmproj)
+    return text, mmproj

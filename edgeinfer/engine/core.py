@@ -210,10 +210,9 @@ class Engine:
                 "images (pull it with --mmproj, or use a vision model)"))
         text = self.render(messages, **extra)
         first = encode_prompt(self.tokenizer, text.partition(MEDIA_MARKER)[0])
-        embs = [self.vision.encode(im) for im in images]
+        encoded = [self.vision.encode(im) for im in images]
         try:
-            return splice_images(self.tokenizer, text, embs, [im.digest for im in images],
-                                 first)
+            return splice_images(self.tokenizer, text, encoded, first, self.vision.layout)
         except VisionError as e:
             raise RequestError(str(e)) from None
 

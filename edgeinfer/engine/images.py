@@ -1,31 +1,37 @@
 """Images as spans of a sequence.
 
 A prompt with images is one token list in which each image is a run of placeholder ids, one
-per image token, wrapped in the model's image tags (Gemma 3: <start_of_image> ...
-<end_of_image>, as llama.cpp's libmtmd lays them out). A placeholder id is negative (never a
+per image token, wrapped in the model's image tags as llama.cpp's libmtmd lays them out
+(Gemma 3: <start_of_image> ... <end_of_image>; SmolVLM / Idefics3: one run per tile, each
+after <fake_token_around_image><row_R_col_C>, rows ended by "\n", then the overview after
+"\n\n<fake_token_around_image><global-img>" and before <fake_token_around_image>). A placeholder id is negative (never a
 vocabulary id) and derived from the image's content hash, so the prefix cache, which keys
 blocks by token ids, keys image blocks by the image: the same image at the same place of the
 same prefix reuses its KV, another image never does. The embeddings travel beside the ids
 (`ImageSpan`, to the runner in NewRequest.images), and the runner puts them in place of the
 token embeddings of those positions.
 
-Inside one image, attention is bidirectional (Gemma 3; llama.cpp decodes an image batch
+Inside one image, attention is bidirectional for Gemma 3 (llama.cpp decodes its image batch
 non-causally): every position of an image sees every position of that image, so the
-scheduler never cuts an image across two steps (Sequence.image_spans).
+scheduler never cuts an image across two steps (Sequence.image_spans). Idefics3 images are
+causal, like text.
 
 `VisionEncoder` is a loaded projector (mmproj) on a backend: preprocess + encode, with a
 small LRU of encoder outputs by content hash (the same image sent again is not re-encoded).
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
+
 import numpy as np
 
 from edgeinfer.runners.base import ImageSpan
 
-__all__ = ["ImageSpan", "MEDIA_MARKER", "VisionEncoder", "VisionError", "image_tags",
-           "placeholder_id", "splice_images"]
+__all__ = ["EncodedImage", "ImageSpan", "MEDIA_MARKER", "VisionEncoder", "VisionError",
+           "image_tags", "placeholder_id", "splice_images"]
 
 # where an image goes in rendered chat text (llama.cpp's default media marker)
 MEDIA_MARKER = "<__media__>"
@@ -39,6 +45,21 @@ def placeholder_id(digest: str) -> int:
 
 class VisionError(ValueError):
     """A request or a load the vision path cannot take; one sentence."""
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image's embeddings: one float32 [tokens, width] array per encoded square (Gemma 3:
+    the image; Idefics3: its tiles row by row, then the overview) and the tile grid."""
+    digest: str
+    parts: tuple[np.ndarray, ...]
+    grid: tuple[int, int] | None = None        # (across, down) for tiled projectors
+
+    def part_digest(self, k: int) -> str:
+        """A content key per part (the image's own for a one-part image)."""
+        if len(self.parts) == 1:
+            return self.digest
+        return hashlib.sha256(f"{self.digest}/{k}".encode()).hexdigest()
 
 
 class VisionEncoder:
@@ -67,7 +88,7 @@ class VisionEncoder:
             self.gf.close()
             raise
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[str, EncodedImage] = OrderedDict()
         self._cache_images = cache_images
         self.encoded = 0            # images run through the tower (cache misses)
         self.cache_hits = 0
@@ -80,9 +101,9 @@ class VisionEncoder:
     def nbytes(self) -> int:
         return int(self.gf.file_size)
 
-    def encode(self, image) -> np.ndarray:
-        """float32 [tokens_per_image, text width] for an edgeinfer.formats.image.Image."""
-        from edgeinfer.formats.image import preprocess_fixed
+    def encode(self, image) -> EncodedImage:
+        """The embeddings of an edgeinfer.formats.image.Image (cached by its sha256)."""
+        from edgeinfer.formats.image import idefics3_grid, preprocess_fixed, preprocess_idefics3
         with self._lock:
             hit = self._cache.get(image.digest)
             if hit is not None:
@@ -90,12 +111,27 @@ class VisionEncoder:
                 self.cache_hits += 1
                 return hit
             cfg = self.cfg
+            grid = None
+            if cfg.projector == "idefics3":
+                w, h = image.size
+                _, gx, gy = idefics3_grid(w, h, cfg.image_size, cfg.longest_edge)
+                grid = (gx, gy)
             if self._external is not None:
-                out = self._external(image.rgb)
+                parts = list(self._external(image.rgb))
+            elif cfg.projector == "idefics3":
+                crops, _, _ = preprocess_idefics3(image.rgb, cfg.image_size, cfg.longest_edge,
+                                                  cfg.image_mean, cfg.image_std)
+                parts = [self.model.encode(c) for c in crops]
             else:
-                px = preprocess_fixed(image.rgb, cfg.image_size, cfg.image_mean, cfg.image_std)
-                out = self.model.encode(px)
-            out.setflags(write=False)
+                parts = [self.model.encode(preprocess_fixed(
+                    image.rgb, cfg.image_size, cfg.image_mean, cfg.image_std))]
+            expect = 1 + grid[0] * grid[1] if grid else 1
+            if len(parts) != expect:
+                raise VisionError(f"the encoder made {len(parts)} image parts, "
+                                  f"expected {expect}")
+            for p in parts:
+                p.setflags(write=False)
+            out = EncodedImage(image.digest, tuple(parts), grid)
             self._cache[image.digest] = out
             while len(self._cache) > self._cache_images:
                 self._cache.popitem(last=False)
@@ -122,24 +158,77 @@ def image_tags(tokenizer) -> tuple[int, int]:
                           "tokens: it is not a vision model") from None
 
 
-def splice_images(tokenizer, text: str, embeddings: list[np.ndarray], digests: list[str],
-                  first_ids: list[int]) -> tuple[list[int], list[ImageSpan]]:
+def _piece_id(tokenizer, text: str) -> int:
+    """The token whose text is `text` (libmtmd's lookup_token), or VisionError."""
+    want = text.encode()
+    for i in range(len(tokenizer.token_to_id)):
+        try:
+            if tokenizer.piece(i, True) == want:
+                return i
+        except Exception:       # noqa: BLE001 - a token without a piece
+            continue
+    raise VisionError(f"the model's vocabulary has no token {text!r}: it is not this "
+                      "projector's model")
+
+
+class Layout:
+    """How a projector's images sit among the tokens (libmtmd's layout for it)."""
+
+    def __init__(self, tokenizer, cfg):
+        self.tokenizer, self.projector = tokenizer, cfg.projector
+        self.bidirectional = cfg.projector == "gemma3"
+        if cfg.projector == "gemma3":
+            self.begin, self.end = image_tags(tokenizer)
+            return
+        t2i = tokenizer.token_to_id
+        names = ("<fake_token_around_image>", "<global-img>")
+        if any(n not in t2i for n in names):
+            raise VisionError("the model's vocabulary has no <fake_token_around_image> / "
+                              "<global-img> tokens: it is not an Idefics3 (SmolVLM) model")
+        self.fake, self.global_img = t2i[names[0]], t2i[names[1]]
+        self.nl, self.nlnl = _piece_id(tokenizer, "\n"), _piece_id(tokenizer, "\n\n")
+        most = -(-cfg.longest_edge // cfg.image_size)
+        if f"<row_{most}_col_{most}>" not in t2i:
+            raise VisionError(f"the model's vocabulary has no <row_{most}_col_{most}> token "
+                              f"that this projector's {most}x{most} tiles need")
+
+    def items(self, enc: EncodedImage) -> list:
+        """Token ids and ("img", part index) entries, in order."""
+        if self.projector == "gemma3":
+            return [self.begin, ("img", 0), self.end]
+        gx, gy = enc.grid
+        out: list = []
+        for y in range(gy):
+            for x in range(gx):
+                out += self.tokenizer.encode(f"<fake_token_around_image><row_{y + 1}_col_{x + 1}>",
+                                             add_special=False, parse_special=True)
+                out.append(("img", y * gx + x))
+            if y != gy - 1:
+                out.append(self.nl)
+        return out + [self.nlnl, self.fake, self.global_img, ("img", gx * gy), self.fake]
+
+
+def splice_images(tokenizer, text: str, encoded: list[EncodedImage], first_ids: list[int],
+                  layout: Layout) -> tuple[list[int], list[ImageSpan]]:
     """Token ids and image spans for rendered text with one MEDIA_MARKER per image.
     `first_ids`: the tokens of the text before the first marker (encoded by the caller as
     any prompt is: BOS, specials); the rest is tokenized without BOS, specials parsed, as
     libmtmd does."""
-    begin, end = image_tags(tokenizer)
     pieces = text.split(MEDIA_MARKER)
-    if len(pieces) - 1 != len(embeddings):
+    if len(pieces) - 1 != len(encoded):
         raise VisionError(f"the prompt has {len(pieces) - 1} image markers for "
-                          f"{len(embeddings)} images")
+                          f"{len(encoded)} images")
     ids = list(first_ids)
     spans = []
-    for emb, digest, piece in zip(embeddings, digests, pieces[1:]):
-        ids.append(begin)
-        spans.append(ImageSpan(len(ids), emb, digest))
-        ids.extend([placeholder_id(digest)] * int(emb.shape[0]))
-        ids.append(end)
+    for enc, piece in zip(encoded, pieces[1:]):
+        for item in layout.items(enc):
+            if isinstance(item, tuple):
+                k = item[1]
+                digest = enc.part_digest(k)
+                spans.append(ImageSpan(len(ids), enc.parts[k], digest, layout.bidirectional))
+                ids.extend([placeholder_id(digest)] * int(enc.parts[k].shape[0]))
+            else:
+                ids.append(item)
         if piece:
             ids.extend(tokenizer.encode(piece, add_special=False, parse_special=True))
     return ids, spans
@@ -153,8 +242,10 @@ def load_vision(runner, tokenizer, mmproj: str, backend: str = "cpu") -> VisionE
     if not getattr(runner, "supports_images", False):
         raise VisionError(f"images need a native backend (cpu or torch); {runner.kind} cannot "
                           f"run them yet (load the model with backend cpu)")
-    image_tags(tokenizer)
     gf, cfg = read_mmproj(mmproj)
     gf.close()
+    layout = Layout(tokenizer, cfg)
     check_pair(cfg, runner.cfg.n_embd, runner.cfg.name or "the model")
-    return VisionEncoder(mmproj, backend, runner=runner)
+    enc = VisionEncoder(mmproj, backend, runner=runner)
+    enc.layout = layout
+    return enc

@@ -113,3 +113,46 @@ def preprocess_fixed(rgb: np.ndarray, size: int, mean, std) -> np.ndarray:
     px = resize_fit_pad(rgb, size).astype(np.float32) / np.float32(255.0)
     px = (px - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     return np.ascontiguousarray(px.transpose(2, 0, 1))
+
+
+def _resize(rgb: np.ndarray, w: int, h: int, resample) -> np.ndarray:
+    """Pillow resampling (which libmtmd reimplements); the same size is a copy."""
+    from PIL import Image as PILImage
+    if (int(rgb.shape[1]), int(rgb.shape[0])) == (w, h):
+        return rgb
+    return np.asarray(PILImage.fromarray(rgb, "RGB").resize((w, h), resample), np.uint8)
+
+
+def idefics3_grid(width: int, height: int, tile: int, longest_edge: int
+                  ) -> tuple[tuple[int, int], int, int]:
+    """libmtmd's Idefics3 (SmolVLM) sizes: the longest edge scaled to `longest_edge` (the
+    other kept in ratio, made even), then up to whole tiles: ((w, h) after the first resize,
+    tiles across, tiles down)."""
+    aspect = width / height
+    if width >= height:
+        rw, rh = longest_edge, int(longest_edge / aspect)
+        rh += rh % 2
+    else:
+        rw, rh = int(longest_edge * aspect), longest_edge
+        rw += rw % 2
+    return (rw, rh), -(-rw // tile), -(-rh // tile)
+
+
+def preprocess_idefics3(rgb: np.ndarray, tile: int, longest_edge: int, mean, std
+                        ) -> tuple[list[np.ndarray], int, int]:
+    """libmtmd's Idefics3 preprocessing: Lanczos to the longest edge, then to whole tiles,
+    cut into tile x tile crops (rows first), plus the whole as one tile (the overview).
+    Returns float32 [3, tile, tile] arrays, crops then overview, and the grid (x, y)."""
+    from PIL import Image as PILImage
+    lanczos = PILImage.LANCZOS
+    (rw, rh), gx, gy = idefics3_grid(int(rgb.shape[1]), int(rgb.shape[0]), tile, longest_edge)
+    refined = _resize(_resize(rgb, rw, rh, lanczos), gx * tile, gy * tile, lanczos)
+    overview = _resize(refined, tile, tile, lanczos)
+    m, s = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+
+    def norm(px: np.ndarray) -> np.ndarray:
+        f = px.astype(np.float32) / np.float32(255.0)
+        return np.ascontiguousarray(((f - m) / s).transpose(2, 0, 1))
+    crops = [norm(refined[y * tile:(y + 1) * tile, x * tile:(x + 1) * tile])
+             for y in range(gy) for x in range(gx)]
+    return crops + [norm(overview)], gx, gy

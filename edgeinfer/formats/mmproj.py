@@ -2,7 +2,9 @@
 typed config and the checks that run before anything is loaded.
 
 Supported projector types: "gemma3" (Gemma 3's SigLIP tower, a 2-D average pool and the
-soft-embedding norm + input projection). Every other type is refused with one sentence.
+soft-embedding norm + input projection) and "idefics3" (SmolVLM: the same tower on tiles of
+the image plus an overview, a pixel shuffle and one linear projection). Every other type is
+refused with one sentence.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile, read_gguf
 
-SUPPORTED_PROJECTORS = ("gemma3",)
+SUPPORTED_PROJECTORS = ("gemma3", "idefics3")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class VisionConfig:
     # swaps them back when ffn_down's rows are the width): tensor names to read
     ffn_up_name: str = "ffn_up"
     ffn_down_name: str = "ffn_down"
+    # idefics3: the longest image edge after the first resize (clip.vision.preproc_image_size);
+    # the image is then cut into image_size tiles, each encoded apart, plus an overview
+    longest_edge: int = 0
 
     @property
     def patches_per_side(self) -> int:
@@ -43,6 +48,7 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
+        """Tokens of one encoded square (gemma3: the image; idefics3: one tile)."""
         return (self.patches_per_side // self.n_merge) ** 2
 
     @property
@@ -82,8 +88,17 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
     if mean is None or std is None or len(mean) < 3 or len(std) < 3:
         raise GGUFError("the projector has no clip.vision.image_mean / image_std of 3 values")
     if not md.get("clip.use_gelu", False):
-        raise GGUFError("the projector's feed-forward is not GELU (clip.use_gelu), which the "
-                        "gemma3 projector needs")
+        raise GGUFError(f"the projector's feed-forward is not GELU (clip.use_gelu), which the "
+                        f"{proj} projector needs")
+    longest = 0
+    if proj == "idefics3":
+        longest = md.get("clip.vision.preproc_image_size")
+        if not isinstance(longest, int) or longest <= 0:
+            raise GGUFError("this idefics3 projector has no clip.vision.preproc_image_size "
+                            "(an older conversion): re-convert it with a current "
+                            "convert_hf_to_gguf.py")
+        if md.get("clip.vision.projector.scale_factor") is None:
+            raise GGUFError("the idefics3 projector has no clip.vision.projector.scale_factor")
     n_embd = _u32(md, "clip.vision.embedding_length")
     n_head = _u32(md, "clip.vision.attention.head_count")
     head_kv = md.get("clip.vision.attention.head_count_kv", n_head)
@@ -100,7 +115,8 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         patch_size=_u32(md, "clip.vision.patch_size"),
         n_merge=_u32(md, "clip.vision.projector.scale_factor", 4),
         n_embd_text=0, image_mean=tuple(float(x) for x in mean[:3]),
-        image_std=tuple(float(x) for x in std[:3]), name=str(md.get("general.name", "")))
+        image_std=tuple(float(x) for x in std[:3]), name=str(md.get("general.name", "")),
+        longest_edge=int(longest))
     if cfg.image_size % cfg.patch_size or cfg.patches_per_side % cfg.n_merge:
         raise GGUFError(f"image size {cfg.image_size} is not a whole number of "
                         f"{cfg.patch_size}-pixel patches in groups of {cfg.n_merge}")
@@ -136,12 +152,18 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         need(b + cfg.ffn_down_name + ".bias", e)
     need("v.post_ln.weight", e)
     need("v.post_ln.bias", e)
+    from dataclasses import replace
+    if proj == "idefics3":
+        k = e * cfg.n_merge ** 2
+        t = gf.tensors.get("mm.model.fc.weight")
+        if t is None or len(t.shape) != 2 or int(t.shape[0]) != k:
+            raise GGUFError(f"the projector has no mm.model.fc.weight of [{k}, text width]")
+        return replace(cfg, n_embd_text=int(t.shape[1]))
     need("mm.soft_emb_norm.weight", e)
     t = gf.tensors.get("mm.input_projection.weight")
     if t is None or len(t.shape) != 2 or int(t.shape[1]) != e:
         raise GGUFError("the projector has no mm.input_projection.weight of "
                         f"[text width, {e}]")
-    from dataclasses import replace
     return replace(cfg, n_embd_text=int(t.shape[0]))
 
 

@@ -50,9 +50,10 @@ def spm_vocab(arch: str, extra_specials: tuple[str, ...] = ()
     return tokens + words, scores, types + [1] * len(words)
 
 
-def bpe_vocab() -> tuple[list[str], list[int], list[str]]:
+def bpe_vocab(extra_specials: tuple[str, ...] = (), extra_merges: tuple[str, ...] = ()
+              ) -> tuple[list[str], list[int], list[str]]:
     """A 384-token GPT-2 byte-level vocabulary (the byte-to-unicode alphabet, a few merges,
-    ChatML specials)."""
+    ChatML specials last; `extra_specials`, control tokens, just before them)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
@@ -63,19 +64,25 @@ def bpe_vocab() -> tuple[list[str], list[int], list[str]]:
             n += 1
     alphabet = [chr(c) for c in cs]
     merges = ["Ġ t", "Ġ a", "h e", "i n", "r e", "o n", "Ġt he", "e r", "Ġ s", "a t"]
+    merges += list(extra_merges)
     merged = [m.replace(" ", "") for m in merges]
     tokens = alphabet + merged
-    tokens += [f"tok{i}" for i in range(381 - len(tokens))]
-    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    types = [1] * (len(tokens) - 3) + [3, 3, 3]
+    tokens += [f"tok{i}" for i in range(381 - len(extra_specials) - len(tokens))]
+    tokens += list(extra_specials) + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [1] * (len(tokens) - 3 - len(extra_specials)) + [3] * (3 + len(extra_specials))
     return tokens, types, merges
 
 
 def write_tiny_gguf(path: Path, arch: str, shape: TinyShape, tensor: TensorFn, *,
                     file_type: int, rope_base: float = 10000.0, name: str | None = None,
                     space_prefix: bool | None = None, chat_template: str | None = None,
-                    extra_specials: tuple[str, ...] = ()) -> Path:
-    """Write a model of `arch` whose tensors `tensor` makes, in llama.cpp's tensor order."""
+                    extra_specials: tuple[str, ...] = (), bpe: bool | None = None,
+                    extra_merges: tuple[str, ...] = (), bpe_pre: str = "qwen2") -> Path:
+    """Write a model of `arch` whose tensors `tensor` makes, in llama.cpp's tensor order.
+    `bpe`: the byte-level BPE vocabulary (default: for qwen2/qwen3 only; SentencePiece for
+    llama and gemma3), with `extra_merges` and pre-tokenizer `bpe_pre`."""
+    if bpe is None:
+        bpe = arch not in ("llama", "gemma3")
     from gguf import GGUFWriter
     w = GGUFWriter(str(path), arch)
     if name is not None:
@@ -93,7 +100,7 @@ def write_tiny_gguf(path: Path, arch: str, shape: TinyShape, tensor: TensorFn, *
     w.add_file_type(file_type)
     if arch == "gemma3":
         w.add_sliding_window(shape.sliding_window)
-    if arch in ("llama", "gemma3"):
+    if not bpe:
         tokens, scores, types = spm_vocab(arch, extra_specials)
         w.add_tokenizer_model("llama")
         w.add_tokenizer_pre("default")
@@ -108,9 +115,9 @@ def write_tiny_gguf(path: Path, arch: str, shape: TinyShape, tensor: TensorFn, *
         if space_prefix is not None:
             w.add_add_space_prefix(space_prefix)
     else:
-        tokens, types, merges = bpe_vocab()
+        tokens, types, merges = bpe_vocab(extra_specials, extra_merges)
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
+        w.add_tokenizer_pre(bpe_pre)
         w.add_token_list(tokens)
         w.add_token_types(types)
         w.add_token_merges(merges)

@@ -30,9 +30,12 @@ class TinyVisionShape:
 
 
 def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = TinyVisionShape(),
-                      seed: int = 0, f16: bool = False, swapped_ffn: bool = False) -> Path:
+                      seed: int = 0, f16: bool = False, swapped_ffn: bool = False,
+                      projector: str = "gemma3", longest_edge: int = 0) -> Path:
     """A Gemma 3 projector of `shape` for a text model of width `n_embd_text`
-    (`swapped_ffn`: ffn_up / ffn_down under each other's names, as early conversions)."""
+    (`swapped_ffn`: ffn_up / ffn_down under each other's names, as early conversions).
+    projector="idefics3": SmolVLM's (pixel shuffle by n_merge, `mm.model.fc`), images cut
+    into image_size tiles after scaling the longest edge to `longest_edge`."""
     from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
     e, ff, p = shape.n_embd, shape.n_ff, shape.patch_size
@@ -48,7 +51,7 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     w = GGUFWriter(str(path), "clip")
     w.add_name("synthetic-gemma3-mmproj")
     w.add_file_type(1 if f16 else 0)
-    w.add_string("clip.projector_type", "gemma3")
+    w.add_string("clip.projector_type", projector)
     w.add_bool("clip.has_vision_encoder", True)
     w.add_bool("clip.has_audio_encoder", False)
     w.add_bool("clip.use_gelu", True)
@@ -63,6 +66,8 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     w.add_uint32("clip.vision.projector.scale_factor", shape.n_merge)
+    if longest_edge:
+        w.add_uint32("clip.vision.preproc_image_size", longest_edge)
     # conv weights [out, in, kh, kw] (ggml: kw, kh, in, out), f16 as in released files
     w.add_tensor("v.patch_embd.weight",
                  (rng.standard_normal((e, 3, p, p)) / np.sqrt(3 * p * p)).astype(np.float16))
@@ -88,10 +93,15 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
         w.add_tensor(b + down + ".bias", vec(e))
     w.add_tensor("v.post_ln.weight", vec(e, 1.0))
     w.add_tensor("v.post_ln.bias", vec(e))
-    w.add_tensor("mm.soft_emb_norm.weight", vec(e, 1.0))
-    # Gemma 3's projection is stored [vision width, text width] (ggml ne0 = text width)
-    w.add_tensor("mm.input_projection.weight",
-                 (rng.standard_normal((e, n_embd_text)) * 4.0 / np.sqrt(e)).astype(dt))
+    if projector == "idefics3":
+        k = e * shape.n_merge ** 2          # pixel-shuffled width -> text width
+        w.add_tensor("mm.model.fc.weight",
+                     (rng.standard_normal((n_embd_text, k)) * 2.0 / np.sqrt(k)).astype(dt))
+    else:
+        w.add_tensor("mm.soft_emb_norm.weight", vec(e, 1.0))
+        # Gemma 3's projection is stored [vision width, text width] (ggml ne0 = text width)
+        w.add_tensor("mm.input_projection.weight",
+                     (rng.standard_normal((e, n_embd_text)) * 4.0 / np.sqrt(e)).astype(dt))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -118,3 +128,31 @@ def write_gemma3_vision_text(path: Path, seed: int = 0) -> Path:
     return write_tiny_gguf(path, "gemma3", shape, tensor, file_type=0,
                            name="synthetic-gemma3-vision", space_prefix=False,
                            extra_specials=GEMMA3_IMAGE_TAGS)
+
+
+# SmolVLM's (Idefics3) image tokens: each tile after "<fake_token_around_image><row_R_col_C>",
+# rows ended by "\n", the overview after "\n\n<fake_token_around_image><global-img>" and
+# before "<fake_token_around_image>"
+IDEFICS3_SPECIALS = ("<fake_token_around_image>", "<global-img>") + tuple(
+    f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5))
+
+
+def write_smolvlm_text(path: Path, seed: int = 0) -> Path:
+    """A llama-architecture text model with a byte-level BPE vocabulary holding SmolVLM's
+    image tokens and single "\n" / "\n\n" tokens (libmtmd looks them up by their text)."""
+    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
+    rng = np.random.default_rng(seed)
+
+    def tensor(name: str, kind: str, dims: tuple, scale: float):
+        if kind == "embd":
+            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
+        if kind == "mat":
+            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
+        if kind == "norm":
+            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+
+    shape = TinyShape(256, 512, 4, 2, 64, 4, 2048)
+    return write_tiny_gguf(path, "llama", shape, tensor, file_type=0,
+                           name="synthetic-smolvlm-text", bpe=True, bpe_pre="smollm",
+                           extra_specials=IDEFICS3_SPECIALS, extra_merges=("Ċ Ċ",))

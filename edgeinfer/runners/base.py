@@ -137,6 +137,8 @@ class ImageSpan:
     start: int
     embeddings: np.ndarray      # float32 [tokens, text width]
     digest: str
+    # its positions attend to the whole image (Gemma 3), else causally like text (Idefics3)
+    bidirectional: bool = True
 
     @property
     def end(self) -> int:

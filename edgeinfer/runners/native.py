@@ -227,9 +227,10 @@ class ModelRunner:
                 r = np.arange(t + lo - s.start, t + hi - s.start, dtype=np.int64)
                 rows.append(r)
                 values.append(img.embeddings[lo - img.start:hi - img.start])
-                if until is None:
-                    until = batch.positions.copy()
-                until[r] = img.end - 1
+                if img.bidirectional:
+                    if until is None:
+                        until = batch.positions.copy()
+                    until[r] = img.end - 1
             t += n
         if rows:
             batch.embd_rows = np.concatenate(rows)

@@ -112,9 +112,9 @@ class LlamaContext:
         return int(self.L.llama_decode(self.ctx, b))
 
     def decode_embd(self, embd: np.ndarray, positions: list[int], seq: int,
-                    want_last: bool) -> int:
-        """One llama_decode of embedding rows (an image) of one sequence, non-causal (the
-        rows attend to one another, as libmtmd decodes Gemma 3's images)."""
+                    want_last: bool, causal: bool = False) -> int:
+        """One llama_decode of embedding rows (an image) of one sequence, non-causal unless
+        `causal` (the rows attend to one another, as libmtmd decodes Gemma 3's images)."""
         L = self.L
         n = int(embd.shape[0])
         assert n <= self.n_batch and embd.shape[1] == self.n_embd
@@ -129,6 +129,8 @@ class LlamaContext:
             b.seq_id[i][0] = seq
             b.logits[i] = want_last and i == n - 1
         b.n_tokens = n
+        if causal:
+            return int(L.llama_decode(self.ctx, b))
         L.llama_set_causal_attn(self.ctx, False)
         try:
             return int(L.llama_decode(self.ctx, b))

@@ -27,7 +27,9 @@ class MtmdEncoder:
         self.marker = M.mtmd_default_marker()
         self._lock = threading.Lock()
 
-    def __call__(self, rgb: np.ndarray) -> np.ndarray:
+    def __call__(self, rgb: np.ndarray) -> list[np.ndarray]:
+        """The image's embeddings, one array per image chunk in libmtmd's order (Idefics3:
+        tiles row by row, then the overview)."""
         M = self.M
         rgb = np.ascontiguousarray(rgb, np.uint8)
         h, w, _ = rgb.shape
@@ -40,6 +42,7 @@ class MtmdEncoder:
                 inp = M.mtmd_input_text(self.marker, len(self.marker), False, True)
                 if M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), arr, 1) != 0:
                     raise LlamaError("libmtmd could not tokenize the image")
+                parts = []
                 for i in range(M.mtmd_input_chunks_size(chunks)):
                     ch = M.mtmd_input_chunks_get(chunks, i)
                     if M.mtmd_input_chunk_get_type(ch) != 1:     # MTMD_INPUT_CHUNK_TYPE_IMAGE
@@ -49,8 +52,10 @@ class MtmdEncoder:
                         raise LlamaError("libmtmd could not encode the image")
                     out = M.mtmd_get_output_embd(self.ctx)
                     e = self.lctx.n_embd
-                    return np.ctypeslib.as_array(out, shape=(n * e,)).reshape(n, e).copy()
-                raise LlamaError("libmtmd made no image chunk")
+                    parts.append(np.ctypeslib.as_array(out, shape=(n * e,)).reshape(n, e).copy())
+                if not parts:
+                    raise LlamaError("libmtmd made no image chunk")
+                return parts
             finally:
                 M.mtmd_input_chunks_free(chunks)
                 M.mtmd_bitmap_free(bm)

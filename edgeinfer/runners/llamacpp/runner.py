@@ -238,7 +238,8 @@ class LlamaCppRunner:
                 if target[p] < 0:       # an image position: its embedding row
                     k = next(i for i, im in enumerate(images) if im.start <= p < im.end)
                     rows.append((target[p], p, slot.sid, False, None, False,
-                                 (span.req_id, k, images[k].embeddings[p - images[k].start])))
+                                 (span.req_id, k, images[k].embeddings[p - images[k].start],
+                                  images[k].bidirectional)))
                 elif scored and p in want:
                     rows.append((target[p], p, slot.sid, True, (span.req_id, span.prompt_logprobs),
                                  last, None))
@@ -279,7 +280,7 @@ class LlamaCppRunner:
             tok, pos, sid, want = (list(x) for x in zip(*(r[:4] for r in part)))
             if part[0][6] is not None:
                 rc = self.ctx.decode_embd(np.stack([r[6][2] for r in part]), pos, sid[0],
-                                          want_last=False)
+                                          want_last=False, causal=not part[0][6][3])
             else:
                 rc = self.ctx.decode(tok, pos, sid, want)
             if rc != 0:
