@@ -165,9 +165,11 @@ def projector_rows(model: str) -> list[tuple[str, str]]:
         return []
     if not isinstance(proj, dict):
         return [("vision", "no (text only; add a projector with pull --mmproj FILE)")]
+    size = proj.get("image_size")
+    what = (f"{size}x{size} tile (images scaled to {proj['longest_edge']} px, cut into tiles, "
+            f"plus an overview)" if proj.get("longest_edge") else f"{size}x{size} image")
     return [("vision", f"{proj.get('projector_type')} projector, "
-                       f"{proj.get('tokens_per_image')} tokens per "
-                       f"{proj.get('image_size')}x{proj.get('image_size')} image, "
+                       f"{proj.get('tokens_per_image')} tokens per {what}, "
                        f"{_human_bytes(int(proj.get('size') or 0))}"),
             ("projector", str(proj.get("path") or proj.get("digest")))]
 

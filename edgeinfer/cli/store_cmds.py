@@ -116,8 +116,9 @@ def _pull_projector(args: argparse.Namespace, ref: ModelRef | None) -> None:
                                                store).name), allow_path=False)
     ref = pull_projector(store, ref.full_name, args.mmproj)
     proj = ref.manifest["projector"]
+    unit = "tile" if proj.get("longest_edge") else "image"
     print(f"vision projector for {ref.full_name}: {proj['projector_type']} "
-          f"({proj['tokens_per_image']} tokens per image, {human_size(proj['size'])})")
+          f"({proj['tokens_per_image']} tokens per {unit}, {human_size(proj['size'])})")
 
 
 def _prepare_kernels(ref: ModelRef | None, args: argparse.Namespace) -> None:

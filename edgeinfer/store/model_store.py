@@ -488,7 +488,9 @@ class Store:
                                   "source": source or str(path.resolve()),
                                   "projector_type": vcfg.projector,
                                   "tokens_per_image": vcfg.tokens_per_image,
-                                  "image_size": vcfg.image_size}
+                                  "image_size": vcfg.image_size,
+                                  **({"longest_edge": vcfg.longest_edge}
+                                     if vcfg.longest_edge else {})}
                 self._write_manifest(n, m)
             return self._ref(n, m)
         finally:
