@@ -274,3 +274,20 @@ def test_preempted_image_request_recomputes_the_same(pair):
         assert [got[r] for r in rids] == solo
     finally:
         e.close()
+
+
+def test_q8_0_kv_cache_with_images(pair, engine):
+    """A q8_0 KV pool (rotated, 8-bit blocks): the image rows read it back through the same
+    dequantization; the first token and its logprob stay those of the f16 pool."""
+    img = _img(71)
+    ids, spans = _prompt(engine, f"the a {MEDIA_MARKER} is", [img])
+    ref = engine.generate(ids, greedy(1, logprobs=0), images=spans)
+    e = Engine(str(pair[0]), EngineConfig(kv_budget_bytes=16 << 20, kv_cache_type="q8_0"),
+               mmproj=str(pair[1]))
+    try:
+        ids2, spans2 = _prompt(e, f"the a {MEDIA_MARKER} is", [img])
+        out = e.generate(ids2, greedy(1, logprobs=0), images=spans2)
+    finally:
+        e.close()
+    assert out.token_ids == ref.token_ids
+    assert abs(out.logprobs[0] - ref.logprobs[0]) < 0.05
