@@ -208,3 +208,29 @@ def test_n_choices_share_the_image_prefill(oai):
     assert len(r.choices) == 2
     assert r.choices[0].message.content == r.choices[1].message.content
     assert r.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_broken_projector_is_a_clear_load_error(daemon, oai, tmp_path):
+    """A projector that broke after it was stored: the load fails with one sentence naming
+    it, nothing stays loaded half-way, and the daemon keeps serving."""
+    import os
+    import openai
+    from edgeinfer.formats.synthetic_vision import write_tiny_mmproj
+    from edgeinfer.store.model_store import Store
+    store = Store(daemon.home)
+    text = store.resolve(VISION).path
+    other = write_tiny_mmproj(tmp_path / "other.gguf", 256, seed=11)
+    store.register_file(text, "gemma3-broken:tiny")
+    ref = store.attach_projector("gemma3-broken:tiny", other)
+    blob = ref.projector_path
+    os.chmod(blob, 0o644)
+    data = blob.read_bytes()
+    blob.write_bytes(data[:len(data) // 3])            # truncated on disk
+    with pytest.raises(openai.InternalServerError, match="cannot load gemma3-broken:tiny"):
+        oai.chat.completions.create(model="gemma3-broken:tiny", max_tokens=2,
+                                    messages=[{"role": "user", "content": "hi"}])
+    ps = daemon.get("/api/ps").json()["models"]
+    assert all(m["name"] != "gemma3-broken:tiny" for m in ps)
+    r = oai.chat.completions.create(model=VISION, max_tokens=2, messages=[{
+        "role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(2)}}]}])
+    assert r.usage.completion_tokens == 2
