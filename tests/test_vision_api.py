@@ -234,3 +234,18 @@ def test_broken_projector_is_a_clear_load_error(daemon, oai, tmp_path):
     r = oai.chat.completions.create(model=VISION, max_tokens=2, messages=[{
         "role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(2)}}]}])
     assert r.usage.completion_tokens == 2
+
+
+def test_vision_figures_in_stats_and_metrics(daemon, oai):
+    """/api/stats and /metrics count encoded images, encoder-cache hits and encode time."""
+    for _ in range(2):
+        oai.chat.completions.create(model=VISION, max_tokens=1, messages=[{
+            "role": "user", "content": [{"type": "image_url",
+                                          "image_url": {"url": _data_url(33)}}]}])
+    m = next(x for x in daemon.stats()["models"] if x["name"] == VISION)
+    v = m["vision"]
+    assert v["projector"] == "gemma3" and v["images_encoded"] >= 1
+    assert v["image_cache_hits"] >= 1 and v["encode_seconds"] > 0
+    text = daemon.get("/metrics").text
+    assert f'edgeinfer_images_encoded_total{{model="{VISION}"' in text
+    assert "edgeinfer_image_cache_hits_total" in text

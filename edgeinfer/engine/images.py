@@ -92,10 +92,17 @@ class VisionEncoder:
         self._cache_images = cache_images
         self.encoded = 0            # images run through the tower (cache misses)
         self.cache_hits = 0
+        self.encode_seconds = 0.0   # time in preprocessing + the tower + the projector
 
     @property
     def tokens_per_image(self) -> int:
         return self.cfg.tokens_per_image
+
+    def stats(self) -> dict:
+        """For /api/stats and /metrics (any thread: plain reads)."""
+        return {"projector": self.cfg.projector, "images_encoded": self.encoded,
+                "image_cache_hits": self.cache_hits,
+                "encode_seconds": round(self.encode_seconds, 4)}
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +117,8 @@ class VisionEncoder:
                 self._cache.move_to_end(image.digest)
                 self.cache_hits += 1
                 return hit
+            import time
+            t0 = time.perf_counter()
             cfg = self.cfg
             grid = None
             if cfg.projector == "idefics3":
@@ -132,6 +141,7 @@ class VisionEncoder:
             for p in parts:
                 p.setflags(write=False)
             out = EncodedImage(image.digest, tuple(parts), grid)
+            self.encode_seconds += time.perf_counter() - t0
             self._cache[image.digest] = out
             while len(self._cache) > self._cache_images:
                 self._cache.popitem(last=False)

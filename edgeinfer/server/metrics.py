@@ -151,6 +151,19 @@ class Metrics:
             for lm, st in snaps:
                 L.append(f'{name}{{model="{_esc(lm.name)}",backend="{lm.backend}"}} '
                          f'{float(st.get(key, 0)):g}')
+        vision = [(lm, v.stats()) for lm, _ in snaps
+                  if (v := getattr(lm.engine, "vision", None)) is not None]
+        for name, key, help_ in (
+                ("edgeinfer_images_encoded_total", "images_encoded",
+                 "Images run through the vision encoder"),
+                ("edgeinfer_image_cache_hits_total", "image_cache_hits",
+                 "Images whose encoder output was cached"),
+                ("edgeinfer_image_encode_seconds_total", "encode_seconds",
+                 "Time spent encoding images")):
+            head(name, "counter", help_)
+            for lm, vs in vision:
+                L.append(f'{name}{{model="{_esc(lm.name)}",backend="{lm.backend}"}} '
+                         f'{float(vs[key]):g}')
         head("edgeinfer_model_memory_bytes", "gauge", "Weights plus KV pool of each loaded model")
         for lm, _ in snaps:
             L.append(f'edgeinfer_model_memory_bytes{{model="{_esc(lm.name)}",'
@@ -189,6 +202,8 @@ class Metrics:
                 "preemptions": int(st.get("preemptions", 0)),
                 "steps": int(st.get("steps", 0)),
                 "tokens_generated": int(st.get("tokens_generated", 0)),
+                **({"vision": v.stats()}
+                   if (v := getattr(lm.engine, "vision", None)) is not None else {}),
             })
         return {
             "time": time.time(),
