@@ -211,7 +211,10 @@ class ModelRunner:
     def supports_images(self) -> bool:
         """The model takes embeddings in place of tokens and the backend attends inside an
         image (ForwardBatch.embd_rows / attn_until)."""
-        return (bool(getattr(self.model, "accepts_embeddings", False))
+        # the class whose forward runs must say so itself: a subclass with a forward of its
+        # own does not inherit the promise (it would drop the embeddings silently)
+        owner = next((c for c in type(self.model).__mro__ if "forward" in vars(c)), None)
+        return (owner is not None and bool(vars(owner).get("accepts_embeddings", False))
                 and hasattr(self.ops, "put_rows"))
 
     def _attach_images(self, spans, batch) -> None:
