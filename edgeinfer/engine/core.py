@@ -148,8 +148,9 @@ class Engine:
             self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
             if mmproj and not getattr(self.runner, "supports_images", False):
                 # text still works; image requests get this reason
-                self.vision_note = (f"images need a native backend (cpu or torch); this model "
-                                    f"is loaded on {self.runner.kind} (use backend cpu)")
+                self.vision_note = (f"the {self.cfg.arch} architecture does not take image "
+                                    f"embeddings on the {self.runner.kind} backend yet (try "
+                                    f"backend llamacpp)")
             elif mmproj:
                 from edgeinfer.engine.images import load_vision
                 self.vision = load_vision(self.runner, self.tokenizer, mmproj,

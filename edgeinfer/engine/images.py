@@ -250,8 +250,8 @@ def load_vision(runner, tokenizer, mmproj: str, backend: str = "cpu") -> VisionE
     VisionError (one sentence) otherwise; nothing stays open then."""
     from edgeinfer.formats.mmproj import check_pair, read_mmproj
     if not getattr(runner, "supports_images", False):
-        raise VisionError(f"images need a native backend (cpu or torch); {runner.kind} cannot "
-                          f"run them yet (load the model with backend cpu)")
+        raise VisionError(f"the {runner.cfg.arch} architecture does not take image embeddings "
+                          f"on the {runner.kind} backend yet (try backend llamacpp)")
     gf, cfg = read_mmproj(mmproj)
     gf.close()
     layout = Layout(tokenizer, cfg)
