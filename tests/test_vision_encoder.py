@@ -122,3 +122,29 @@ def test_f16_projector_matches_libmtmd(pair, tmp_path, swapped):
     got = SiglipVision(cfg, make_ops("cpu"), gf).encode(
         preprocess_fixed(rgb, cfg.image_size, cfg.image_mean, cfg.image_std))
     np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
+
+
+def test_real_gemma3_geometry_matches_libmtmd(pair, tmp_path):
+    """Gemma 3's real geometry on a narrow tower: 896 px, 14 px patches (64 x 64 = 4096),
+    no scale_factor key (the default 4x4 pool), 256 tokens; a 1200x700 photo-sized image
+    letterboxed to it. libmtmd's numbers."""
+    pytest.importorskip("llama_cpp.mtmd_cpp")
+    from edgeinfer.formats.synthetic_vision import TinyVisionShape, write_tiny_mmproj
+    from edgeinfer.models.siglip import SiglipVision
+    from edgeinfer.runners.native import make_ops
+    from mtmd_oracle import MtmdOracle
+    shape = TinyVisionShape(n_embd=64, n_ff=128, n_head=4, layers=2, image_size=896,
+                            patch_size=14, n_merge=4)
+    path = write_tiny_mmproj(tmp_path / "g896.gguf", 256, shape, seed=21, f16=True,
+                             scale_key=False)
+    rgb = noise_rgb(700, 1200, seed=22)
+    o = MtmdOracle(str(pair[0]), str(path))
+    try:
+        want = o.embeddings(rgb)
+    finally:
+        o.close()
+    gf, cfg = read_mmproj(str(path))
+    assert (cfg.n_merge, cfg.tokens_per_image) == (4, 256)
+    got = SiglipVision(cfg, make_ops("cpu"), gf).encode(
+        preprocess_fixed(rgb, cfg.image_size, cfg.image_mean, cfg.image_std))
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)

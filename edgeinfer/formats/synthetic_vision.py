@@ -31,11 +31,13 @@ class TinyVisionShape:
 
 def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = TinyVisionShape(),
                       seed: int = 0, f16: bool = False, swapped_ffn: bool = False,
-                      projector: str = "gemma3", longest_edge: int = 0) -> Path:
+                      projector: str = "gemma3", longest_edge: int = 0,
+                      scale_key: bool = True) -> Path:
     """A Gemma 3 projector of `shape` for a text model of width `n_embd_text`
     (`swapped_ffn`: ffn_up / ffn_down under each other's names, as early conversions).
     projector="idefics3": SmolVLM's (pixel shuffle by n_merge, `mm.model.fc`), images cut
-    into image_size tiles after scaling the longest edge to `longest_edge`."""
+    into image_size tiles after scaling the longest edge to `longest_edge`. `scale_key=False`
+    leaves clip.vision.projector.scale_factor out, as released Gemma 3 files do (4 then)."""
     from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
     e, ff, p = shape.n_embd, shape.n_ff, shape.patch_size
@@ -65,7 +67,8 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_uint32("clip.vision.projector.scale_factor", shape.n_merge)
+    if scale_key:
+        w.add_uint32("clip.vision.projector.scale_factor", shape.n_merge)
     if longest_edge:
         w.add_uint32("clip.vision.preproc_image_size", longest_edge)
     # conv weights [out, in, kh, kw] (ggml: kw, kh, in, out), f16 as in released files
