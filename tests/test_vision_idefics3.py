@@ -78,3 +78,50 @@ def test_layout_and_logits_match_libmtmd(pair, backend):
         assert abs(out.logprobs[0] - lp[out.token_ids[0]]) < 2e-3
     finally:
         e.close()
+
+
+def test_real_smolvlm_geometry(pair, tmp_path):
+    """SmolVLM's real geometry on a narrow tower: 512 px tiles of 16 px patches (1024),
+    pixel shuffle 4 -> 64 tokens a tile, longest edge 2048: a 300x200 image becomes 4x3
+    tiles + the overview. The first tile's embeddings and the whole token layout are
+    libmtmd's."""
+    from edgeinfer.formats.synthetic_vision import TinyVisionShape, write_tiny_mmproj
+    from edgeinfer.models.siglip import SiglipVision
+    from edgeinfer.runners.native import make_ops
+    from mtmd_oracle import MtmdOracle
+    shape = TinyVisionShape(n_embd=32, n_ff=64, n_head=2, layers=1, image_size=512,
+                            patch_size=16, n_merge=4)
+    path = write_tiny_mmproj(tmp_path / "smol512.gguf", 256, shape, seed=31, f16=True,
+                             projector="idefics3", longest_edge=2048)
+    rgb = noise_rgb(200, 300, seed=32)
+    text = f"a {MEDIA_MARKER} b"
+    o = MtmdOracle(str(pair[0]), str(path), n_ctx=2048, n_batch=1024)
+    try:
+        want = o.embeddings(rgb)
+        layout = o.tokens(text, [rgb])
+    finally:
+        o.close()
+    gf, cfg = read_mmproj(str(path))
+    crops, gx, gy = preprocess_idefics3(rgb, cfg.image_size, cfg.longest_edge, cfg.image_mean,
+                                        cfg.image_std)
+    assert (gx, gy, cfg.tokens_per_image) == (4, 3, 64)
+    got = SiglipVision(cfg, make_ops("cpu"), gf).encode(crops[0])
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
+    # the layout, without running the tower on all 13 tiles: a stand-in encoder
+    from edgeinfer.engine.images import EncodedImage, Layout, splice_images
+    from edgeinfer.formats.tokenizer import Tokenizer
+    from edgeinfer.formats.gguf_file import read_gguf
+    tf = read_gguf(str(pair[0]))
+    try:
+        tok = Tokenizer.from_gguf(tf.metadata)
+    finally:
+        tf.close()
+    fake = EncodedImage("ab" * 32, tuple(np.zeros((64, 256), np.float32) for _ in range(13)),
+                        (4, 3))
+    ids, spans = splice_images(tok, text, [fake],
+                               tok.encode("a ", add_special=True, parse_special=True),
+                               Layout(tok, cfg))
+    flat = []
+    for part in layout:
+        flat += ["img"] * part if isinstance(part, int) else part
+    assert [("img" if t < 0 else t) for t in ids] == flat and len(spans) == 13
