@@ -1,6 +1,10 @@
 """SigLIP vision tower + Gemma 3's multimodal projector (or SmolVLM's: Idefics3), from an
 mmproj GGUF (llama.cpp's clip layout: edgeinfer.formats.mmproj), on a backend's ops.
 
+LLaVA 1.5 ("mlp") is a CLIP tower: a class embedding row appended after the patches (as
+llama.cpp lays it out), a pre-LayerNorm, quick-GELU feed-forwards, all layers but the last,
+then rows 1..n_patches through mm.0 -> GELU -> mm.2.
+
 Idefics3 (SmolVLM) ends differently: after the tower, a pixel shuffle folds each n_merge x
 n_merge group of patches into one vector (n_merge^2 x the width), and `mm.model.fc` projects
 it to the text width; each tile of the image (and its overview) is one such encode.
@@ -103,10 +107,15 @@ class SiglipVision:
         t = gf.tensors["v.patch_embd.weight"]
         self.patch_f16 = int(t.ggml_type) == 1       # ggml's im2col rounds the pixels to f16
         self.patch_w = np.ascontiguousarray(_dense(gf, "v.patch_embd.weight").reshape(e, 3 * p * p).T)
-        self.patch_b = _dense(gf, "v.patch_embd.bias").reshape(e)
-        self.pos = _dense(gf, "v.position_embd.weight").reshape(cfg.n_patches, e)
+        self.patch_b = (_dense(gf, "v.patch_embd.bias").reshape(e)
+                        if "v.patch_embd.bias" in gf.tensors else None)
+        n_pos = cfg.n_patches + int(cfg.class_embd)
+        self.pos = _dense(gf, "v.position_embd.weight").reshape(n_pos, e)
+        self.cls = _dense(gf, "v.class_embd").reshape(1, e) if cfg.class_embd else None
+        self.pre = ((ops.vector(gf, "v.pre_ln.weight"), ops.vector(gf, "v.pre_ln.bias"))
+                    if cfg.pre_ln else None)
         self.blocks = []
-        for i in range(cfg.n_layers):
+        for i in range(cfg.layers_run or cfg.n_layers):
             b = f"v.blk.{i}."
             self.blocks.append(_Block(
                 wq=ops.matrix(gf, b + "attn_q.weight"), wk=ops.matrix(gf, b + "attn_k.weight"),
@@ -119,9 +128,12 @@ class SiglipVision:
                 b_up=ops.vector(gf, b + cfg.ffn_up_name + ".bias"),
                 w_down=ops.matrix(gf, b + cfg.ffn_down_name + ".weight"),
                 b_down=ops.vector(gf, b + cfg.ffn_down_name + ".bias")))
-        self.post_w = ops.vector(gf, "v.post_ln.weight")
-        self.post_b = ops.vector(gf, "v.post_ln.bias")
-        if cfg.projector == "idefics3":
+        self.post_w = ops.vector(gf, "v.post_ln.weight") if cfg.post_ln else None
+        self.post_b = ops.vector(gf, "v.post_ln.bias") if cfg.post_ln else None
+        if cfg.projector == "mlp":
+            self.mm = [(ops.matrix(gf, f"mm.{i}.weight"), ops.vector(gf, f"mm.{i}.bias"))
+                       for i in (0, 2)]
+        elif cfg.projector == "idefics3":
             self.fc = ops.matrix(gf, "mm.model.fc.weight")          # [text, e * n_merge^2]
         else:
             self.soft_norm = _dense(gf, "mm.soft_emb_norm.weight").reshape(e)
@@ -154,13 +166,18 @@ class SiglipVision:
             raise ValueError(f"pixels of shape {pixels.shape}, expected (3, {S}, {S})")
         ops.begin_step()
         x = self._patches(np.asarray(pixels, np.float32)) @ self.patch_w
-        x += self.patch_b
+        if self.patch_b is not None:
+            x += self.patch_b
+        if self.cls is not None:            # after the patches, as llama.cpp concatenates it
+            x = np.concatenate([x, self.cls])
         x += self.pos
-        T, H, D = cfg.n_patches, cfg.n_head, cfg.head_dim
+        T, H, D = x.shape[0], cfg.n_head, cfg.head_dim
         batch = ForwardBatch(np.zeros(T, np.int32), np.arange(T, dtype=np.int32),
                              np.zeros(T, np.int64), np.zeros(T, np.int32),
                              np.zeros((1, 1), np.int32), np.zeros(0, np.int64))
         x = self._to_ops(np.ascontiguousarray(x, np.float32))
+        if self.pre is not None:
+            x = ops.layer_norm(x, self.pre[0], self.pre[1], cfg.eps)
         scale = 1.0 / math.sqrt(D)
         for w in self.blocks:
             h = ops.layer_norm(x, w.ln1_w, w.ln1_b, cfg.eps)
@@ -176,17 +193,37 @@ class SiglipVision:
             a = ops.add_bias(ops.matmul(a.reshape(T, H * D), w.wo), w.bo)
             x = ops.add(x, a)
             h = ops.layer_norm(x, w.ln2_w, w.ln2_b, cfg.eps)
-            f = ops.gelu(ops.add_bias(ops.matmul(h, w.w_up), w.b_up))
+            f = self._act(ops.add_bias(ops.matmul(h, w.w_up), w.b_up))
             f = ops.add_bias(ops.matmul(f, w.w_down), w.b_down)
             x = ops.add(x, f)
-        x = ops.to_numpy(ops.layer_norm(x, self.post_w, self.post_b, cfg.eps))
-        return self.project(x)
+        if self.post_w is not None:
+            x = ops.layer_norm(x, self.post_w, self.post_b, cfg.eps)
+        return self.project(ops.to_numpy(x))
+
+    def _act(self, x):
+        """The feed-forward's activation: GELU (tanh) through the ops, or CLIP's quick GELU
+        x * sigmoid(1.702 x)."""
+        if self.cfg.ffn_op == "gelu":
+            return self.ops.gelu(x)
+        if isinstance(x, np.ndarray):
+            return x / (np.float32(1.0) + np.exp(np.float32(-1.702) * x))
+        import torch
+        return x * torch.sigmoid(1.702 * x)
 
     def project(self, x: np.ndarray) -> np.ndarray:
-        """The projector over the tower's output [n_patches, e]."""
+        """The projector over the tower's output [n_patches (+ the class row), e]."""
         cfg = self.cfg
         n, k, e = cfg.patches_per_side, cfg.n_merge, cfg.n_embd
         m = n // k
+        if cfg.projector == "mlp":
+            # llama.cpp takes rows 1..n_patches when there is a class row (its "patches"
+            # input skips row 0), else rows 0..n_patches-1
+            off = int(cfg.class_embd)
+            y = self._to_ops(np.ascontiguousarray(x[off:off + cfg.n_patches], np.float32))
+            (w0, b0), (w2, b2) = self.mm
+            y = self.ops.gelu(self.ops.add_bias(self.ops.matmul(y, w0), b0))
+            y = self.ops.add_bias(self.ops.matmul(y, w2), b2)
+            return np.ascontiguousarray(self.ops.to_numpy(y), np.float32)
         if cfg.projector == "idefics3":
             # token (Y, X) = patches (Y*k + i, X*k + j) for i, j < k, in that order (ggml's
             # build_patch_merge_permute)

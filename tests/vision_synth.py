@@ -44,3 +44,18 @@ def smolvlm_pair(directory: Path) -> tuple[Path, Path]:
         write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256, projector="idefics3",
                           longest_edge=128, seed=3).rename(mmproj)
     return text, mmproj
+
+
+def llava_pair(directory: Path) -> tuple[Path, Path]:
+    """(tests/synth.py's llama text model, a LLaVA 1.5 "mlp" mmproj: CLIP tower of 3 layers
+    (2 run), 64 px, 8 px patches -> 64 image tokens)."""
+    import synth
+    from edgeinfer.formats.synthetic_vision import TinyVisionShape
+    directory.mkdir(parents=True, exist_ok=True)
+    text, mmproj = directory / "llava-text.gguf", directory / "llava-mmproj.gguf"
+    if not text.exists():
+        synth.write_model(text.with_suffix(".tmp"), "llama").rename(text)
+    if not mmproj.exists():
+        write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256, TinyVisionShape(layers=3),
+                          projector="mlp", seed=5).rename(mmproj)
+    return text, mmproj

@@ -133,7 +133,8 @@ class VisionEncoder:
                 parts = [self.model.encode(c) for c in crops]
             else:
                 parts = [self.model.encode(preprocess_fixed(
-                    image.rgb, cfg.image_size, cfg.image_mean, cfg.image_std))]
+                    image.rgb, cfg.image_size, cfg.image_mean, cfg.image_std, cfg.pad_color,
+                    cfg.resample))]
             expect = 1 + grid[0] * grid[1] if grid else 1
             if len(parts) != expect:
                 raise VisionError(f"the encoder made {len(parts)} image parts, "
@@ -190,6 +191,8 @@ class Layout:
         if cfg.projector == "gemma3":
             self.begin, self.end = image_tags(tokenizer)
             return
+        if cfg.projector == "mlp":      # LLaVA: the image's tokens alone, no tags
+            return
         t2i = tokenizer.token_to_id
         names = ("<fake_token_around_image>", "<global-img>")
         if any(n not in t2i for n in names):
@@ -206,6 +209,8 @@ class Layout:
         """Token ids and ("img", part index) entries, in order."""
         if self.projector == "gemma3":
             return [self.begin, ("img", 0), self.end]
+        if self.projector == "mlp":
+            return [("img", 0)]
         gx, gy = enc.grid
         out: list = []
         for y in range(gy):

@@ -89,8 +89,10 @@ def decode_image(data: bytes, what: str = "image", max_bytes: int = MAX_IMAGE_BY
     return Image(np.ascontiguousarray(rgb), hashlib.sha256(data).hexdigest())
 
 
-def resize_fit_pad(rgb: np.ndarray, size: int) -> np.ndarray:
-    """libmtmd's resize to size x size with PAD_CEIL: scale to fit (bilinear), black bars."""
+def resize_fit_pad(rgb: np.ndarray, size: int, pad_color=(0, 0, 0),
+                   resample: str = "bilinear") -> np.ndarray:
+    """libmtmd's resize to size x size with PAD_CEIL: scale to fit (Pillow's bilinear or
+    bicubic), bars of `pad_color` (black for Gemma 3, LLaVA's mean grey for LLaVA)."""
     from PIL import Image as PILImage
     h, w = int(rgb.shape[0]), int(rgb.shape[1])
     if (w, h) == (size, size):
@@ -100,27 +102,34 @@ def resize_fit_pad(rgb: np.ndarray, size: int) -> np.ndarray:
     s = min(sw, sh)
     nw = min(int(math.ceil(np.float32(w) * s)), size)
     nh = min(int(math.ceil(np.float32(h) * s)), size)
-    small = np.asarray(PILImage.fromarray(rgb, "RGB").resize((nw, nh), PILImage.BILINEAR),
-                       np.uint8)
-    out = np.zeros((size, size, 3), np.uint8)
+    filt = PILImage.BICUBIC if resample == "bicubic" else PILImage.BILINEAR
+    small = _resize(rgb, nw, nh, filt)
+    out = np.empty((size, size, 3), np.uint8)
+    out[:] = np.asarray(pad_color, np.uint8)
     ox, oy = (size - nw) // 2, (size - nh) // 2
     out[oy:oy + nh, ox:ox + nw] = small
     return out
 
 
-def preprocess_fixed(rgb: np.ndarray, size: int, mean, std) -> np.ndarray:
+def preprocess_fixed(rgb: np.ndarray, size: int, mean, std, pad_color=(0, 0, 0),
+                     resample: str = "bilinear") -> np.ndarray:
     """float32 [3, size, size]: resized, padded, normalized pixels."""
-    px = resize_fit_pad(rgb, size).astype(np.float32) / np.float32(255.0)
+    px = resize_fit_pad(rgb, size, pad_color, resample).astype(np.float32) / np.float32(255.0)
     px = (px - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     return np.ascontiguousarray(px.transpose(2, 0, 1))
 
 
 def _resize(rgb: np.ndarray, w: int, h: int, resample) -> np.ndarray:
-    """Pillow resampling (which libmtmd reimplements); the same size is a copy."""
+    """Pillow's resampling as libmtmd reimplements it: the horizontal pass, then the
+    vertical one, through 8-bit pixels. (One Pillow resize may run the vertical pass first
+    when that reduces more, which rounds differently: up to 0.05 apart after a tower.)"""
     from PIL import Image as PILImage
-    if (int(rgb.shape[1]), int(rgb.shape[0])) == (w, h):
-        return rgb
-    return np.asarray(PILImage.fromarray(rgb, "RGB").resize((w, h), resample), np.uint8)
+    H, W = int(rgb.shape[0]), int(rgb.shape[1])
+    if W != w:
+        rgb = np.asarray(PILImage.fromarray(rgb, "RGB").resize((w, H), resample), np.uint8)
+    if H != h:
+        rgb = np.asarray(PILImage.fromarray(rgb, "RGB").resize((w, h), resample), np.uint8)
+    return rgb
 
 
 def idefics3_grid(width: int, height: int, tile: int, longest_edge: int

@@ -3,8 +3,9 @@ typed config and the checks that run before anything is loaded.
 
 Supported projector types: "gemma3" (Gemma 3's SigLIP tower, a 2-D average pool and the
 soft-embedding norm + input projection) and "idefics3" (SmolVLM: the same tower on tiles of
-the image plus an overview, a pixel shuffle and one linear projection). Every other type is
-refused with one sentence.
+the image plus an overview, a pixel shuffle and one linear projection) and "mlp" (LLaVA 1.5:
+a CLIP tower with a class embedding and a pre-LayerNorm, its second-to-last layer's patches,
+a two-layer GELU MLP). Every other type is refused with one sentence.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile, read_gguf
 
-SUPPORTED_PROJECTORS = ("gemma3", "idefics3")
+SUPPORTED_PROJECTORS = ("gemma3", "idefics3", "mlp")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,16 @@ class VisionConfig:
     # idefics3: the longest image edge after the first resize (clip.vision.preproc_image_size);
     # the image is then cut into image_size tiles, each encoded apart, plus an overview
     longest_edge: int = 0
+    # the feed-forward's activation: "gelu" (tanh), or "gelu_quick" (CLIP: clip.use_gelu off)
+    ffn_op: str = "gelu"
+    # mlp (LLaVA): a class embedding row, a pre-LayerNorm, the layers run (all but the last),
+    # the letterbox colour and resampling of libmtmd's preprocessing for it
+    class_embd: bool = False
+    pre_ln: bool = False
+    post_ln: bool = True
+    layers_run: int = 0
+    pad_color: tuple[int, int, int] = (0, 0, 0)
+    resample: str = "bilinear"
 
     @property
     def patches_per_side(self) -> int:
@@ -87,9 +98,17 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
     std = md.get("clip.vision.image_std")
     if mean is None or std is None or len(mean) < 3 or len(std) < 3:
         raise GGUFError("the projector has no clip.vision.image_mean / image_std of 3 values")
-    if not md.get("clip.use_gelu", False):
+    if md.get("clip.use_silu", False):
+        raise GGUFError("the projector's feed-forward is SiLU (clip.use_silu), which is not "
+                        "supported")
+    gelu = bool(md.get("clip.use_gelu", False))
+    if not gelu and proj != "mlp":
         raise GGUFError(f"the projector's feed-forward is not GELU (clip.use_gelu), which the "
                         f"{proj} projector needs")
+    if proj == "mlp" and (md.get("clip.vision.feature_layer") is not None
+                          or md.get("clip.vision.image_grid_pinpoints") is not None):
+        raise GGUFError("this mlp projector stacks feature layers or slices images "
+                        "(LLaVA 1.6 / Granite): only LLaVA 1.5's fixed-size layout is supported")
     longest = 0
     if proj == "idefics3":
         longest = md.get("clip.vision.preproc_image_size")
@@ -116,7 +135,13 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         n_merge=_u32(md, "clip.vision.projector.scale_factor", 4),
         n_embd_text=0, image_mean=tuple(float(x) for x in mean[:3]),
         image_std=tuple(float(x) for x in std[:3]), name=str(md.get("general.name", "")),
-        longest_edge=int(longest))
+        longest_edge=int(longest), ffn_op="gelu" if gelu else "gelu_quick")
+    if proj == "mlp":
+        from dataclasses import replace as _r
+        n_layers = cfg.n_layers
+        cfg = _r(cfg, n_merge=1, class_embd="v.class_embd" in gf.tensors,
+                 pre_ln="v.pre_ln.weight" in gf.tensors, post_ln="v.post_ln.weight" in gf.tensors,
+                 layers_run=n_layers - 1, pad_color=(122, 116, 104), resample="bicubic")
     if cfg.image_size % cfg.patch_size or cfg.patches_per_side % cfg.n_merge:
         raise GGUFError(f"image size {cfg.image_size} is not a whole number of "
                         f"{cfg.patch_size}-pixel patches in groups of {cfg.n_merge}")
@@ -136,8 +161,16 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         if shape and got != shape:
             raise GGUFError(f"the projector's {name} has shape {got}, expected {shape}")
     need("v.patch_embd.weight", p, p, 3, e)
-    need("v.patch_embd.bias", e)
-    need("v.position_embd.weight", e, cfg.n_patches)
+    if proj != "mlp":
+        need("v.patch_embd.bias", e)
+    elif "v.patch_embd.bias" in gf.tensors:
+        need("v.patch_embd.bias", e)
+    need("v.position_embd.weight", e, cfg.n_patches + int(cfg.class_embd))
+    if cfg.class_embd:
+        need("v.class_embd", e)
+    if cfg.pre_ln:
+        need("v.pre_ln.weight", e)
+        need("v.pre_ln.bias", e)
     for i in range(cfg.n_layers):
         b = f"v.blk.{i}."
         for n in ("attn_q", "attn_k", "attn_v", "attn_out"):
@@ -150,9 +183,19 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         need(b + cfg.ffn_up_name + ".bias", ff)
         need(b + cfg.ffn_down_name + ".weight", ff, e)
         need(b + cfg.ffn_down_name + ".bias", e)
-    need("v.post_ln.weight", e)
-    need("v.post_ln.bias", e)
+    if cfg.post_ln:
+        need("v.post_ln.weight", e)
+        need("v.post_ln.bias", e)
     from dataclasses import replace
+    if proj == "mlp":
+        t0, t2 = gf.tensors.get("mm.0.weight"), gf.tensors.get("mm.2.weight")
+        if t0 is None or t2 is None or int(t0.shape[0]) != e or len(t2.shape) != 2 \
+                or int(t2.shape[0]) != int(t0.shape[1]):
+            raise GGUFError(f"the projector has no mm.0.weight [{e}, hidden] and mm.2.weight "
+                            "[hidden, text width]")
+        need("mm.0.bias", int(t0.shape[1]))
+        need("mm.2.bias", int(t2.shape[1]))
+        return replace(cfg, n_embd_text=int(t2.shape[1]))
     if proj == "idefics3":
         k = e * cfg.n_merge ** 2
         t = gf.tensors.get("mm.model.fc.weight")

@@ -32,12 +32,15 @@ class TinyVisionShape:
 def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = TinyVisionShape(),
                       seed: int = 0, f16: bool = False, swapped_ffn: bool = False,
                       projector: str = "gemma3", longest_edge: int = 0,
-                      scale_key: bool = True) -> Path:
+                      scale_key: bool = True, mlp_hidden: int = 96) -> Path:
     """A Gemma 3 projector of `shape` for a text model of width `n_embd_text`
     (`swapped_ffn`: ffn_up / ffn_down under each other's names, as early conversions).
     projector="idefics3": SmolVLM's (pixel shuffle by n_merge, `mm.model.fc`), images cut
     into image_size tiles after scaling the longest edge to `longest_edge`. `scale_key=False`
-    leaves clip.vision.projector.scale_factor out, as released Gemma 3 files do (4 then)."""
+    leaves clip.vision.projector.scale_factor out, as released Gemma 3 files do (4 then).
+    projector="mlp": LLaVA 1.5's (a CLIP tower: class embedding, pre-LayerNorm, quick GELU,
+    no patch bias or post-LayerNorm; mm.0 [width -> mlp_hidden], mm.2 [-> text width])."""
+    clip = projector == "mlp"
     from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
     e, ff, p = shape.n_embd, shape.n_ff, shape.patch_size
@@ -56,7 +59,7 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     w.add_string("clip.projector_type", projector)
     w.add_bool("clip.has_vision_encoder", True)
     w.add_bool("clip.has_audio_encoder", False)
-    w.add_bool("clip.use_gelu", True)
+    w.add_bool("clip.use_gelu", not clip)
     w.add_uint32("clip.vision.image_size", shape.image_size)
     w.add_uint32("clip.vision.patch_size", p)
     w.add_uint32("clip.vision.embedding_length", e)
@@ -74,10 +77,15 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     # conv weights [out, in, kh, kw] (ggml: kw, kh, in, out), f16 as in released files
     w.add_tensor("v.patch_embd.weight",
                  (rng.standard_normal((e, 3, p, p)) / np.sqrt(3 * p * p)).astype(np.float16))
-    w.add_tensor("v.patch_embd.bias", vec(e))
+    if not clip:
+        w.add_tensor("v.patch_embd.bias", vec(e))
+    else:
+        w.add_tensor("v.class_embd", vec(e, 0.0, 0.5))
+        w.add_tensor("v.pre_ln.weight", vec(e, 1.0))
+        w.add_tensor("v.pre_ln.bias", vec(e))
     # f32 always: ggml adds it to the f32 patch embeddings (no f32 + f16 add on the CPU)
     w.add_tensor("v.position_embd.weight",
-                 (0.5 * rng.standard_normal((n_patches, e))).astype(np.float32))
+                 (0.5 * rng.standard_normal((n_patches + int(clip), e))).astype(np.float32))
     for i in range(shape.layers):
         b = f"v.blk.{i}."
         for n in ("attn_q", "attn_k", "attn_v"):
@@ -94,9 +102,15 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
         w.add_tensor(b + up + ".bias", vec(ff))
         w.add_tensor(b + down + ".weight", mat(e, ff, 0.5))
         w.add_tensor(b + down + ".bias", vec(e))
-    w.add_tensor("v.post_ln.weight", vec(e, 1.0))
-    w.add_tensor("v.post_ln.bias", vec(e))
-    if projector == "idefics3":
+    if not clip:
+        w.add_tensor("v.post_ln.weight", vec(e, 1.0))
+        w.add_tensor("v.post_ln.bias", vec(e))
+    if clip:
+        w.add_tensor("mm.0.weight", mat(mlp_hidden, e))
+        w.add_tensor("mm.0.bias", vec(mlp_hidden))
+        w.add_tensor("mm.2.weight", mat(n_embd_text, mlp_hidden, 2.0))
+        w.add_tensor("mm.2.bias", vec(n_embd_text))
+    elif projector == "idefics3":
         k = e * shape.n_merge ** 2          # pixel-shuffled width -> text width
         w.add_tensor("mm.model.fc.weight",
                      (rng.standard_normal((n_embd_text, k)) * 2.0 / np.sqrt(k)).astype(dt))
