@@ -43,23 +43,49 @@ def blas_one_thread():
     return threadpool_limits(1, user_api="blas")
 
 
+_POOL = None
+
+
+def _pool():
+    """Worker threads for attention_np's head groups (numpy releases the GIL in BLAS and
+    its ufuncs); as many as numba's threads."""
+    global _POOL
+    if _POOL is None:
+        import concurrent.futures
+        import numba
+        _POOL = concurrent.futures.ThreadPoolExecutor(max(1, numba.get_num_threads()),
+                                                      thread_name_prefix="edgeinfer-vit")
+    return _POOL
+
+
 def attention_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
                  rows: int = 256) -> np.ndarray:
     """Full (non-causal) attention over all T positions, [T, H, D] float32, through BLAS
-    (np.matmul per head), in chunks of `rows` queries so the score block stays
-    H x rows x T floats. About 10x the numba encoder kernel at SigLIP's T = 1024-4096."""
+    (np.matmul per head; heads split over worker threads, each BLAS call single-threaded),
+    in chunks of `rows` queries so each score block stays heads x rows x T floats. About
+    10x the numba encoder kernel at SigLIP's T = 1024-4096."""
     T, H, D = q.shape
     qh = np.ascontiguousarray(q.transpose(1, 0, 2))
     kt = np.ascontiguousarray(k.transpose(1, 2, 0))          # [H, D, T]
     vh = np.ascontiguousarray(v.transpose(1, 0, 2))
     out = np.empty((H, T, D), np.float32)
-    for r0 in range(0, T, rows):
-        s = np.matmul(qh[:, r0:r0 + rows], kt)               # [H, R, T]
-        s *= np.float32(scale)
-        s -= s.max(axis=2, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=2, keepdims=True)
-        np.matmul(s, vh, out=out[:, r0:r0 + rows])
+
+    def heads(h0: int, h1: int) -> None:
+        for r0 in range(0, T, rows):
+            s = np.matmul(qh[h0:h1, r0:r0 + rows], kt[h0:h1])    # [h, R, T]
+            s *= np.float32(scale)
+            s -= s.max(axis=2, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=2, keepdims=True)
+            np.matmul(s, vh[h0:h1], out=out[h0:h1, r0:r0 + rows])
+    pool = _pool()
+    n = min(pool._max_workers, H)
+    cuts = [H * i // n for i in range(n + 1)]
+    if n <= 1:
+        heads(0, H)
+    else:
+        for f in [pool.submit(heads, cuts[i], cuts[i + 1]) for i in range(n)]:
+            f.result()
     return np.ascontiguousarray(out.transpose(1, 0, 2))
 
 
