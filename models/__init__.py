@@ -18,5 +18,14 @@ def build_model(cfg: ModelConfig, ops, gguf_file):
     if cfg.arch in ("qwen2", "qwen3"):
         from edgeinfer.models.qwen2 import Qwen2Model
         return Qwen2Model(cfg, ops, gguf_file)
+    if cfg.arch == "phi3":
+        from edgeinfer.models.phi3 import Phi3Model
+        return Phi3Model(cfg, ops, gguf_file)
+    if cfg.arch == "smollm3":
+        from edgeinfer.models.smollm3 import SmolLM3Model
+        return SmolLM3Model(cfg, ops, gguf_file)
+    if cfg.arch == "mistral3":
+        from edgeinfer.models.mistral3 import Mistral3Model
+        return Mistral3Model(cfg, ops, gguf_file)
     from edgeinfer.models.llama import LlamaModel
     return LlamaModel(cfg, ops, gguf_file)

@@ -39,14 +39,14 @@ def test_resolve_combines_backend_and_device():
     assert resolve("torch", "cpu", "gemma3") == "torch:cpu"
     assert resolve("torch:cpu", None, "gemma3") == "torch:cpu"
     assert resolve("auto", "cpu", "gemma3") == "cpu"            # the native numba backend
-    assert resolve("auto", "cpu", "phi3") == "llamacpp"         # no native model: llama.cpp
-    assert resolve("auto", None, "phi3") == "llamacpp"
+    assert resolve("auto", "cpu", "phi2") == "llamacpp"         # no native model: llama.cpp
+    assert resolve("auto", None, "phi2") == "llamacpp"
     assert resolve("cpu", None, "gemma3") == "cpu"
     assert resolve("llamacpp", None, "gemma3") == "llamacpp"
     best = "torch:cuda" if HAS_CUDA else "torch:mps" if HAS_MPS else "torch:cpu"
     assert resolve("torch", None, "gemma3") == best
     with pytest.raises(BackendChoiceError, match="no native model") as e:
-        resolve("auto", "cuda", "phi3")
+        resolve("auto", "cuda", "phi2")
     assert e.value.field == "device"
 
 
@@ -171,7 +171,7 @@ def test_show_rows_predict_auto_when_not_loaded(monkeypatch):
     assert rows["backend"] == f"{picked} (not loaded; what --backend auto picks on this machine)"
     if picked == "cpu":
         assert rows["weights"] == "gguf (quantized): GGUF quantized blocks, dequantized per matmul"
-    rows = dict(placement_rows(_summary("phi3"), []))
+    rows = dict(placement_rows(_summary("phi2"), []))
     assert rows["backend"].startswith("llamacpp (not loaded")
     assert rows["weights"] == "gguf (llama.cpp): GGUF tensors held by llama.cpp"
 

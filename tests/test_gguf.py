@@ -123,10 +123,10 @@ def test_missing_tensor_and_bad_shape(tmp_path, head_bytes, gemma3_path):
 def test_unsupported_architecture(tmp_path):
     import gguf
     p = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(p), "phi3")
+    w = gguf.GGUFWriter(str(p), "phi2")
     w.add_tensor("x", np.zeros(32, dtype=np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    with pytest.raises(UnsupportedArchitecture, match="'phi3'.*--backend llamacpp"):
+    with pytest.raises(UnsupportedArchitecture, match="'phi2'.*--backend llamacpp"):
         load_model_config(read_gguf(p))
 
 

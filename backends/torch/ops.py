@@ -142,7 +142,9 @@ class TorchOps:
             # float64 on the host (MPS has no float64), like the CPU backend's tables
             inv = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)
             if freq_factors is not None:
-                inv = inv / freq_factors.detach().cpu().numpy().astype(np.float64)
+                ff = freq_factors if isinstance(freq_factors, np.ndarray) else \
+                    freq_factors.detach().cpu().numpy()      # (YaRN factors come as numpy)
+                inv = inv / ff.astype(np.float64)
             ang = np.outer(batch.positions.astype(np.float64) / scale, inv)
             cos, sin = (torch.from_numpy(f(ang).astype(np.float32))[:, None, :].to(self.device)
                         for f in (np.cos, np.sin))

@@ -9,7 +9,8 @@ from gguf import LlamaFileType
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding",
+                "phi3", "smollm3", "mistral3")
 # encoders: they embed (and rerank) but have no language-model head to generate with
 EMBEDDING_ARCHS = ("bert", "nomic-bert", "gemma-embedding")
 
@@ -47,7 +48,29 @@ class ModelConfig:
     causal: bool = True          # False: encoders (bert), every token sees its whole sequence
     n_token_types: int = 0       # bert: rows of token_types.weight
     n_cls_out: int = 0           # bert rerankers: classification head outputs (0 = no head)
-    fused_qkv: bool = False      # nomic-bert: one attn_qkv matrix (q, k, v rows in order)
+    fused_qkv: bool = False      # nomic-bert, phi3: one attn_qkv matrix (q, k, v rows in order)
+    fused_up: bool = False       # phi3: ffn_up holds gate then up rows (2 x n_ff), no ffn_gate
+    n_rot: int = 0               # rotated dims of a head (rope.dimension_count); 0 = head_dim
+    rope_mscale: float = 1.0     # cos/sin multiplier (phi3's rope.scaling.attn_factor, YaRN)
+    rope_factors: str = ""       # phi3 LongRoPE: "short" / "long" rope_factors_* tensors
+    yarn_factor: float = 0.0     # YaRN context scale (0 = none), folded into per-dim factors
+    yarn_orig_ctx: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_log_mul: float = 0.0    # rope.scaling.yarn_log_multiplier (mscale_all_dim)
+    no_rope_step: int = 0        # smollm3: every no_rope_step-th layer skips rope
+    attn_temp_scale: float = 0.0  # mistral3: Llama 4 style q scaling by position (0 = off)
+    attn_temp_floor: int = 0
+    n_expert: int = 0            # qwen3moe: routed experts, of which n_expert_used per token
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+
+    @property
+    def rot_dim(self) -> int:
+        return self.n_rot or self.head_dim
+
+    def uses_rope(self, layer: int) -> bool:
+        return not (self.no_rope_step and (layer + 1) % self.no_rope_step == 0)
 
     @property
     def q_dim(self) -> int:
@@ -121,7 +144,7 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
     rope_scale = 1.0
     if scaling == "linear":
         rope_scale = _meta(f, arch, "rope.scaling.factor", 1.0, float)
-    elif scaling not in ("none", None):
+    elif scaling not in ("none", None) and not (arch == "mistral3" and scaling == "yarn"):
         raise GGUFError(f"uses rope scaling {scaling!r}, which the native engine does not support; "
                         f"run it with --backend llamacpp")
     if not (math.isfinite(eps) and 0 < eps < 1 and math.isfinite(rope_base) and rope_base > 0
@@ -152,14 +175,78 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
                           len(types.shape) == 2 else 0,
                           n_cls_out=int(cls_out.shape[1]) if cls_out is not None and
                           len(cls_out.shape) == 2 else 0)
-    elif arch == "qwen3":
-        cfg = ModelConfig(**common, rope_neox=True, qk_norm=True)
+    elif arch in ("qwen3", "qwen3moe"):
+        cfg = ModelConfig(**common, rope_neox=True, qk_norm=True, **_moe_config(f, arch, n_ff))
+    elif arch in ("phi3", "smollm3", "mistral3"):
+        cfg = _llama_variant(f, arch, common)
     elif arch == "qwen2":
         cfg = ModelConfig(**common, rope_neox=True, qkv_bias="blk.0.attn_q.bias" in f.tensors)
     else:
         cfg = ModelConfig(**common, rope_neox=False, has_rope_freqs="rope_freqs.weight" in f.tensors)
     check_tensors(f, cfg)
     return cfg
+
+
+def _llama_variant(f: GGUFFile, arch: str, common: dict) -> ModelConfig:
+    """phi3 (fused qkv and gate/up, NeoX rope, partial rotary, LongRoPE factors), smollm3 (no
+    rope on every 4th layer, as llama.cpp hard-codes), mistral3 (YaRN, attention temperature)."""
+    head_dim = common["head_dim"]
+    n_rot = _meta(f, arch, "rope.dimension_count", head_dim)
+    if n_rot % 2 or not 0 < n_rot <= head_dim:
+        raise GGUFError(f"metadata '{arch}.rope.dimension_count' = {n_rot} does not fit the "
+                        f"head size {head_dim}")
+    extra: dict = {}
+    if arch == "phi3":
+        extra = dict(rope_neox=True, fused_qkv="blk.0.attn_qkv.weight" in f.tensors,
+                     fused_up="blk.0.ffn_gate.weight" not in f.tensors,
+                     rope_mscale=_meta(f, arch, "rope.scaling.attn_factor", 1.0, float),
+                     # llama.cpp takes the long factors only when its context exceeds the
+                     # original one; we keep the short ones (see docs)
+                     rope_factors="short" if "rope_factors_short.weight" in f.tensors else "")
+    elif arch == "smollm3":
+        extra = dict(rope_neox=False, no_rope_step=4)
+    else:
+        extra = dict(rope_neox=False,
+                     has_rope_freqs="rope_freqs.weight" in f.tensors,
+                     attn_temp_scale=_meta(f, arch, "attention.temperature_scale", 0.0, float))
+        if f.metadata.get(f"{arch}.rope.scaling.type") == "yarn":
+            factor = _meta(f, arch, "rope.scaling.factor", 1.0, float)
+            orig = _meta(f, arch, "rope.scaling.original_context_length",
+                         common["context_length"])
+            if factor > 1.0:
+                extra.update(yarn_factor=factor, yarn_orig_ctx=orig, yarn_log_mul=_meta(
+                                 f, arch, "rope.scaling.yarn_log_multiplier", 0.0, float),
+                             yarn_beta_fast=_meta(f, arch, "rope.scaling.yarn_beta_fast", 32.0, float),
+                             yarn_beta_slow=_meta(f, arch, "rope.scaling.yarn_beta_slow", 1.0, float))
+        if extra["attn_temp_scale"]:
+            extra["attn_temp_floor"] = _positive(
+                "original context length", _meta(f, arch, "rope.scaling.original_context_length",
+                                                 common["context_length"]), 1 << 24)
+    return ModelConfig(**common, n_rot=n_rot if n_rot != head_dim else 0, **extra)
+
+
+def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
+    """Routed-expert hyper-parameters (qwen3moe); a key we do not implement is an error
+    naming it, never silently different numbers."""
+    if arch != "qwen3moe":
+        return {}
+    n_expert = _positive("expert count", _meta(f, arch, "expert_count"), 4096)
+    used = _meta(f, arch, "expert_used_count")
+    if not 0 < used <= n_expert:
+        raise GGUFError(f"metadata '{arch}.expert_used_count' = {used} is not in 1..{n_expert}")
+    gating = f.metadata.get(f"{arch}.expert_gating_func")
+    if gating is not None and int(gating) != 1:         # 1 = softmax (llama.cpp's enum)
+        raise GGUFError(f"metadata '{arch}.expert_gating_func' = {int(gating)} is not softmax "
+                        f"gating, which is all the native {arch} implements; run it with "
+                        "--backend llamacpp")
+    for key in ("expert_shared_count", "expert_weights_scale"):
+        v = f.metadata.get(f"{arch}.{key}")
+        if v is not None and float(v) not in (0.0, 1.0 if key.endswith("scale") else 0.0):
+            raise GGUFError(f"metadata '{arch}.{key}' = {v} is not supported by the native "
+                            f"{arch}; run it with --backend llamacpp")
+    ff_exp = _meta(f, arch, "expert_feed_forward_length", n_ff // used)
+    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=_positive(
+        "expert feed-forward length", ff_exp, 1 << 18))
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -174,15 +261,29 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tied_output:
         shapes["output.weight"] = (e, cfg.vocab_size)
     if cfg.has_rope_freqs:
-        shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
+        shapes["rope_freqs.weight"] = (cfg.rot_dim // 2,)
+    if cfg.rope_factors:
+        shapes["rope_factors_long.weight"] = shapes["rope_factors_short.weight"] = \
+            (cfg.rot_dim // 2,)
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        shapes.update({
-            p + "attn_norm.weight": (e,), p + "attn_q.weight": (e, q), p + "attn_k.weight": (e, kv),
-            p + "attn_v.weight": (e, kv), p + "attn_output.weight": (q, e),
-            p + "ffn_norm.weight": (e,), p + "ffn_gate.weight": (e, ff),
-            p + "ffn_up.weight": (e, ff), p + "ffn_down.weight": (ff, e),
-        })
+        shapes.update({p + "attn_norm.weight": (e,), p + "attn_output.weight": (q, e),
+                       p + "ffn_norm.weight": (e,)})
+        if cfg.fused_qkv:
+            shapes[p + "attn_qkv.weight"] = (e, q + 2 * kv)
+        else:
+            shapes.update({p + "attn_q.weight": (e, q), p + "attn_k.weight": (e, kv),
+                           p + "attn_v.weight": (e, kv)})
+        if cfg.n_expert:
+            x, fe = cfg.n_expert, cfg.n_ff_exp
+            shapes.update({p + "ffn_gate_inp.weight": (e, x), p + "ffn_gate_exps.weight": (e, fe, x),
+                           p + "ffn_up_exps.weight": (e, fe, x),
+                           p + "ffn_down_exps.weight": (fe, e, x)})
+        elif cfg.fused_up:
+            shapes.update({p + "ffn_up.weight": (e, 2 * ff), p + "ffn_down.weight": (ff, e)})
+        else:
+            shapes.update({p + "ffn_gate.weight": (e, ff), p + "ffn_up.weight": (e, ff),
+                           p + "ffn_down.weight": (ff, e)})
         if cfg.qk_norm:
             shapes[p + "attn_q_norm.weight"] = (cfg.head_dim,)
             shapes[p + "attn_k_norm.weight"] = (cfg.head_dim,)

@@ -1,0 +1,200 @@
+"""Tiny random GGUF files of phi3, smollm3, mistral3 and qwen3moe in llama.cpp's layout.
+
+Metadata keys and tensor names/shapes as llama.cpp's converter writes them (ggml shapes:
+`attn_qkv` [E, q + 2 kv], phi3's `ffn_up` [E, 2 n_ff] gate rows first, `rope_factors_long` /
+`rope_factors_short` [n_rot / 2], qwen3moe's `ffn_gate_inp` [E, X] and `ffn_{gate,up}_exps`
+[E, F, X], `ffn_down_exps` [F, E, X]). Written in F32 (numpy arrays in row-major order: the
+last axis is ggml's first), then quantized with llama.cpp's own quantizer (synth.quantize).
+Vocabularies come from edgeinfer/formats/synthetic.py. Dimensions are multiples of 256.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgeinfer.formats.synthetic import bpe_vocab, spm_vocab
+
+
+@dataclass(frozen=True)
+class Variant:
+    arch: str
+    layers: int = 4
+    n_embd: int = 256
+    n_ff: int = 512
+    n_head: int = 4
+    n_kv: int = 2
+    head_dim: int = 64
+    n_rot: int = 64
+    bpe: bool = True
+    tied: bool = False
+    rope_base: float = 10000.0
+    context: int = 4096
+    # phi3 LongRoPE
+    long_rope: bool = False
+    attn_factor: float = 1.0
+    orig_ctx: int = 0
+    # mistral3
+    yarn_factor: float = 0.0
+    temp_scale: float = 0.0
+    yarn_log_mul: float = 0.0
+    # qwen3moe
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+
+
+VARIANTS = {
+    # Phi-3.5-mini's shape: full rotary, MHA, LongRoPE factors + attn_factor, SPM vocabulary
+    "phi3": Variant("phi3", n_kv=4, bpe=False, long_rope=True, attn_factor=1.19,
+                    orig_ctx=4096, context=131072),
+    # Phi-4-mini's: GQA, partial rotary (0.75 of the head), tied output (its byte-level BPE
+    # vocabulary is left out: libllama refuses our tiny BPE one for phi3)
+    "phi3-mini4": Variant("phi3", n_rot=48, tied=True, bpe=False, long_rope=True, attn_factor=1.19,
+                          orig_ctx=4096, context=131072, rope_base=10000.0),
+    # SmolLM3's: NoPE every 4th layer (8 layers: 3 and 7), GQA, BPE, tied
+    "smollm3": Variant("smollm3", layers=8, tied=True, rope_base=5e6, context=65536),
+    # Ministral 3's: YaRN x16 and attention temperature past the original context (64 here,
+    # so that the test's positions cross it)
+    "mistral3": Variant("mistral3", rope_base=1e6, yarn_factor=16.0, orig_ctx=64,
+                        temp_scale=0.1, context=1024),
+    # with rope.scaling.yarn_log_multiplier (HF mscale_all_dim = 1, as Ministral 3 ships)
+    "mistral3-logmul": Variant("mistral3", rope_base=1e6, yarn_factor=16.0, orig_ctx=64,
+                               temp_scale=0.1, yarn_log_mul=1.0, context=1024),
+    # Qwen3-30B-A3B's structure scaled down: 16 experts, 4 used, QK-norm, no shared expert
+    "qwen3moe": Variant("qwen3moe", n_ff=768, rope_base=1e6, n_expert=16, n_expert_used=4,
+                        n_ff_exp=256, context=4096),
+}
+
+
+def write_variant(path: Path, name: str, seed: int = 0) -> Path:
+    from gguf import GGUFWriter
+    v = VARIANTS[name]
+    arch = v.arch
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-{name}")
+    w.add_context_length(v.context)
+    w.add_embedding_length(v.n_embd)
+    w.add_block_count(v.layers)
+    w.add_feed_forward_length(v.n_ff)
+    w.add_head_count(v.n_head)
+    w.add_head_count_kv(v.n_kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_key_length(v.head_dim)
+    w.add_value_length(v.head_dim)
+    w.add_rope_dimension_count(v.n_rot)
+    w.add_rope_freq_base(v.rope_base)
+    w.add_file_type(0)
+    if v.long_rope:
+        w.add_rope_scaling_attn_factors(v.attn_factor)
+        w.add_rope_scaling_orig_ctx_len(v.orig_ctx)
+    if v.yarn_factor:
+        from gguf import RopeScalingType
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(v.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(v.orig_ctx)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+        if v.yarn_log_mul:
+            w.add_rope_scaling_yarn_log_mul(v.yarn_log_mul)
+    if v.temp_scale:
+        w.add_attn_temperature_scale(v.temp_scale)
+    if v.n_expert:
+        w.add_expert_count(v.n_expert)
+        w.add_expert_used_count(v.n_expert_used)
+        w.add_expert_feed_forward_length(v.n_ff_exp)
+    if v.bpe:
+        tokens, types, merges = bpe_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_eos_token_id(len(tokens) - 1)
+        w.add_bos_token_id(len(tokens) - 3)
+        w.add_add_bos_token(False)
+    else:
+        # Phi-3's control tokens: llama.cpp's vocabulary loader looks <|end|> up for phi3
+        tokens, scores, types = spm_vocab("llama", ("<|endoftext|>", "<|assistant|>",
+                                                    "<|end|>", "<|user|>", "<|system|>"))
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        w.add_add_bos_token(True)
+    vocab, e = len(tokens), v.n_embd
+    q, kv, ff, hd = v.n_head * v.head_dim, v.n_kv * v.head_dim, v.n_ff, v.head_dim
+
+    w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, e)) * 0.5).astype(np.float32))
+    w.add_tensor("output_norm.weight", norm(e))
+    if not v.tied:
+        w.add_tensor("output.weight", mat(vocab, e, 4.0))
+    if v.long_rope:
+        # LongRoPE factors: >= 1, growing with the dimension, as Phi-3.5's short_factor does
+        half = v.n_rot // 2
+        w.add_tensor("rope_factors_long.weight",
+                     np.linspace(1.0, 40.0, half).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight",
+                     (1.0 + np.linspace(0.0, 1.5, half) ** 2).astype(np.float32))
+    for i in range(v.layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", norm(e))
+        if arch == "phi3":
+            w.add_tensor(p + "attn_qkv.weight", np.concatenate(
+                [mat(q, e, 0.7), mat(kv, e, 0.7), mat(kv, e)]))
+        else:
+            w.add_tensor(p + "attn_q.weight", mat(q, e, 0.7))
+            w.add_tensor(p + "attn_k.weight", mat(kv, e, 0.7))
+            w.add_tensor(p + "attn_v.weight", mat(kv, e))
+        w.add_tensor(p + "attn_output.weight", mat(e, q, 0.3))
+        if arch == "qwen3moe":
+            w.add_tensor(p + "attn_q_norm.weight", norm(hd))
+            w.add_tensor(p + "attn_k_norm.weight", norm(hd))
+        w.add_tensor(p + "ffn_norm.weight", norm(e))
+        if v.n_expert:
+            X, F = v.n_expert, v.n_ff_exp
+            # router logits a few units apart: routing decided by the weights, not by rounding
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(X, e, 6.0))
+            w.add_tensor(p + "ffn_gate_exps.weight", np.stack([mat(F, e) for _ in range(X)]))
+            w.add_tensor(p + "ffn_up_exps.weight", np.stack([mat(F, e) for _ in range(X)]))
+            w.add_tensor(p + "ffn_down_exps.weight", np.stack([mat(e, F, 0.3) for _ in range(X)]))
+        elif arch == "phi3":
+            w.add_tensor(p + "ffn_up.weight", np.concatenate([mat(ff, e), mat(ff, e)]))
+            w.add_tensor(p + "ffn_down.weight", mat(e, ff, 0.3))
+        else:
+            w.add_tensor(p + "ffn_gate.weight", mat(ff, e))
+            w.add_tensor(p + "ffn_up.weight", mat(ff, e))
+            w.add_tensor(p + "ffn_down.weight", mat(e, ff, 0.3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def variant_model(cache: Path, name: str, ftype: str) -> Path:
+    """Build (once per cache dir) the variant quantized to ftype (F32: unquantized)."""
+    from synth import quantize
+    cache.mkdir(parents=True, exist_ok=True)
+    f32 = cache / f"synth-{name}-F32.gguf"
+    if not f32.exists():
+        write_variant(f32.with_suffix(".tmp"), name).rename(f32)
+    if ftype == "F32":
+        return f32
+    out = cache / f"synth-{name}-{ftype}.gguf"
+    if not out.exists():
+        quantize(f32, out.with_suffix(".tmp"), ftype).rename(out)
+    return out
