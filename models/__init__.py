@@ -27,5 +27,8 @@ def build_model(cfg: ModelConfig, ops, gguf_file):
     if cfg.arch == "mistral3":
         from edgeinfer.models.mistral3 import Mistral3Model
         return Mistral3Model(cfg, ops, gguf_file)
+    if cfg.arch == "qwen3moe":
+        from edgeinfer.models.qwen3moe import Qwen3MoeModel
+        return Qwen3MoeModel(cfg, ops, gguf_file)
     from edgeinfer.models.llama import LlamaModel
     return LlamaModel(cfg, ops, gguf_file)

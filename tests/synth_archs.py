@@ -68,7 +68,10 @@ VARIANTS = {
 }
 
 
-def write_variant(path: Path, name: str, seed: int = 0) -> Path:
+def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None = None,
+                  extra_f32: dict | None = None) -> Path:
+    """Write the variant; `extra_u32` / `extra_f32`: more metadata (key -> value), e.g. a
+    gating function the native engine does not implement."""
     from gguf import GGUFWriter
     v = VARIANTS[name]
     arch = v.arch
@@ -112,6 +115,10 @@ def write_variant(path: Path, name: str, seed: int = 0) -> Path:
         w.add_expert_count(v.n_expert)
         w.add_expert_used_count(v.n_expert_used)
         w.add_expert_feed_forward_length(v.n_ff_exp)
+    for key, val in (extra_u32 or {}).items():
+        w.add_uint32(key, val)
+    for key, val in (extra_f32 or {}).items():
+        w.add_float32(key, val)
     if v.bpe:
         tokens, types, merges = bpe_vocab()
         w.add_tokenizer_model("gpt2")

@@ -1,4 +1,4 @@
-"""phi3, smollm3 and mistral3 on the native engine against libllama, the oracle.
+"""phi3, smollm3, mistral3 and qwen3moe on the native engine against libllama, the oracle.
 
 Each architecture is a small random GGUF in llama.cpp's own layout (tests/synth_archs.py),
 quantized by llama.cpp's quantizer. Next-token logits with teacher forcing meet the tolerance
@@ -25,6 +25,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth-archs"
 DENSE = ["phi3", "phi3-mini4", "smollm3", "mistral3", "mistral3-logmul"]
+ALL = DENSE + ["qwen3moe"]
 TOKENS = [int(t) for t in np.random.default_rng(1).integers(3, 250, 72)]
 
 
@@ -41,14 +42,14 @@ def our_logits(path: Path, tokens: list[int], prefill: int, patch=None) -> np.nd
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("arch", ["phi3", "smollm3", "mistral3"])
+@pytest.mark.parametrize("arch", ["phi3", "smollm3", "mistral3", "qwen3moe"])
 def test_auto_picks_native(arch):
     assert arch in NATIVE_ARCHS
-    assert resolve("auto", None, arch) == auto_backend()
+    assert resolve("auto", None, arch) == ("cpu" if arch == "qwen3moe" else auto_backend())
     assert resolve("auto", "cpu", arch) == "cpu"
 
 
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
 def test_logits_match_libllama(name, ftype):
     path = variant_model(CACHE, name, ftype)
@@ -59,7 +60,7 @@ def test_logits_match_libllama(name, ftype):
     assert stats["top1"] >= 0.85 and stats["top5"] >= 0.85, stats
 
 
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", ALL)
 def test_f32_logits_close(name):
     """Unquantized, the two engines agree to float rounding (~1e-4 of the largest logit):
     every structural choice (fused rows, partial rotary, factors, mscale, NoPE layers,
@@ -77,6 +78,7 @@ def test_f32_logits_close(name):
     ("phi3-mini4", lambda r: setattr(r.model, "rope_freqs",       # the long factors
                                      r.ops.vector(r.gf, "rope_factors_long.weight"))),
     ("mistral3", lambda r: setattr(r.model, "temperature", lambda q, b: None)),
+    ("qwen3moe", lambda r: [setattr(w.moe, "k", w.moe.k - 1) for w in r.model.layers]),
 ])
 def test_a_wrong_choice_is_caught(name, wrong):
     path = variant_model(CACHE, name, "F32")
@@ -86,7 +88,7 @@ def test_a_wrong_choice_is_caught(name, wrong):
     assert err > 5e-3, err
 
 
-@pytest.mark.parametrize("name", DENSE[:4])
+@pytest.mark.parametrize("name", DENSE[:4] + ["qwen3moe"])
 def test_greedy_text_matches(name):
     from edgeinfer.engine.core import Engine, EngineConfig
     path = variant_model(CACHE, name, "Q8_0")
@@ -100,4 +102,77 @@ def test_greedy_text_matches(name):
 
 
 def test_variants_cover_the_architectures():
-    assert {v.arch for v in VARIANTS.values()} >= {"phi3", "smollm3", "mistral3"}
+    assert {v.arch for v in VARIANTS.values()} >= {"phi3", "smollm3", "mistral3", "qwen3moe"}
+
+
+# -- qwen3moe: which experts run --------------------------------------------------------------
+
+def _count_expert_calls(r) -> list:
+    calls = []
+    for i, w in enumerate(r.model.layers):
+        real = w.moe.expert
+
+        def expert(ops, x, e, real=real, i=i):
+            calls.append((i, e, x.shape[0]))
+            return real(ops, x, e)
+        w.moe.expert = expert
+    return calls
+
+
+def test_moe_decode_reads_only_the_chosen_experts():
+    from edgeinfer.runners.native import ModelRunner
+    cfg_k = VARIANTS["qwen3moe"].n_expert_used
+    r = ModelRunner.load(str(variant_model(CACHE, "qwen3moe", "Q8_0")), kv_budget_bytes=16 << 20)
+    calls = _count_expert_calls(r)
+    table = list(range(8))
+    r.forward([_Chunk(0, TOKENS[:20], table)])
+    # prefill: tokens grouped by expert, each expert of a layer called once for all its rows
+    per_layer = {}
+    for layer, e, n in calls:
+        per_layer.setdefault(layer, []).append(e)
+    for experts in per_layer.values():
+        assert len(experts) == len(set(experts))
+    assert sum(n for _, _, n in calls) == 20 * cfg_k * len(r.model.layers)
+    calls.clear()
+    r.forward([_Chunk(20, [TOKENS[20]], table)])
+    assert len(calls) == cfg_k * len(r.model.layers)           # k experts per layer, no more
+    assert all(n == 1 for _, _, n in calls)
+
+
+def test_moe_router_matches_llama_cpp_softmax_topk_norm():
+    from edgeinfer.models.qwen3moe import ExpertFFN
+    from edgeinfer.backends.cpu.ops import CpuOps
+
+    class Router:           # ExpertFFN.route on hand-made logits
+        k = 2
+        router = None
+    ops = CpuOps(numerics="f32", repack=False)
+    logits = np.array([[1.0, 3.0, 2.0, 0.0], [0.5, 0.5, 4.0, 0.5]], np.float32)
+    ops.matmul = lambda h, w: logits
+    top, w = ExpertFFN.route(Router, ops, None)
+    assert top.tolist() == [[1, 2], [2, 0]]              # a tie: the lower index, as stable sort
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    np.testing.assert_allclose(w[0], p[[1, 2]] / p[[1, 2]].sum(), rtol=1e-6)
+    np.testing.assert_allclose(w.sum(1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("key,value,kind", [
+    ("qwen3moe.expert_gating_func", 2, "u32"),          # sigmoid
+    ("qwen3moe.expert_shared_count", 1, "u32"),
+    ("qwen3moe.expert_weights_scale", 2.5, "f32"),
+])
+def test_moe_config_we_do_not_implement_names_the_key(tmp_path, key, value, kind):
+    from synth_archs import write_variant
+    from edgeinfer.formats.gguf_file import GGUFError, read_gguf
+    from edgeinfer.formats.model_config import load_model_config
+    p = write_variant(tmp_path / "m.gguf", "qwen3moe",
+                      **({"extra_u32": {key: value}} if kind == "u32" else
+                         {"extra_f32": {key: value}}))
+    with pytest.raises(GGUFError, match=key.replace(".", r"\.")):
+        load_model_config(read_gguf(str(p)))
+
+
+def test_moe_refuses_other_backends():
+    from edgeinfer.runners.choice import BackendChoiceError
+    with pytest.raises(BackendChoiceError, match="CPU backend only"):
+        resolve("auto", "cuda", "qwen3moe")

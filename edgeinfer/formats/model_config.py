@@ -10,9 +10,11 @@ from gguf import LlamaFileType
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding",
-                "phi3", "smollm3", "mistral3")
+                "phi3", "smollm3", "mistral3", "qwen3moe")
 # encoders: they embed (and rerank) but have no language-model head to generate with
 EMBEDDING_ARCHS = ("bert", "nomic-bert", "gemma-embedding")
+# mixture of experts: the native model runs on the numba CPU backend only (auto picks it)
+CPU_ONLY_ARCHS = ("qwen3moe",)
 
 
 class UnsupportedArchitecture(GGUFError):

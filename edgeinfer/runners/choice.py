@@ -102,6 +102,13 @@ def resolve(backend: str, device: str | None = None, arch: str | None = None) ->
             raise BackendChoiceError(
                 f"architecture {arch!r} has no native model: only the llamacpp backend runs "
                 f"it, on the CPU, not on {device!r} (drop the device)", "device")
+        from edgeinfer.formats.model_config import CPU_ONLY_ARCHS
+        if arch in CPU_ONLY_ARCHS:
+            if device in (None, "cpu"):
+                return "cpu"
+            raise BackendChoiceError(
+                f"architecture {arch!r} runs natively on the CPU backend only, not on "
+                f"{device!r} (drop the device, or use --backend llamacpp)", "device")
         if device is None:
             return auto_backend()
         if device == "cpu":
