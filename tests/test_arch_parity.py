@@ -176,3 +176,19 @@ def test_moe_refuses_other_backends():
     from edgeinfer.runners.choice import BackendChoiceError
     with pytest.raises(BackendChoiceError, match="CPU backend only"):
         resolve("auto", "cuda", "qwen3moe")
+
+
+def test_moe_experts_count_in_the_weights_estimate():
+    """The CPU backend's memory estimate (and its repack-or-not decision) counts the 3-D
+    expert tensors at their repacked size, not only the 2-D matrices."""
+    from edgeinfer.backends.cpu.ops import CpuOps, repacked_bytes
+    from edgeinfer.formats.gguf_file import read_gguf
+    gf = read_gguf(str(variant_model(CACHE, "qwen3moe", "Q4_K_M")))
+    try:
+        exps = sum(t.nbytes for n, t in gf.tensors.items() if "_exps" in n)
+        on_file = sum(t.nbytes for t in gf.tensors.values())
+        assert repacked_bytes(gf) > exps
+        est = CpuOps(repack=True).weights_nbytes(gf)
+        assert 0.95 * on_file < est < 1.2 * on_file
+    finally:
+        gf.close()

@@ -92,15 +92,21 @@ def _repacked_tensor(gguf_file, name: str) -> bool:
     """Whether a repacking load repacks this tensor: a repackable matrix other than an
     embedding table that the output head does not share (models load it with `table`)."""
     t = gguf_file.tensors[name]
-    if len(t.shape) != 2 or int(t.ggml_type) not in REPACKABLE:
+    # 3-D: a mixture-of-experts tensor, one matrix per expert (models/qwen3moe.py)
+    if len(t.shape) not in (2, 3) or int(t.ggml_type) not in REPACKABLE:
         return False
     return not (name == "token_embd.weight" and "output.weight" in gguf_file.tensors)
 
 
+def _packed_size(t) -> int:
+    rows = int(t.shape[1]) * (int(t.shape[2]) if len(t.shape) == 3 else 1)
+    return packed_nbytes(t.ggml_type, int(t.shape[0]), rows)
+
+
 def repacked_bytes(gguf_file) -> int:
     """Memory the integer-dot layout would take for this file's repackable matrices."""
-    return sum(packed_nbytes(t.ggml_type, int(t.shape[0]), int(t.shape[1]))
-               for name, t in gguf_file.tensors.items() if _repacked_tensor(gguf_file, name))
+    return sum(_packed_size(t) for name, t in gguf_file.tensors.items()
+               if _repacked_tensor(gguf_file, name))
 
 
 def _weights_format(repacked: bool) -> str:
@@ -187,8 +193,7 @@ class CpuOps:
         """Repacked matrices at their tile size, the rest as the GGUF holds them."""
         if not self.would_repack(gguf_file):
             return sum(t.nbytes for t in gguf_file.tensors.values())
-        return sum(packed_nbytes(t.ggml_type, int(t.shape[0]), int(t.shape[1]))
-                   if _repacked_tensor(gguf_file, name) else t.nbytes
+        return sum(_packed_size(t) if _repacked_tensor(gguf_file, name) else t.nbytes
                    for name, t in gguf_file.tensors.items())
 
     def fit_kv_budget(self, gguf_file, requested: int) -> int:
