@@ -446,8 +446,9 @@ class ModelManager:
             try:
                 await asyncio.to_thread(_prepare_kernels, str(ref.path), key[1], kv_cache_type,
                                         cfg.repack, status)
+                proj = getattr(ref, "projector_path", None)
                 engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg,
-                                                 getattr(ref, "projector_path", None))
+                                                 **({"mmproj": proj} if proj else {}))
             except (APIError, MemoryError) as e:
                 failure = e
             except Exception as e:      # a broken file or unsupported arch: one sentence
