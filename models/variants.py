@@ -87,6 +87,15 @@ class VariantModel:
         self.rope_freqs = factors
         self.layers = [self.load_layer(gf, i) for i in range(cfg.n_layers)]
 
+    def set_context_length(self, n_ctx: int, gf) -> None:
+        """Called by the engine before any token, with its context per sequence: phi3 takes
+        the LongRoPE long factors when it exceeds the original context, as llama.cpp does
+        (llama_model::get_rope_factors: n_ctx_per_seq > n_ctx_orig_yarn)."""
+        cfg = self.cfg
+        if cfg.rope_factors:
+            which = "long" if n_ctx > cfg.rope_orig_ctx else "short"
+            self.rope_freqs = self.ops.vector(gf, f"rope_factors_{which}.weight")
+
     def load_layer(self, gf, i: int) -> VariantLayer:
         cfg, ops, p = self.cfg, self.ops, f"blk.{i}."
         m = lambda n: ops.matrix(gf, p + n + ".weight")      # noqa: E731

@@ -29,11 +29,11 @@ ALL = DENSE + ["qwen3moe"]
 TOKENS = [int(t) for t in np.random.default_rng(1).integers(3, 250, 72)]
 
 
-def our_logits(path: Path, tokens: list[int], prefill: int, patch=None) -> np.ndarray:
+def our_logits(path: Path, tokens: list[int], prefill: int, patch=None, runner=None) -> np.ndarray:
     """Prefill `prefill` tokens in one chunk, decode the rest one by one (a shuffled block
     table); `patch(runner)` may change the loaded model first."""
     from edgeinfer.runners.native import ModelRunner
-    r = ModelRunner.load(str(path), kv_budget_bytes=32 << 20)
+    r = runner or ModelRunner.load(str(path), kv_budget_bytes=32 << 20)
     if patch is not None:
         patch(r)
     table = list(np.random.default_rng(0).permutation(r.kv_plan.num_blocks)[:len(tokens) // 16 + 2])
@@ -99,6 +99,22 @@ def test_greedy_text_matches(name):
         assert_greedy_matches(engine, llm, " the a of and in the is to", 32)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("n_ctx", [4096, 8192])
+def test_phi3_long_factors_past_the_original_context(n_ctx):
+    """The engine's context picks Phi's LongRoPE factors as llama.cpp's n_ctx does: short up
+    to the original context (4096 here), long past it."""
+    from edgeinfer.engine.core import Engine, EngineConfig
+    path = variant_model(CACHE, "phi3", "F32")
+    ref = llama_logits(path, TOKENS, n_ctx=n_ctx)
+    engine = Engine(str(path), EngineConfig(max_model_len=n_ctx))
+    try:
+        ours = our_logits(path, TOKENS, 40, runner=engine.runner)
+    finally:
+        engine.close()
+    err = np.abs(ours - ref[39:]).max() / np.abs(ref).max()
+    assert err < 1e-3, err
 
 
 def test_variants_cover_the_architectures():

@@ -146,6 +146,9 @@ class Engine:
             self.chat_template = chat_template_for(md, self.cfg.arch)
             self._specials = special_token_strings(md)
             self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
+            set_ctx = getattr(getattr(self.runner, "model", None), "set_context_length", None)
+            if set_ctx is not None:     # phi3: LongRoPE factors chosen by the context, as llama.cpp
+                set_ctx(self.max_model_len, self.runner.gf)
             if mmproj and not getattr(self.runner, "supports_images", False):
                 # text still works; image requests get this reason
                 self.vision_note = (f"the {self.cfg.arch} architecture does not take image "

@@ -55,6 +55,7 @@ class ModelConfig:
     n_rot: int = 0               # rotated dims of a head (rope.dimension_count); 0 = head_dim
     rope_mscale: float = 1.0     # cos/sin multiplier (phi3's rope.scaling.attn_factor, YaRN)
     rope_factors: str = ""       # phi3 LongRoPE: "short" / "long" rope_factors_* tensors
+    rope_orig_ctx: int = 0       # phi3: rope.scaling.original_context_length (long factors past it)
     yarn_factor: float = 0.0     # YaRN context scale (0 = none), folded into per-dim factors
     yarn_orig_ctx: int = 0
     yarn_beta_fast: float = 32.0
@@ -202,9 +203,11 @@ def _llama_variant(f: GGUFFile, arch: str, common: dict) -> ModelConfig:
         extra = dict(rope_neox=True, fused_qkv="blk.0.attn_qkv.weight" in f.tensors,
                      fused_up="blk.0.ffn_gate.weight" not in f.tensors,
                      rope_mscale=_meta(f, arch, "rope.scaling.attn_factor", 1.0, float),
-                     # llama.cpp takes the long factors only when its context exceeds the
-                     # original one; we keep the short ones (see docs)
-                     rope_factors="short" if "rope_factors_short.weight" in f.tensors else "")
+                     # the short ones; the long ones when the engine's context exceeds the
+                     # original one, as llama.cpp (VariantModel.set_context_length)
+                     rope_factors="short" if "rope_factors_short.weight" in f.tensors else "",
+                     rope_orig_ctx=_meta(f, arch, "rope.scaling.original_context_length",
+                                         common["context_length"]))
     elif arch == "smollm3":
         extra = dict(rope_neox=False, no_rope_step=4)
     else:
