@@ -19,7 +19,6 @@ import dataclasses
 
 import numpy as np
 
-from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.models.variants import VariantModel
 
@@ -70,21 +69,21 @@ class ExpertFFN:
         return top, w.astype(np.float32)
 
     def __call__(self, ops, h):
+        """Tokens grouped by expert (a decode token: its k experts), each chosen expert run
+        once for all its rows; the outputs then summed per token in routing order, weights
+        applied as llama.cpp does (expert output x weight, added slot by slot), so a token's
+        sum is the same whether it was decoded alone or in a prefill."""
         top, w = self.route(ops, h)
-        T = top.shape[0]
-        out = np.zeros((T, h.shape[-1]), np.float32)
-        if T == 1:              # decode: the chosen experts in routing order
-            for j, e in enumerate(top[0]):
-                out[0] += self.expert(ops, h, int(e))[0] * w[0, j]
-            return out
-        order = np.argsort(top, axis=None, kind="stable")   # tokens grouped by expert
-        flat = top.reshape(-1)[order]
-        bounds = np.flatnonzero(np.diff(flat)) + 1
-        for grp in np.split(order, bounds):
-            e = int(top.reshape(-1)[grp[0]])
-            rows, slot = grp // self.k, grp % self.k
-            y = self.expert(ops, ops.take_rows(h, rows) if len(rows) < T else h, e)
-            out[rows] += y * w[rows, slot][:, None]
+        T, k = top.shape
+        ys = np.empty((T, k, h.shape[-1]), np.float32)
+        order = np.argsort(top, axis=None, kind="stable")   # (token, slot) pairs by expert
+        chosen = top.reshape(-1)
+        for grp in np.split(order, np.flatnonzero(np.diff(chosen[order])) + 1):
+            rows, slot = grp // k, grp % k
+            ys[rows, slot] = self.expert(ops, ops.take_rows(h, rows), int(chosen[grp[0]]))
+        out = ys[:, 0] * w[:, :1]
+        for j in range(1, k):
+            out += ys[:, j] * w[:, j:j + 1]
         return out
 
     def expert(self, ops, x, e: int):
@@ -106,5 +105,3 @@ class Qwen3MoeModel(VariantModel):
     def ffn(self, w, h):
         return w.moe(self.ops, h)
 
-    def forward(self, batch: ForwardBatch, kv):
-        return super().forward(batch, kv)

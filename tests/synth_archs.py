@@ -65,6 +65,9 @@ VARIANTS = {
     # Qwen3-30B-A3B's structure scaled down: 16 experts, 4 used, QK-norm, no shared expert
     "qwen3moe": Variant("qwen3moe", n_ff=768, rope_base=1e6, n_expert=16, n_expert_used=4,
                         n_ff_exp=256, context=4096),
+    # Qwen3-30B-A3B's routing width: 128 experts, 8 used (narrow experts: Q8_0 / F32 only)
+    "qwen3moe-128": Variant("qwen3moe", layers=2, n_ff=768, rope_base=1e6, n_expert=128,
+                            n_expert_used=8, n_ff_exp=64, context=4096),
 }
 
 

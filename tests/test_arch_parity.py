@@ -60,7 +60,7 @@ def test_logits_match_libllama(name, ftype):
     assert stats["top1"] >= 0.85 and stats["top5"] >= 0.85, stats
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + ["qwen3moe-128"])
 def test_f32_logits_close(name):
     """Unquantized, the two engines agree to float rounding (~1e-4 of the largest logit):
     every structural choice (fused rows, partial rotary, factors, mscale, NoPE layers,
@@ -153,6 +153,35 @@ def test_moe_decode_reads_only_the_chosen_experts():
     r.forward([_Chunk(20, [TOKENS[20]], table)])
     assert len(calls) == cfg_k * len(r.model.layers)           # k experts per layer, no more
     assert all(n == 1 for _, _, n in calls)
+
+
+def test_moe_128_experts_q8_0():
+    path = variant_model(CACHE, "qwen3moe-128", "Q8_0")
+    ref = llama_logits(path, TOKENS)
+    stats = check_agreement(our_logits(path, TOKENS, 40), ref[39:], rel_tol=0.05)
+    assert stats["top1"] >= 0.85 and stats["top5"] >= 0.85, stats
+
+
+def test_moe_batch_gives_each_sequence_its_solo_logits():
+    """Two sequences in one step (their tokens grouped by expert together) get the logits
+    each gets alone; a prefill's last row equals the same token decoded after the rest."""
+    from edgeinfer.runners.native import ModelRunner
+    from edgeinfer.runners.base import ScheduledSpan
+    path = str(variant_model(CACHE, "qwen3moe", "Q8_0"))
+    r = ModelRunner.load(path, kv_budget_bytes=16 << 20)
+    a, b = TOKENS[:24], TOKENS[30:50]
+
+    def span(sid, start, toks, table):
+        return ScheduledSpan(sid, start, tuple(toks), tuple(table), True)
+    solo_a = r.forward([span(0, 0, a, (0, 1))])
+    solo_b = r.forward([span(1, 0, b, (2, 3))])
+    both = r.forward([span(0, 0, a, (4, 5)), span(1, 0, b, (6, 7))])
+    scale = np.abs(solo_a).max()
+    assert np.abs(both[0] - solo_a[0]).max() < 1e-4 * scale
+    assert np.abs(both[1] - solo_b[0]).max() < 1e-4 * scale
+    r.forward([span(0, 0, a[:-1], (8, 9), )])
+    step = r.forward([span(0, len(a) - 1, a[-1:], (8, 9))])
+    assert np.abs(step[0] - solo_a[0]).max() < 1e-4 * scale
 
 
 def test_moe_router_matches_llama_cpp_softmax_topk_norm():
