@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edgeinfer.engine.core import Engine, EngineConfig, RequestError, greedy
-from edgeinfer.engine.images import MEDIA_MARKER, VisionError, placeholder_id
+from edgeinfer.engine.images import MEDIA_MARKER, VisionError, placeholder_ids
 from edgeinfer.formats.gguf_file import GGUFError
 from edgeinfer.formats.image import decode_image
 from edgeinfer.runners.base import ScheduledSpan
@@ -144,7 +144,8 @@ def test_prefix_cache_keys_blocks_by_image(engine):
     ids_a2, spans_a2 = _prompt(engine, text, [a])
     assert engine.vision.cache_hits == hits + 1 and ids_a2 == ids_a
     ids_b, spans_b = _prompt(engine, text, [b])
-    assert ids_b != ids_a and placeholder_id(b.digest) in ids_b
+    assert ids_b != ids_a and placeholder_ids(b.digest, 16) == ids_b[spans_b[0].start:spans_b[0].end]
+    assert len(set(ids_a[spans_a[0].start:spans_a[0].end])) == 16     # one id per position
     first = engine.generate(ids_a, greedy(2), images=spans_a)
     again = engine.generate(ids_a2, greedy(2), images=spans_a2)
     other = engine.generate(ids_b, greedy(2), images=spans_b)

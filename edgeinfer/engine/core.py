@@ -287,7 +287,7 @@ class Engine:
         return seq_id
 
     def _check_images(self, prompt_ids: list[int], images: tuple, prompt_logprobs) -> None:
-        from edgeinfer.engine.images import placeholder_id
+        from edgeinfer.engine.images import placeholder_ids
         if self.vision is None:
             raise RequestError(self.vision_note or f"{self.cfg.name or 'this model'!r} has no "
                                "vision projector: it cannot take images")
@@ -295,8 +295,8 @@ class Engine:
             raise RequestError("prompt logprobs are not supported for prompts with images")
         prev = 0
         for im in images:
-            if im.start < prev or im.end > len(prompt_ids) or any(
-                    t != placeholder_id(im.digest) for t in prompt_ids[im.start:im.end]):
+            if im.start < prev or im.end > len(prompt_ids) or \
+                    prompt_ids[im.start:im.end] != placeholder_ids(im.digest, im.end - im.start):
                 raise RequestError("image spans do not match the prompt's image positions")
             if im.embeddings.shape[1:] != (self.cfg.n_embd,):
                 raise RequestError("image embeddings do not match the model's width")

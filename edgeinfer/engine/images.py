@@ -5,8 +5,10 @@ per image token, wrapped in the model's image tags as llama.cpp's libmtmd lays t
 (Gemma 3: <start_of_image> ... <end_of_image>; SmolVLM / Idefics3: one run per tile, each
 after <fake_token_around_image><row_R_col_C>, rows ended by "\n", then the overview after
 "\n\n<fake_token_around_image><global-img>" and before <fake_token_around_image>). A placeholder id is negative (never a
-vocabulary id) and derived from the image's content hash, so the prefix cache, which keys
-blocks by token ids, keys image blocks by the image: the same image at the same place of the
+vocabulary id) and derived from the image's content hash and the token's place in it (30
+bits each, so a block of 16 image tokens carries ~480 bits of the hash: two images never
+share a block by accident), so the prefix cache, which keys blocks by token ids, keys image
+blocks by the image: the same image at the same place of the
 same prefix reuses its KV, another image never does. The embeddings travel beside the ids
 (`ImageSpan`, to the runner in NewRequest.images), and the runner puts them in place of the
 token embeddings of those positions.
@@ -31,16 +33,22 @@ import numpy as np
 from edgeinfer.runners.base import ImageSpan
 
 __all__ = ["EncodedImage", "ImageSpan", "MEDIA_MARKER", "VisionEncoder", "VisionError",
-           "image_tags", "placeholder_id", "splice_images"]
+           "image_tags", "placeholder_ids", "splice_images"]
 
 # where an image goes in rendered chat text (llama.cpp's default media marker)
 MEDIA_MARKER = "<__media__>"
-_PLACEHOLDER_BITS = 28
+_PLACEHOLDER_MASK = (1 << 30) - 1
 
 
-def placeholder_id(digest: str) -> int:
-    """The (negative) token id every position of the image with this sha256 carries."""
-    return -(1 + int(digest[:_PLACEHOLDER_BITS // 4], 16))
+def placeholder_ids(digest: str, n: int) -> list[int]:
+    """The (negative) token ids of the n positions of the image part with this sha256:
+    one 30-bit hash of (digest, position) each."""
+    key = bytes.fromhex(digest)
+    out = []
+    for i in range(n):
+        h = hashlib.blake2b(i.to_bytes(4, "little"), digest_size=4, key=key[:64])
+        out.append(-(1 + (int.from_bytes(h.digest(), "little") & _PLACEHOLDER_MASK)))
+    return out
 
 
 class VisionError(ValueError):
@@ -241,7 +249,7 @@ def splice_images(tokenizer, text: str, encoded: list[EncodedImage], first_ids: 
                 k = item[1]
                 digest = enc.part_digest(k)
                 spans.append(ImageSpan(len(ids), enc.parts[k], digest, layout.bidirectional))
-                ids.extend([placeholder_id(digest)] * int(enc.parts[k].shape[0]))
+                ids.extend(placeholder_ids(digest, int(enc.parts[k].shape[0])))
             else:
                 ids.append(item)
         if piece:
