@@ -63,3 +63,6 @@ def test_pull_with_mmproj_then_show_and_run(pair, image, capsys, edgeinfer_home)
     from edgeinfer.store.model_store import Store
     assert Store().resolve("other:tiny").projector_path is None
     assert main(["rm", "seer:tiny"]) == 0
+    # a projector pulled as if it were a model: one line saying what to do
+    assert main(["pull", str(pair[1]), "--name", "proj:tiny"]) == 1
+    assert "vision projector (mmproj), not a model" in capsys.readouterr().err

@@ -97,6 +97,9 @@ def gguf_summary(path: Path) -> dict[str, Any]:
     import gguf
     g = read_gguf(path)
     try:
+        if g.metadata.get("general.architecture") == "clip":
+            raise GGUFError("it is a vision projector (mmproj), not a model: store it with "
+                            "its model (edgeinfer pull MODEL --mmproj FILE)")
         ft = g.metadata.get("general.file_type")
         file_type = None
         if isinstance(ft, int):
