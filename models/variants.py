@@ -138,10 +138,17 @@ class VariantModel:
         q = q.reshape(T, cfg.n_head, cfg.head_dim)
         k = k.reshape(T, cfg.n_kv_head, cfg.head_dim)
         v = v.reshape(T, cfg.n_kv_head, cfg.head_dim)
-        if w.q_norm is not None:
-            q, k = ops.rms_norm(q, w.q_norm, cfg.rms_eps), ops.rms_norm(k, w.k_norm, cfg.rms_eps)
-        if cfg.uses_rope(layer):
-            q, k = self.rope(q, batch), self.rope(k, batch)
+        rope = cfg.uses_rope(layer)
+        if w.q_norm is not None and rope and not cfg.n_rot and self.mscale == 1.0:
+            # QK-norm then rope, one op each (qwen3moe): the bits of the two ops
+            q, k = (ops.norm_rope(x, n, cfg.rms_eps, batch, cfg.rope_base, cfg.rope_scale,
+                                  cfg.rope_neox, self.rope_freqs)
+                    for x, n in ((q, w.q_norm), (k, w.k_norm)))
+        else:
+            if w.q_norm is not None:
+                q, k = ops.rms_norm(q, w.q_norm, cfg.rms_eps), ops.rms_norm(k, w.k_norm, cfg.rms_eps)
+            if rope:
+                q, k = self.rope(q, batch), self.rope(k, batch)
         if cfg.attn_temp_scale:
             self.temperature(q, batch)
         a = ops.attention(q, k, v, kv, layer, batch, 1.0 / math.sqrt(cfg.head_dim), 0)
