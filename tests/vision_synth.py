@@ -59,3 +59,16 @@ def llava_pair(directory: Path) -> tuple[Path, Path]:
         write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256, TinyVisionShape(layers=3),
                           projector="mlp", seed=5).rename(mmproj)
     return text, mmproj
+
+
+def pixtral_pair(directory: Path) -> tuple[Path, Path]:
+    """(llama text model with [IMG_END], a Pixtral / Mistral Small 3.1 mmproj: 8 px
+    patches, merge 2, any image size)."""
+    from edgeinfer.formats.synthetic_vision import write_pixtral_text, write_tiny_pixtral
+    directory.mkdir(parents=True, exist_ok=True)
+    text, mmproj = directory / "pixtral-text.gguf", directory / "pixtral-mmproj.gguf"
+    if not text.exists():
+        write_pixtral_text(text.with_suffix(".tmp")).rename(text)
+    if not mmproj.exists():
+        write_tiny_pixtral(mmproj.with_suffix(".tmp"), 256, seed=7).rename(mmproj)
+    return text, mmproj

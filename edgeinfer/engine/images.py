@@ -91,7 +91,11 @@ class VisionEncoder:
                 # the tower's own ops (its repack choice and per-step caches stay apart from
                 # the text model's); torch on the device the text model uses
                 ops = make_ops(backend if backend.startswith("torch") else "cpu")
-                self.model = SiglipVision(self.cfg, ops, self.gf)
+                if self.cfg.projector == "pixtral":
+                    from edgeinfer.models.pixtral_vision import PixtralVision
+                    self.model = PixtralVision(self.cfg, ops, self.gf)
+                else:
+                    self.model = SiglipVision(self.cfg, ops, self.gf)
         except BaseException:
             self.gf.close()
             raise
@@ -118,7 +122,8 @@ class VisionEncoder:
 
     def encode(self, image) -> EncodedImage:
         """The embeddings of an edgeinfer.formats.image.Image (cached by its sha256)."""
-        from edgeinfer.formats.image import idefics3_grid, preprocess_fixed, preprocess_idefics3
+        from edgeinfer.formats.image import (idefics3_grid, preprocess_dynamic,
+                                             preprocess_fixed, preprocess_idefics3)
         with self._lock:
             hit = self._cache.get(image.digest)
             if hit is not None:
@@ -135,6 +140,11 @@ class VisionEncoder:
                 grid = (gx, gy)
             if self._external is not None:
                 parts = list(self._external(image.rgb))
+            elif cfg.projector == "pixtral":
+                a = cfg.patch_size * cfg.n_merge
+                parts = [self.model.encode(preprocess_dynamic(
+                    image.rgb, a, cfg.min_tokens * a * a, cfg.max_tokens * a * a,
+                    cfg.image_mean, cfg.image_std))]
             elif cfg.projector == "idefics3":
                 crops, _, _ = preprocess_idefics3(image.rgb, cfg.image_size, cfg.longest_edge,
                                                   cfg.image_mean, cfg.image_std)
@@ -201,6 +211,12 @@ class Layout:
             return
         if cfg.projector == "mlp":      # LLaVA: the image's tokens alone, no tags
             return
+        if cfg.projector == "pixtral":  # the image's tokens (with [IMG_BREAK] rows), [IMG_END]
+            if "[IMG_END]" not in tokenizer.token_to_id:
+                raise VisionError("the model's vocabulary has no [IMG_END] token: it is not a "
+                                  "Pixtral / Mistral Small 3.1 model")
+            self.end_ids = tokenizer.encode("[IMG_END]", add_special=False, parse_special=True)
+            return
         t2i = tokenizer.token_to_id
         names = ("<fake_token_around_image>", "<global-img>")
         if any(n not in t2i for n in names):
@@ -219,6 +235,8 @@ class Layout:
             return [self.begin, ("img", 0), self.end]
         if self.projector == "mlp":
             return [("img", 0)]
+        if self.projector == "pixtral":
+            return [("img", 0), *self.end_ids]
         gx, gy = enc.grid
         out: list = []
         for y in range(gy):

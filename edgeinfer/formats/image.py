@@ -165,3 +165,53 @@ def preprocess_idefics3(rgb: np.ndarray, tile: int, longest_edge: int, mean, std
     crops = [norm(refined[y * tile:(y + 1) * tile, x * tile:(x + 1) * tile])
              for y in range(gy) for x in range(gx)]
     return crops + [norm(overview)], gx, gy
+
+
+def _f32(x) -> np.float32:
+    return np.float32(x)
+
+
+def dynamic_size(width: int, height: int, align: int, min_pixels: int, max_pixels: int
+                 ) -> tuple[int, int]:
+    """libmtmd's calc_size_preserved_ratio (Pixtral): sides rounded to multiples of `align`,
+    then scaled into [min_pixels, max_pixels] keeping the ratio (float32 arithmetic)."""
+    import math
+    f = _f32(align)
+
+    def rnd(x):     # std::round of a float32 quotient: half away from zero
+        return int(math.floor(float(_f32(x) / f) + 0.5)) * align
+
+    w_bar = max(align, rnd(width))
+    h_bar = max(align, rnd(height))
+    if max_pixels > 0 and h_bar * w_bar > max_pixels:
+        beta = np.sqrt(_f32(_f32(height) * width / max_pixels))
+        h_bar = max(align, int(math.floor(float(_f32(_f32(height) / beta) / f))) * align)
+        w_bar = max(align, int(math.floor(float(_f32(_f32(width) / beta) / f))) * align)
+    elif min_pixels > 0 and h_bar * w_bar < min_pixels:
+        beta = np.sqrt(_f32(_f32(min_pixels) / (_f32(height) * width)))
+        h_bar = int(math.ceil(float(_f32(_f32(height) * beta) / f))) * align
+        w_bar = int(math.ceil(float(_f32(_f32(width) * beta) / f))) * align
+    return w_bar, h_bar
+
+
+def preprocess_dynamic(rgb: np.ndarray, align: int, min_pixels: int, max_pixels: int,
+                       mean, std) -> np.ndarray:
+    """libmtmd's dynamic-size preprocessing (Pixtral): the size from dynamic_size, the image
+    scaled to fit it (bicubic, horizontal pass first) and centered on black, normalized.
+    float32 [3, H, W]."""
+    from PIL import Image as PILImage
+    h, w = int(rgb.shape[0]), int(rgb.shape[1])
+    tw, th = dynamic_size(w, h, align, min_pixels, max_pixels)
+    if (tw, th) == (w, h):
+        out = rgb
+    else:
+        s = min(_f32(tw) / _f32(w), _f32(th) / _f32(h))
+        nw = min(int(np.ceil(_f32(w) * s)), tw)
+        nh = min(int(np.ceil(_f32(h) * s)), th)
+        small = _resize(rgb, nw, nh, PILImage.BICUBIC)
+        out = np.zeros((th, tw, 3), np.uint8)
+        ox, oy = (tw - nw) // 2, (th - nh) // 2
+        out[oy:oy + nh, ox:ox + nw] = small
+    px = out.astype(np.float32) / np.float32(255.0)
+    px = (px - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(px.transpose(2, 0, 1))

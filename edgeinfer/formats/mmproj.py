@@ -5,7 +5,9 @@ Supported projector types: "gemma3" (Gemma 3's SigLIP tower, a 2-D average pool 
 soft-embedding norm + input projection) and "idefics3" (SmolVLM: the same tower on tiles of
 the image plus an overview, a pixel shuffle and one linear projection) and "mlp" (LLaVA 1.5:
 a CLIP tower with a class embedding and a pre-LayerNorm, its second-to-last layer's patches,
-a two-layer GELU MLP). Every other type is refused with one sentence.
+a two-layer GELU MLP) and "pixtral" (Mistral Small 3.1 / Pixtral: any image size, 2-D RoPE,
+RMSNorm + SwiGLU blocks, a patch merger, [IMG_BREAK] embeddings between rows). Every other
+type is refused with one sentence.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile, read_gguf
 
-SUPPORTED_PROJECTORS = ("gemma3", "idefics3", "mlp")
+SUPPORTED_PROJECTORS = ("gemma3", "idefics3", "mlp", "pixtral")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class VisionConfig:
     layers_run: int = 0
     pad_color: tuple[int, int, int] = (0, 0, 0)
     resample: str = "bilinear"
+    # pixtral: images keep their aspect ratio (sides multiples of patch x merge) within
+    # [min_tokens, max_tokens] merged patches
+    dynamic: bool = False
+    min_tokens: int = 0
+    max_tokens: int = 0
+    rope_theta: float = 10000.0
 
     @property
     def patches_per_side(self) -> int:
@@ -59,7 +67,10 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """Tokens of one encoded square (gemma3: the image; idefics3: one tile)."""
+        """Tokens of one encoded square (gemma3: the image; idefics3: one tile; pixtral:
+        at most, for the largest image)."""
+        if self.dynamic:
+            return self.max_tokens
         return (self.patches_per_side // self.n_merge) ** 2
 
     @property
@@ -94,6 +105,8 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
     if proj not in SUPPORTED_PROJECTORS:
         raise GGUFError(f"projector type {proj!r} is not supported (supported: "
                         f"{', '.join(SUPPORTED_PROJECTORS)})")
+    if proj == "pixtral":
+        return _pixtral_config(gf, md)
     mean = md.get("clip.vision.image_mean")
     std = md.get("clip.vision.image_std")
     if mean is None or std is None or len(mean) < 3 or len(std) < 3:
@@ -208,6 +221,67 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         raise GGUFError("the projector has no mm.input_projection.weight of "
                         f"[text width, {e}]")
     return replace(cfg, n_embd_text=int(t.shape[0]))
+
+
+def _pixtral_config(gf: GGUFFile, md: dict) -> VisionConfig:
+    """Pixtral / Mistral Small 3.1: RMSNorm blocks with SwiGLU and 2-D RoPE, no learned
+    positions, an optional patch merger (spatial_merge_size), mm.1 -> GELU -> mm.2 and the
+    [IMG_BREAK] embedding (v.token_embd.img_break)."""
+    from dataclasses import replace
+    if not md.get("clip.use_silu", False):
+        raise GGUFError("the pixtral projector's feed-forward is not SiLU (clip.use_silu)")
+    mean, std = md.get("clip.vision.image_mean"), md.get("clip.vision.image_std")
+    if mean is None or std is None or len(mean) < 3 or len(std) < 3 or 0 in std[:3]:
+        raise GGUFError("the projector has no usable clip.vision.image_mean / image_std")
+    n_embd, n_head = _u32(md, "clip.vision.embedding_length"), \
+        _u32(md, "clip.vision.attention.head_count")
+    if n_embd % n_head or (n_embd // n_head) % 4:
+        raise GGUFError(f"the projector's {n_head} heads do not split its width {n_embd} "
+                        "into 2-D rotary halves")
+    eps = md.get("clip.vision.attention.layer_norm_epsilon")
+    if not isinstance(eps, float) or not 0 < eps < 1:
+        raise GGUFError("the projector has no valid clip.vision.attention.layer_norm_epsilon")
+    merge = int(md.get("clip.vision.spatial_merge_size", 1) or 1)
+    cfg = VisionConfig(
+        projector="pixtral", n_embd=n_embd, n_ff=_u32(md, "clip.vision.feed_forward_length"),
+        n_head=n_head, n_layers=_u32(md, "clip.vision.block_count"), eps=float(eps),
+        image_size=_u32(md, "clip.vision.image_size"),
+        patch_size=_u32(md, "clip.vision.patch_size"), n_merge=merge, n_embd_text=0,
+        image_mean=tuple(float(x) for x in mean[:3]), image_std=tuple(float(x) for x in std[:3]),
+        name=str(md.get("general.name", "")), ffn_op="silu", pre_ln="v.pre_ln.weight" in gf.tensors,
+        post_ln="v.post_ln.weight" in gf.tensors, resample="bicubic", dynamic=True,
+        min_tokens=8, max_tokens=1024)
+    e, ff, p = cfg.n_embd, cfg.n_ff, cfg.patch_size
+
+    def need(name: str, *shape: int) -> None:
+        t = gf.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"the projector has no tensor {name}")
+        got = tuple(int(d) for d in t.shape)
+        if shape and got != shape:
+            raise GGUFError(f"the projector's {name} has shape {got}, expected {shape}")
+    need("v.patch_embd.weight", p, p, 3, e)
+    if cfg.pre_ln:
+        need("v.pre_ln.weight", e)
+    for i in range(cfg.n_layers):
+        b = f"v.blk.{i}."
+        for n in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            need(b + n + ".weight", e, e)
+        need(b + "ln1.weight", e)
+        need(b + "ln2.weight", e)
+        need(b + "ffn_gate.weight", e, ff)
+        need(b + "ffn_up.weight", e, ff)
+        need(b + "ffn_down.weight", ff, e)
+    if merge > 1:
+        need("mm.input_norm.weight", e)
+        need("mm.patch_merger.weight", e * merge * merge, e)
+    t1, t2 = gf.tensors.get("mm.1.weight"), gf.tensors.get("mm.2.weight")
+    if t1 is None or t2 is None or int(t1.shape[0]) != e or int(t2.shape[0]) != int(t1.shape[1]):
+        raise GGUFError(f"the projector has no mm.1.weight [{e}, hidden] and mm.2.weight "
+                        "[hidden, text width]")
+    text = int(t2.shape[1])
+    need("v.token_embd.img_break", text)
+    return replace(cfg, n_embd_text=text)
 
 
 def read_mmproj(path: str) -> tuple[GGUFFile, VisionConfig]:

@@ -173,3 +173,84 @@ def write_smolvlm_text(path: Path, seed: int = 0) -> Path:
     return write_tiny_gguf(path, "llama", shape, tensor, file_type=0,
                            name="synthetic-smolvlm-text", bpe=True, bpe_pre="smollm",
                            extra_specials=IDEFICS3_SPECIALS, extra_merges=("Ċ Ċ",))
+
+
+def write_tiny_pixtral(path: Path, n_embd_text: int, seed: int = 0, n_embd: int = 64,
+                       n_ff: int = 128, n_head: int = 4, layers: int = 2, patch: int = 8,
+                       merge: int = 2, hidden: int = 96, f16: bool = False) -> Path:
+    """A Pixtral / Mistral Small 3.1 projector (pixtral): RMSNorm + SwiGLU blocks (no
+    biases, no learned positions), a patch merger of merge x merge, mm.1 / mm.2 and the
+    [IMG_BREAK] embedding."""
+    from gguf import GGUFWriter
+    rng = np.random.default_rng(seed)
+    e, ff = n_embd, n_ff
+    dt = np.float16 if f16 else np.float32
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale / np.sqrt(cols)).astype(dt)
+
+    def vec(n: int, center: float = 0.0, spread: float = 0.1) -> np.ndarray:
+        return (center + spread * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(str(path), "clip")
+    w.add_name("synthetic-pixtral-mmproj")
+    w.add_file_type(1 if f16 else 0)
+    w.add_string("clip.projector_type", "pixtral")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_silu", True)
+    w.add_uint32("clip.vision.image_size", 128)
+    w.add_uint32("clip.vision.patch_size", patch)
+    w.add_uint32("clip.vision.embedding_length", e)
+    w.add_uint32("clip.vision.feed_forward_length", ff)
+    w.add_uint32("clip.vision.projection_dim", n_embd_text)
+    w.add_uint32("clip.vision.block_count", layers)
+    w.add_uint32("clip.vision.attention.head_count", n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    w.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    w.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    w.add_uint32("clip.vision.spatial_merge_size", merge)
+    w.add_tensor("v.patch_embd.weight",
+                 (rng.standard_normal((e, 3, patch, patch)) / np.sqrt(3 * patch * patch)
+                  ).astype(np.float16))
+    w.add_tensor("v.pre_ln.weight", vec(e, 1.0))
+    for i in range(layers):
+        b = f"v.blk.{i}."
+        for n in ("attn_q", "attn_k", "attn_v"):
+            w.add_tensor(b + n + ".weight", mat(e, e))
+        w.add_tensor(b + "attn_out.weight", mat(e, e, 0.5))
+        w.add_tensor(b + "ln1.weight", vec(e, 1.0))
+        w.add_tensor(b + "ln2.weight", vec(e, 1.0))
+        w.add_tensor(b + "ffn_gate.weight", mat(ff, e))
+        w.add_tensor(b + "ffn_up.weight", mat(ff, e))
+        w.add_tensor(b + "ffn_down.weight", mat(e, ff, 0.5))
+    w.add_tensor("mm.input_norm.weight", vec(e, 1.0))
+    w.add_tensor("mm.patch_merger.weight", mat(e, e * merge * merge))
+    w.add_tensor("mm.1.weight", mat(hidden, e))
+    w.add_tensor("mm.1.bias", vec(hidden))
+    w.add_tensor("mm.2.weight", mat(n_embd_text, hidden, 2.0))
+    w.add_tensor("mm.2.bias", vec(n_embd_text))
+    w.add_tensor("v.token_embd.img_break", vec(n_embd_text, 0.0, 1.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_pixtral_text(path: Path, seed: int = 0) -> Path:
+    """A llama text model whose vocabulary has [IMG_END] (Pixtral's end-of-image tag)."""
+    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
+    rng = np.random.default_rng(seed)
+
+    def tensor(name: str, kind: str, dims: tuple, scale: float):
+        if kind == "embd":
+            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
+        if kind == "mat":
+            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
+        if kind == "norm":
+            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+
+    return write_tiny_gguf(path, "llama", TinyShape(256, 512, 4, 2, 64, 4, 2048), tensor,
+                           file_type=0, name="synthetic-pixtral-text", space_prefix=True,
+                           extra_specials=("[IMG_END]",))
