@@ -230,6 +230,28 @@ def test_moe_config_we_do_not_implement_names_the_key(tmp_path, key, value, kind
         load_model_config(read_gguf(str(p)))
 
 
+def test_moe_unsupported_gating_falls_back_to_llamacpp_under_auto(tmp_path):
+    """auto runs a file with a feature the native engine lacks on llama.cpp, and `show`
+    says so (it failed on such a file before); an explicit cpu load is the error naming
+    the key."""
+    from synth_archs import write_variant
+    from edgeinfer.cli.show import load_summary, placement_rows
+    from edgeinfer.formats.model_config import UnsupportedFeature
+    from edgeinfer.runners.choice import resolve_for_file
+    from edgeinfer.runners.native import ModelRunner
+    p = str(write_variant(tmp_path / "m.gguf", "qwen3moe",
+                          extra_u32={"qwen3moe.expert_gating_func": 2}))
+    assert resolve_for_file(p, "auto") == "llamacpp"
+    assert resolve_for_file(str(variant_model(CACHE, "qwen3moe", "F32")), "auto") == "cpu"
+    from edgeinfer.cli.run import local_backend
+    assert local_backend(p, "auto", None) == "llamacpp"
+    s = load_summary(p)
+    assert not s.native
+    assert dict(placement_rows(s, []))["backend"].startswith("llamacpp (not loaded")
+    with pytest.raises(UnsupportedFeature, match=r"qwen3moe\.expert_gating_func"):
+        ModelRunner.load(p, backend="cpu", kv_budget_bytes=16 << 20)
+
+
 def test_moe_refuses_other_backends():
     from edgeinfer.runners.choice import BackendChoiceError
     with pytest.raises(BackendChoiceError, match="CPU backend only"):

@@ -380,16 +380,14 @@ def chat_loop(session, system: str | None, verbose: bool) -> int:
 def local_backend(path: str, backend: str, device: str | None) -> str:
     """--backend/--device for the engine in this process, resolved against the file's
     architecture and this machine's devices (a missing device is one line, exit 1)."""
-    from edgeinfer.runners.choice import BackendChoiceError, resolve
+    from edgeinfer.runners.choice import BackendChoiceError, resolve_for_file
     from edgeinfer.formats.gguf_file import GGUFError, read_gguf
     try:
-        gf = read_gguf(path)
+        read_gguf(path).close()
     except GGUFError as e:
         raise UserError(f"{path}: {e}") from None
-    arch = gf.metadata.get("general.architecture")
-    gf.close()
     try:
-        return resolve(backend, device, arch if isinstance(arch, str) else None)
+        return resolve_for_file(path, backend, device)
     except BackendChoiceError as e:
         raise UserError(str(e)) from None
 

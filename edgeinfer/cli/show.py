@@ -74,7 +74,7 @@ def placement_rows(s: ModelSummary, loaded: list[dict]) -> list[tuple[str, str]]
     if rows:
         return rows
     try:
-        b = resolve("auto", None, s.arch)
+        b = resolve("auto", None, s.arch, getattr(s, "native", True))
     except BackendChoiceError as e:
         return [("backend", f"auto cannot choose: {e}")]
     return [("backend", f"{b} (not loaded; what --backend auto picks on this machine)"),
@@ -112,7 +112,7 @@ def kv_row(s: ModelSummary, backend: str | None,
 def _auto_backend(s: ModelSummary) -> str | None:
     from edgeinfer.runners.choice import BackendChoiceError, resolve
     try:
-        return resolve("auto", None, s.arch)
+        return resolve("auto", None, s.arch, s.native)
     except BackendChoiceError:
         return None
 

@@ -21,6 +21,12 @@ class UnsupportedArchitecture(GGUFError):
     pass
 
 
+class UnsupportedFeature(GGUFError):
+    """A valid file of a native architecture that uses something the native engine does not
+    implement (a rope scaling type, an expert gating function, ...): the message names the
+    key; `--backend auto` runs such a file on llama.cpp instead (native_reason)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
@@ -148,7 +154,8 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
     if scaling == "linear":
         rope_scale = _meta(f, arch, "rope.scaling.factor", 1.0, float)
     elif scaling not in ("none", None) and not (arch == "mistral3" and scaling == "yarn"):
-        raise GGUFError(f"uses rope scaling {scaling!r}, which the native engine does not support; "
+        raise UnsupportedFeature(f"uses rope scaling {scaling!r} ('{arch}.rope.scaling.type'), which "
+                                 f"the native engine does not support for {arch}; "
                         f"run it with --backend llamacpp")
     if not (math.isfinite(eps) and 0 < eps < 1 and math.isfinite(rope_base) and rope_base > 0
             and math.isfinite(rope_scale) and rope_scale > 0):
@@ -241,17 +248,33 @@ def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
         raise GGUFError(f"metadata '{arch}.expert_used_count' = {used} is not in 1..{n_expert}")
     gating = f.metadata.get(f"{arch}.expert_gating_func")
     if gating is not None and int(gating) != 1:         # 1 = softmax (llama.cpp's enum)
-        raise GGUFError(f"metadata '{arch}.expert_gating_func' = {int(gating)} is not softmax "
+        raise UnsupportedFeature(f"metadata '{arch}.expert_gating_func' = {int(gating)} is not softmax "
                         f"gating, which is all the native {arch} implements; run it with "
                         "--backend llamacpp")
     for key in ("expert_shared_count", "expert_weights_scale"):
         v = f.metadata.get(f"{arch}.{key}")
         if v is not None and float(v) not in (0.0, 1.0 if key.endswith("scale") else 0.0):
-            raise GGUFError(f"metadata '{arch}.{key}' = {v} is not supported by the native "
+            raise UnsupportedFeature(f"metadata '{arch}.{key}' = {v} is not supported by the native "
                             f"{arch}; run it with --backend llamacpp")
     ff_exp = _meta(f, arch, "expert_feed_forward_length", n_ff // used)
     return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=_positive(
         "expert feed-forward length", ff_exp, 1 << 18))
+
+
+def native_reason(f: GGUFFile) -> str | None:
+    """Why the native engine will not run this file (its architecture, or a feature of it it
+    does not implement), or None. A file broken in other ways gives None here: its load
+    reports that."""
+    arch = f.metadata.get("general.architecture")
+    if arch not in NATIVE_ARCHS:
+        return f"architecture {arch!r} has no native model"
+    try:
+        load_model_config(f)
+    except UnsupportedFeature as e:
+        return str(e)
+    except GGUFError:
+        return None
+    return None
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -403,4 +426,4 @@ def summarize(f: GGUFFile) -> ModelSummary:
         vocab_size=len(tokens) if isinstance(tokens, list) else 0,
         tokenizer=str(md.get("tokenizer.ggml.model", "none")),
         has_chat_template=isinstance(md.get("tokenizer.chat_template"), str),
-        file_size=f.file_size, native=arch in NATIVE_ARCHS)
+        file_size=f.file_size, native=arch in NATIVE_ARCHS and native_reason(f) is None)

@@ -12,6 +12,7 @@ Nothing here imports torch unless a torch device has to be looked at.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "cpu", "torch", "llamacpp")
@@ -87,7 +88,8 @@ def require_device(kind: str, field: str = "device") -> None:
         raise BackendChoiceError(why, field)
 
 
-def resolve(backend: str, device: str | None = None, arch: str | None = None) -> str:
+def resolve(backend: str, device: str | None = None, arch: str | None = None,
+            native: bool = True) -> str:
     """The concrete backend for a model of architecture `arch`: `cpu`, `llamacpp` or
     `torch:cuda|mps|cpu`. Raises BackendChoiceError for bad names, a device that is not
     present, or a device auto cannot honour for this architecture."""
@@ -96,7 +98,9 @@ def resolve(backend: str, device: str | None = None, arch: str | None = None) ->
     base, _, dev = backend.partition(":")
     if base == "auto":
         from edgeinfer.formats.model_config import NATIVE_ARCHS
-        if arch is not None and arch not in NATIVE_ARCHS:
+        # native=False: a native architecture whose file uses a feature the native engine
+        # lacks (model_config.native_reason): llama.cpp runs it, as a non-native one
+        if arch is not None and (arch not in NATIVE_ARCHS or not native):
             if device in (None, "cpu"):
                 return "llamacpp"
             raise BackendChoiceError(
@@ -150,7 +154,31 @@ def resolve_for_file(path: str, backend: str, device: str | None = None) -> str:
         arch = gf.metadata.get("general.architecture")
     finally:
         gf.close()
-    return resolve(backend, device, arch if isinstance(arch, str) else None)
+    return resolve(backend, device, arch if isinstance(arch, str) else None,
+                   native_for_file(path))
+
+
+def native_for_file(path) -> bool:
+    """Whether the native engine runs the file at `path` (its architecture and every feature
+    it uses: model_config.native_reason); remembered per path, size and mtime."""
+    import os
+    from edgeinfer.formats.gguf_file import GGUFError
+    try:
+        st = os.stat(path)
+        return _native_for_file(str(path), st.st_size, st.st_mtime_ns)
+    except (OSError, GGUFError):     # unreadable: the load says why
+        return True
+
+
+@functools.lru_cache(maxsize=64)
+def _native_for_file(path: str, size: int, mtime_ns: int) -> bool:
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import native_reason
+    gf = read_gguf(path)
+    try:
+        return native_reason(gf) is None
+    finally:
+        gf.close()
 
 
 @dataclass(frozen=True)

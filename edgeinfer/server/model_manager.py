@@ -314,13 +314,15 @@ class ModelManager:
         """The concrete backend (cpu, llamacpp, torch:DEVICE) a request's `backend`/`device`
         load options mean for this model, the server's defaults filling what they leave out.
         A bad name, or a device this machine lacks, is a 400 naming the field."""
-        from edgeinfer.runners.choice import BackendChoiceError, resolve, with_defaults
+        from edgeinfer.runners.choice import (BackendChoiceError, native_for_file, resolve,
+                                              with_defaults)
         backend, device = with_defaults(backend, device, self.config.backend, self.config.device)
         arch = (ref.manifest.get("gguf") or {}).get("architecture")
         if not isinstance(arch, str):
             arch = _arch_of(ref.path)
-        try:
-            return resolve(backend, device, arch)
+        try:   # auto: a file using a feature the native engine lacks goes to llama.cpp
+            native = backend.partition(":")[0] != "auto" or native_for_file(ref.path)
+            return resolve(backend, device, arch, native)
         except BackendChoiceError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_parameter") from None
 
