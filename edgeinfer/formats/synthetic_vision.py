@@ -32,14 +32,17 @@ class TinyVisionShape:
 def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = TinyVisionShape(),
                       seed: int = 0, f16: bool = False, swapped_ffn: bool = False,
                       projector: str = "gemma3", longest_edge: int = 0,
-                      scale_key: bool = True, mlp_hidden: int = 96) -> Path:
+                      scale_key: bool = True, mlp_hidden: int = 96,
+                      block_qtype: str | None = None) -> Path:
     """A Gemma 3 projector of `shape` for a text model of width `n_embd_text`
     (`swapped_ffn`: ffn_up / ffn_down under each other's names, as early conversions).
     projector="idefics3": SmolVLM's (pixel shuffle by n_merge, `mm.model.fc`), images cut
     into image_size tiles after scaling the longest edge to `longest_edge`. `scale_key=False`
     leaves clip.vision.projector.scale_factor out, as released Gemma 3 files do (4 then).
     projector="mlp": LLaVA 1.5's (a CLIP tower: class embedding, pre-LayerNorm, quick GELU,
-    no patch bias or post-LayerNorm; mm.0 [width -> mlp_hidden], mm.2 [-> text width])."""
+    no patch bias or post-LayerNorm; mm.0 [width -> mlp_hidden], mm.2 [-> text width]).
+    block_qtype ("Q8_0", "Q4_0", ...): the blocks' matrices in that ggml type, as quantized
+    mmproj files keep them."""
     clip = projector == "mlp"
     from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
@@ -54,6 +57,15 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
         return (center + spread * rng.standard_normal(n)).astype(np.float32)
 
     w = GGUFWriter(str(path), "clip")
+
+    def add_block_mat(name: str, m: np.ndarray) -> None:
+        if block_qtype is None:
+            w.add_tensor(name, m)
+            return
+        import gguf
+        from gguf.quants import quantize
+        qt = gguf.GGMLQuantizationType[block_qtype]
+        w.add_tensor(name, quantize(m.astype(np.float32), qt), raw_dtype=qt)
     w.add_name("synthetic-gemma3-mmproj")
     w.add_file_type(1 if f16 else 0)
     w.add_string("clip.projector_type", projector)
@@ -89,18 +101,18 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     for i in range(shape.layers):
         b = f"v.blk.{i}."
         for n in ("attn_q", "attn_k", "attn_v"):
-            w.add_tensor(b + n + ".weight", mat(e, e))
+            add_block_mat(b + n + ".weight", mat(e, e))
             w.add_tensor(b + n + ".bias", vec(e))
-        w.add_tensor(b + "attn_out.weight", mat(e, e, 0.5))
+        add_block_mat(b + "attn_out.weight", mat(e, e, 0.5))
         w.add_tensor(b + "attn_out.bias", vec(e))
         w.add_tensor(b + "ln1.weight", vec(e, 1.0))
         w.add_tensor(b + "ln1.bias", vec(e))
         w.add_tensor(b + "ln2.weight", vec(e, 1.0))
         w.add_tensor(b + "ln2.bias", vec(e))
         up, down = ("ffn_down", "ffn_up") if swapped_ffn else ("ffn_up", "ffn_down")
-        w.add_tensor(b + up + ".weight", mat(ff, e))
+        add_block_mat(b + up + ".weight", mat(ff, e))
         w.add_tensor(b + up + ".bias", vec(ff))
-        w.add_tensor(b + down + ".weight", mat(e, ff, 0.5))
+        add_block_mat(b + down + ".weight", mat(e, ff, 0.5))
         w.add_tensor(b + down + ".bias", vec(e))
     if not clip:
         w.add_tensor("v.post_ln.weight", vec(e, 1.0))
