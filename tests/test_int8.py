@@ -346,3 +346,21 @@ def test_isa_detection_is_honest():
         if isa not in _int8.HOST_ISAS:
             with pytest.raises(ValueError):
                 _int8.isa_of(name)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1])
+def test_legacy_one_pass_repack_equals_the_unpacked_path(qtype):
+    """tile_legacy (whole tiles) against tile_codes on unpack_parts' codes (which a last,
+    padded tile still takes): the same bytes in every array of the first tiles."""
+    rng = np.random.default_rng(int(qtype))
+    K = 96
+    rows = random_quant_rows(qtype, 33, K, rng)
+    fast = PackedMatrix.from_quant(QuantMatrix.from_bytes(rows[:32].reshape(-1), qtype, K, 32))
+    slow = PackedMatrix.from_quant(QuantMatrix.from_bytes(rows.reshape(-1), qtype, K, 33))
+    for name in ("q", "h", "s", "o"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        if name == "h" and fast.bits != 5:
+            continue
+        np.testing.assert_array_equal(a, b[:2], err_msg=name)
+    assert (fast.has_o, fast.zero_point, fast.fmt) == (slow.has_o, slow.zero_point, slow.fmt)
+    np.testing.assert_array_equal(fast.rows(np.arange(32)), slow.rows(np.arange(32)))

@@ -780,6 +780,36 @@ def tile_codes(codes, bits, q, h):
 
 
 @njit(**_JIT)
+def tile_legacy(blocks, qs_off, qh_off, has_min, q, h, s, o):
+    """Q4_0, Q4_1, Q5_0, Q5_1 blocks uint8[16 T, nb, bytes] -> the tile layout in one pass,
+    the same bytes as tile_codes on unpack_parts' codes: in a 32-column block the low nibbles
+    are columns 0-15 and the high ones 16-31, as the GGUF's qs bytes already hold them, so a
+    code plane is those bytes; the fifth bits (qh, bit c of column c) go to h in groups of
+    four columns, two lanes a byte. The half scales (and minimums) are copied as they are."""
+    T, nb = q.shape[0], q.shape[1]
+    for t in range(T):
+        for b in range(nb):
+            for lane in range(LANES):
+                r = t * LANES + lane
+                s[t, b, lane] = np.uint16(blocks[r, b, 0]) | (np.uint16(blocks[r, b, 1]) << np.uint16(8))
+                if has_min:
+                    o[t, b, lane] = np.uint16(blocks[r, b, 2]) | (np.uint16(blocks[r, b, 3]) << np.uint16(8))
+            for j in range(4):
+                for lane in range(LANES):
+                    for k in range(4):
+                        q[t, b, j, lane, k] = blocks[t * LANES + lane, b, qs_off + 4 * j + k]
+            if qh_off >= 0:
+                for lane in range(LANES):
+                    r = t * LANES + lane
+                    qh = (np.uint32(blocks[r, b, qh_off]) | (np.uint32(blocks[r, b, qh_off + 1]) << np.uint32(8))
+                          | (np.uint32(blocks[r, b, qh_off + 2]) << np.uint32(16))
+                          | (np.uint32(blocks[r, b, qh_off + 3]) << np.uint32(24)))
+                    shift = np.uint32(4 * (lane & 1))
+                    for j in range(8):
+                        h[t, b, j, lane >> 1] |= np.uint8(((qh >> np.uint32(4 * j)) & np.uint32(15)) << shift)
+
+
+@njit(**_JIT)
 def tile_q8_0(blocks, q, s):
     """Q8_0 blocks uint8[16 T, nb, 34] -> codes q + 128 and the half scales (uint16 s) in
     the tile layout, in one pass."""

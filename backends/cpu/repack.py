@@ -39,6 +39,9 @@ _BITS = {**{int(t): 4 for t in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K)},
          **{int(t): 5 for t in (Q.Q5_0, Q.Q5_1, Q.Q5_K)},
          int(Q.Q6_K): 6, int(Q.Q8_0): 8}
 _SUB = frozenset(int(t) for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+# legacy block formats: (offset of qs, offset of qh or -1, has a minimum, zero point)
+_LEGACY = {int(Q.Q4_0): (2, -1, False, 8), int(Q.Q4_1): (4, -1, True, 0),
+           int(Q.Q5_0): (6, 2, False, 16), int(Q.Q5_1): (8, 4, True, 0)}
 
 
 def packed_nbytes(qtype, K: int, N: int) -> int:
@@ -213,6 +216,14 @@ class PackedMatrix:
             # the common output-head format: straight from the GGUF bytes in one pass
             zp, s, o, d, dm = 128, np.empty((T, nb, LANES), np.uint16), None, dummy, dummy
             _int8.tile_q8_0(w.blocks, q, s)
+        elif code in _LEGACY and not pad:
+            # Q4_0/Q4_1/Q5_0/Q5_1 straight from the GGUF bytes too (most of Qwen2.5's matrices
+            # are Q5_0: unpacking them to codes first was 1.5 of a 4.5 s cold start)
+            qs_off, qh_off, with_min, zp = _LEGACY[code]
+            s = np.empty((T, nb, LANES), np.uint16)
+            o = np.empty((T, nb, LANES), np.uint16) if with_min else None
+            _int8.tile_legacy(w.blocks, qs_off, qh_off, with_min, q, h, s, s if o is None else o)
+            d = dm = dummy
         else:
             codes, zp, d, sc, dm, mn = unpack_parts(w)
             if pad:

@@ -83,16 +83,17 @@ def run(key: str) -> None:
 
 
 def _int8_step(code: int) -> None:
-    """The type's tile kernel, through a product of 1 and 260 rows (serial and parallel
+    """The type's repacking and tile kernel, and its row decoder, through a product of 1 and 260 rows (serial and parallel
     activation quantization, the driver's serial path; no parallel region starts), then a
     two-matrix product (the driver takes one to three)."""
     from .packed import packed_matmul, packed_matmuls
-    from .quants import QuantMatrix, random_quant_rows
+    from .quants import QuantMatrix, get_rows, random_quant_rows
     from .repack import PackedMatrix
     rng = np.random.default_rng(0)
-    for N in (40, 32):       # a partial last tile (tile_codes), whole tiles (Q8_0's direct path)
+    for N in (40, 32):       # a partial last tile (tile_codes), whole tiles (the direct paths)
         w = QuantMatrix.from_bytes(random_quant_rows(code, N, 256, rng), code, 256, N)
         p = PackedMatrix.from_quant(w)
+    get_rows(w, np.arange(2, dtype=np.int64))    # the row decoder: untied embedding tables
     packed_matmul(np.zeros((1, 256), np.float32), p)
     packed_matmul(np.zeros((260, 256), np.float32), p)
     packed_matmuls(np.zeros((2, 256), np.float32), [p, p])
