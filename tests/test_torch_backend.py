@@ -251,7 +251,7 @@ def test_detect_and_auto_choice():
     assert info.kind in ("cuda", "mps", "cpu") and info.total_bytes > 0
     expected = {"cuda": "torch:cuda", "mps": "torch:mps", "cpu": "cpu"}[info.kind]
     assert resolve("auto", None, "gemma3") == expected
-    assert resolve("auto", None, "phi3") == "llamacpp"
+    assert resolve("auto", None, "phi2") == "llamacpp"
     assert resolve("torch:cpu") == "torch:cpu"
 
 
