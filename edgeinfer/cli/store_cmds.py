@@ -108,7 +108,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def _pull_projector(args: argparse.Namespace, ref: ModelRef | None) -> None:
     """--mmproj: the projector goes into the store with the model just pulled."""
-    from edgeinfer.store.projector import pull_projector
+    from edgeinfer.store.pull import pull_projector
     store = Store()
     if ref is None:         # pulled through the daemon, into the same store
         from edgeinfer.store.pull import resolve_source

@@ -28,7 +28,7 @@ from .names import InvalidModelName, ModelName, ModelNotFound, StoreError, name_
 from .bundled import by_package
 from .model_store import ModelRef, Store, gguf_summary, sha256_file
 
-__all__ = ["pull", "PullProgress", "PullSource", "CatalogEntry", "load_catalog",
+__all__ = ["pull", "pull_projector", "PullProgress", "PullSource", "CatalogEntry", "load_catalog",
            "resolve_source", "ChecksumMismatch", "InvalidDownload", "HF_ENDPOINT_DEFAULT"]
 
 HF_ENDPOINT_DEFAULT = "https://huggingface.co"
@@ -218,7 +218,6 @@ def pull(source: str, name: str | None = None, sha256: str | None = None,
     ref = _pull_model(source, name, sha256, store, progress, policy)
     src = resolve_source(source, name, sha256, store)
     if src.mmproj and ref.projector_path is None:
-        from .projector import pull_projector
         _emit(progress, "pulling vision projector")
         ref = pull_projector(store, ref.full_name, src.mmproj, policy=policy)
         _emit(progress, "success")
@@ -347,3 +346,30 @@ def _download_and_install(client: httpx.Client, store: Store, src: PullSource,
                               f"({e}); the download was discarded") from None
     ref = store.install_blob(partial, digest, str(src.name), src.source, summary)
     return _finish(progress, ref)
+
+
+def pull_projector(store: Store, model: str, source: str,
+                   on_bytes: Callable[[int, int | None], None] | None = None,
+                   policy: DownloadPolicy | None = None) -> ModelRef:
+    """Attach the vision projector (mmproj GGUF) at `source` (a local file, an http(s) URL or
+    hf://OWNER/REPO/FILE.gguf[@REVISION]) to the registered model `model`, checked and stored
+    with it (Store.attach_projector)."""
+    if "://" not in source:
+        return store.attach_projector(model, Path(source))
+    headers: dict[str, str] = {}
+    url = source
+    if source.startswith("hf://"):
+        repo, file, rev = _parse_hf(source)
+        url, headers = hf_url(repo, file, rev), dict(_hf_headers())
+    elif not source.startswith(("http://", "https://")):
+        raise StoreError(f"unsupported projector source {source!r}: a local .gguf path, an "
+                         "http(s) URL or hf://OWNER/REPO/FILE.gguf")
+    store.ensure_dirs()
+    tmp = store.new_temp("mmproj-download")
+    policy = policy or DownloadPolicy()
+    try:
+        with httpx.Client(timeout=policy.timeout()) as client:
+            download(client, url, tmp, headers, policy, on_bytes or (lambda done, total: None))
+        return store.attach_projector(model, tmp, source=source, move=True)
+    finally:
+        tmp.unlink(missing_ok=True)
