@@ -48,7 +48,8 @@ def _tokens(n: int, vocab: int) -> list[int]:
     import numpy as np
     rng = np.random.default_rng(SEED)
     hi = min(vocab, 200_000)
-    return [int(t) for t in rng.integers(1000, hi, n)]
+    lo = 1000 if hi > 2000 else 1        # synthetic models (benchmarks/moe.py) have tiny vocabularies
+    return [int(t) for t in rng.integers(lo, hi, n)]
 
 
 def _rss_mb() -> float:

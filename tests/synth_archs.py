@@ -68,6 +68,11 @@ VARIANTS = {
     # Qwen3-30B-A3B's routing width: 128 experts, 8 used (narrow experts: Q8_0 / F32 only)
     "qwen3moe-128": Variant("qwen3moe", layers=2, n_ff=768, rope_base=1e6, n_expert=128,
                             n_expert_used=8, n_ff_exp=64, context=4096),
+    # benchmarks/moe.py: Qwen3-30B-A3B's routing (128 experts, 8 used, GQA 8:1 with QK-norm)
+    # at a width this machine holds (1.6 GB in F32, ~0.3 GB at Q4_K_M)
+    "qwen3moe-bench": Variant("qwen3moe", layers=8, n_embd=512, n_ff=768, n_head=8, n_kv=1,
+                              rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=256,
+                              context=4096),
 }
 
 

@@ -1,0 +1,40 @@
+"""Mixture-of-experts prefill and decode against llama.cpp: a synthetic qwen3moe GGUF with
+Qwen3-30B-A3B's routing (128 experts, 8 used a token) scaled to this machine's memory, written
+in llama.cpp's layout and quantized by llama.cpp's own quantizer (tests/synth_archs.py), then
+benchmarks/generate.py on it (interleaved rounds, medians, llama.cpp in the same run).
+
+    .venv/bin/python benchmarks/moe.py [--ftype Q4_K_M] [--rounds 3] [--depths 0,2048]
+
+The file is built once under .cache/bench-moe/ (about a minute).
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ftype", default="Q4_K_M", help="Q4_K_M, Q8_0 or F32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--depths", default="0,2048")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from synth_archs import VARIANTS, variant_model
+    v = VARIANTS["qwen3moe-bench"]
+    path = variant_model(ROOT / ".cache" / "bench-moe", "qwen3moe-bench", args.ftype)
+    print(f"synthetic qwen3moe {args.ftype}: {v.layers} layers, width {v.n_embd}, "
+          f"{v.n_expert} experts of {v.n_ff_exp}, {v.n_expert_used} used; "
+          f"{path.stat().st_size / 2**20:.0f} MB", flush=True)
+    return subprocess.call([sys.executable, str(ROOT / "benchmarks" / "generate.py"),
+                            "--model", str(path), "--rounds", str(args.rounds),
+                            "--depths", args.depths, "--threads", str(args.threads)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
