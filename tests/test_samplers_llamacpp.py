@@ -342,3 +342,16 @@ def test_extended_samplers_seeded_reproducible_and_batch_invariant():
                 st.append(t)
         return out
     assert run(True) == run(False) == run(True)
+
+
+@pytest.mark.parametrize("typ", [0.2, 0.5, 0.9, 0.99])
+def test_typical_with_a_probability_that_underflows(typ):
+    # a logit 800 below the rest (a logit bias, a masked vocabulary) has probability 0 in
+    # float64: -log 0 = inf used to turn the mass histogram's buckets into NaN (a crash);
+    # such a token carries no mass, so the kept set is the one without it
+    for row in rows(10, 64, seed=int(typ * 100) + 1):
+        low = row.copy()
+        low[5] = row.max() - 800.0
+        got = S.truncate_ext(low, SamplingParams(typical_p=typ, temperature=1.0))
+        without = S.truncate_ext(np.delete(row, 5), SamplingParams(typical_p=typ, temperature=1.0))
+        assert got.tolist() == [int(i) + (i >= 5) for i in without]

@@ -812,6 +812,20 @@ def _mass_prefix(key: np.ndarray, mass: np.ndarray, target: float, strict: bool)
     mass reaches `target` (strict: exceeds it); everything when none does. A mass histogram
     over key buckets finds the crossing bucket and only that bucket is sorted: linear time."""
     n = key.shape[0]
+    bad = ~np.isfinite(key)
+    if bad.any():
+        # infinite keys (typical_p: a probability that underflowed to 0, -log 0 = inf) sort
+        # after every finite one, by position; binning them would make the buckets NaN
+        good, rest = np.flatnonzero(~bad), np.flatnonzero(bad)
+        out = np.zeros(n, bool)
+        if good.size:
+            out[good] = _mass_prefix(key[good], mass[good], target, strict)
+        total = float(mass[good].sum())
+        if not (total > target if strict else total >= target):
+            cum = total + np.cumsum(mass[rest])
+            keep = int(np.searchsorted(cum, target, side="right" if strict else "left")) + 1
+            out[rest[:keep]] = True
+        return out
     lo, hi = float(key.min()), float(key.max())
     if not hi > lo:
         order = np.arange(n)
