@@ -124,3 +124,21 @@ class MtmdOracle:
             return np.ctypeslib.as_array(logits, shape=(nv,)).copy()
         finally:
             M.mtmd_input_chunks_free(chunks)
+
+
+def _embeddings_once(model_path: str, mmproj_path: str, rgb: np.ndarray) -> np.ndarray:
+    o = MtmdOracle(model_path, mmproj_path)
+    try:
+        return o.embeddings(rgb)
+    finally:
+        o.close()
+
+
+def embeddings_in_fresh_process(model_path: str, mmproj_path: str, rgb: np.ndarray) -> np.ndarray:
+    """MtmdOracle.embeddings in a spawned process: late in a full test run, libmtmd's Pixtral
+    path gave NaN for small images twice in a row (never with the file alone or after the
+    suites run just before it), so the oracle's answer comes from a process of its own."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_embeddings_once, model_path, mmproj_path, rgb).result()

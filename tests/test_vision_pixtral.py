@@ -35,13 +35,9 @@ def test_dynamic_sizes():
 def test_embeddings_match_libmtmd(pair, hw):
     from edgeinfer.models.pixtral_vision import PixtralVision
     from edgeinfer.runners.native import make_ops
-    from mtmd_oracle import MtmdOracle
+    from mtmd_oracle import embeddings_in_fresh_process
     rgb = noise_rgb(*hw, seed=hw[0])
-    o = MtmdOracle(str(pair[0]), str(pair[1]))
-    try:
-        want = o.embeddings(rgb)
-    finally:
-        o.close()
+    want = embeddings_in_fresh_process(str(pair[0]), str(pair[1]), rgb)
     gf, cfg = read_mmproj(str(pair[1]))
     a = cfg.patch_size * cfg.n_merge
     got = PixtralVision(cfg, make_ops("cpu"), gf).encode(preprocess_dynamic(
