@@ -142,3 +142,32 @@ def embeddings_in_fresh_process(model_path: str, mmproj_path: str, rgb: np.ndarr
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_embeddings_once, model_path, mmproj_path, rgb).result()
+
+
+def layout_and_logits(model_path: str, mmproj_path: str, text: str,
+                      rgbs: list[np.ndarray]) -> tuple[list, np.ndarray]:
+    """libmtmd's chunk layout of the prompt, flat ("img" for each image position, as
+    `as_layout` writes ours), and its next-token logits."""
+    o = MtmdOracle(model_path, mmproj_path)
+    try:
+        layout = o.tokens(text, rgbs)
+        want = o.next_logits(text, rgbs)
+    finally:
+        o.close()
+    flat: list = []
+    for part in layout:
+        flat += ["img"] * part if isinstance(part, int) else part
+    return flat, want
+
+
+def as_layout(ids) -> list:
+    """Our prompt ids with each image placeholder (negative) as "img"."""
+    return [("img" if t < 0 else t) for t in ids]
+
+
+def assert_first_token_matches(out, want: np.ndarray) -> None:
+    """The engine's first sampled token is libmtmd's argmax, its logprob within 2e-3."""
+    lp = want - want.max()
+    lp = lp - np.log(np.exp(lp).sum())
+    assert out.token_ids[0] == int(want.argmax())
+    assert abs(out.logprobs[0] - lp[out.token_ids[0]]) < 2e-3

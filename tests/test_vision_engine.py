@@ -62,19 +62,11 @@ def test_logits_after_images_match_llamacpp(pair, engine, text, n):
     """Token layout (<start_of_image>, 16 image tokens, <end_of_image>) and the next-token
     logits after the prompt match llama.cpp's libmtmd on the same files."""
     pytest.importorskip("llama_cpp.mtmd_cpp")
-    from mtmd_oracle import MtmdOracle
+    from mtmd_oracle import as_layout, layout_and_logits
     images = [_img(3 + i, (64, 40 + 30 * i)) for i in range(n)]
     ids, spans = _prompt(engine, text, images)
-    o = MtmdOracle(str(pair[0]), str(pair[1]))
-    try:
-        layout = o.tokens(text, [i.rgb for i in images])
-        want = o.next_logits(text, [i.rgb for i in images])
-    finally:
-        o.close()
-    flat = []
-    for part in layout:
-        flat += ["img"] * part if isinstance(part, int) else part
-    assert [("img" if t < 0 else t) for t in ids] == flat
+    flat, want = layout_and_logits(str(pair[0]), str(pair[1]), text, [i.rgb for i in images])
+    assert as_layout(ids) == flat
     got = _logits(engine, ids, spans)
     np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
     assert got.argmax() == want.argmax()

@@ -46,7 +46,7 @@ def test_layout_and_first_token_match_libmtmd(pair, backend):
     if backend.startswith("torch"):
         pytest.importorskip("torch")
     from edgeinfer.engine.images import splice_images
-    from mtmd_oracle import MtmdOracle
+    from mtmd_oracle import as_layout, assert_first_token_matches, layout_and_logits
     e = Engine(str(pair[0]), EngineConfig(backend=backend, kv_budget_bytes=16 << 20),
                mmproj=str(pair[1]))
     try:
@@ -57,20 +57,9 @@ def test_layout_and_first_token_match_libmtmd(pair, backend):
         ids, spans = splice_images(e.tokenizer, text, [e.vision.encode(img)], first,
                                    e.vision.layout)
         assert len(spans) == 1 and not spans[0].bidirectional
-        o = MtmdOracle(str(pair[0]), str(pair[1]))
-        try:
-            layout = o.tokens(text, [img.rgb])
-            want = o.next_logits(text, [img.rgb])
-        finally:
-            o.close()
-        flat = []
-        for part in layout:
-            flat += ["img"] * part if isinstance(part, int) else part
-        assert [("img" if t < 0 else t) for t in ids] == flat
+        flat, want = layout_and_logits(str(pair[0]), str(pair[1]), text, [img.rgb])
+        assert as_layout(ids) == flat
         out = e.generate(ids, greedy(2, logprobs=0), images=spans)
-        lp = want - want.max()
-        lp = lp - np.log(np.exp(lp).sum())
-        assert out.token_ids[0] == int(want.argmax())
-        assert abs(out.logprobs[0] - lp[out.token_ids[0]]) < 2e-3
+        assert_first_token_matches(out, want)
     finally:
         e.close()
