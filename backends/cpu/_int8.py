@@ -779,6 +779,12 @@ def tile_codes(codes, bits, q, h):
                             q[t, b, half + j // 4, lane, k] |= ((c >> np.uint8(4)) & np.uint8(3)) << np.uint8(2 * (j % 4))
 
 
+@njit(inline="always", nogil=True)
+def _half_bits(blocks, r, b, off):
+    """The little-endian half at byte `off` of block b of row r, as its uint16 bits."""
+    return np.uint16(blocks[r, b, off]) | (np.uint16(blocks[r, b, off + 1]) << np.uint16(8))
+
+
 @njit(**_JIT)
 def tile_legacy(blocks, qs_off, qh_off, has_min, q, h, s, o):
     """Q4_0, Q4_1, Q5_0, Q5_1 blocks uint8[16 T, nb, bytes] -> the tile layout in one pass,
@@ -791,9 +797,9 @@ def tile_legacy(blocks, qs_off, qh_off, has_min, q, h, s, o):
         for b in range(nb):
             for lane in range(LANES):
                 r = t * LANES + lane
-                s[t, b, lane] = np.uint16(blocks[r, b, 0]) | (np.uint16(blocks[r, b, 1]) << np.uint16(8))
+                s[t, b, lane] = _half_bits(blocks, r, b, 0)
                 if has_min:
-                    o[t, b, lane] = np.uint16(blocks[r, b, 2]) | (np.uint16(blocks[r, b, 3]) << np.uint16(8))
+                    o[t, b, lane] = _half_bits(blocks, r, b, 2)
             for j in range(4):
                 for lane in range(LANES):
                     for k in range(4):
@@ -817,8 +823,7 @@ def tile_q8_0(blocks, q, s):
     for t in range(T):
         for b in range(nb):
             for lane in range(LANES):
-                r = t * LANES + lane
-                s[t, b, lane] = np.uint16(blocks[r, b, 0]) | (np.uint16(blocks[r, b, 1]) << np.uint16(8))
+                s[t, b, lane] = _half_bits(blocks, t * LANES + lane, b, 0)
             for j in range(8):
                 for lane in range(LANES):
                     for k in range(4):
