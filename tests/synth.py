@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
+from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
 
 FTYPES = {"F32": 0, "Q8_0": 7, "Q5_0": 8, "Q4_K_M": 15, "Q6_K": 18}
 
@@ -21,19 +21,7 @@ SLIDING_WINDOW = 32
 def write_model(path: Path, arch: str, seed: int = 0, chat_template: str | None = None) -> Path:
     """A random-weight F32 model of the given architecture (with `chat_template` in its
     metadata when given)."""
-    rng = np.random.default_rng(seed)
-
-    # Scales keep the random network well conditioned (small residual branches, soft
-    # attention): a chaotic one would amplify llama.cpp's 8-bit activation rounding into
-    # different argmaxes, and the parity tests would measure chaos instead of the engine.
-    def tensor(name: str, kind: str, dims: tuple, scale: float):
-        if kind == "embd":
-            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
-        if kind == "mat":
-            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
-        if kind == "norm":
-            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
-        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+    tensor = random_f32_tensors(np.random.default_rng(seed))   # well conditioned: see there
 
     shape = TinyShape(N_EMBD, N_FF, N_HEAD, N_KV, HEAD_DIM, N_LAYERS, 2048, SLIDING_WINDOW)
     return write_tiny_gguf(path, arch, shape, tensor, file_type=0,

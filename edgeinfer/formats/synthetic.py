@@ -19,6 +19,21 @@ TensorFn = Callable[[str, str, tuple[int, int] | tuple[int], float],
                     tuple[np.ndarray, object | None]]
 
 
+def random_f32_tensors(rng: np.random.Generator) -> TensorFn:
+    """The well-conditioned random F32 weights every synthetic model writes (small residual
+    branches, soft attention): a chaotic network would amplify llama.cpp's 8-bit activation
+    rounding into different argmaxes, and parity tests would measure chaos, not the engine."""
+    def tensor(name: str, kind: str, dims: tuple, scale: float):
+        if kind == "embd":
+            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
+        if kind == "mat":
+            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
+        if kind == "norm":
+            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+    return tensor
+
+
 @dataclass(frozen=True)
 class TinyShape:
     n_embd: int

@@ -141,17 +141,8 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
 def write_gemma3_vision_text(path: Path, seed: int = 0) -> Path:
     """tests/synth.py's Gemma 3 text model with <start_of_image> / <end_of_image> in its
     vocabulary (control tokens), as the vision-capable Gemma 3 models have."""
-    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
-    rng = np.random.default_rng(seed)
-
-    def tensor(name: str, kind: str, dims: tuple, scale: float):
-        if kind == "embd":
-            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
-        if kind == "mat":
-            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
-        if kind == "norm":
-            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
-        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+    from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
+    tensor = random_f32_tensors(np.random.default_rng(seed))
 
     shape = TinyShape(256, 512, 4, 2, 64, 7, 2048, 32)
     return write_tiny_gguf(path, "gemma3", shape, tensor, file_type=0,
@@ -169,17 +160,8 @@ IDEFICS3_SPECIALS = ("<fake_token_around_image>", "<global-img>") + tuple(
 def write_smolvlm_text(path: Path, seed: int = 0) -> Path:
     """A llama-architecture text model with a byte-level BPE vocabulary holding SmolVLM's
     image tokens and single "\n" / "\n\n" tokens (libmtmd looks them up by their text)."""
-    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
-    rng = np.random.default_rng(seed)
-
-    def tensor(name: str, kind: str, dims: tuple, scale: float):
-        if kind == "embd":
-            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
-        if kind == "mat":
-            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
-        if kind == "norm":
-            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
-        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+    from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
+    tensor = random_f32_tensors(np.random.default_rng(seed))
 
     shape = TinyShape(256, 512, 4, 2, 64, 4, 2048)
     return write_tiny_gguf(path, "llama", shape, tensor, file_type=0,
@@ -251,17 +233,8 @@ def write_tiny_pixtral(path: Path, n_embd_text: int, seed: int = 0, n_embd: int 
 
 def write_pixtral_text(path: Path, seed: int = 0) -> Path:
     """A llama text model whose vocabulary has [IMG_END] (Pixtral's end-of-image tag)."""
-    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
-    rng = np.random.default_rng(seed)
-
-    def tensor(name: str, kind: str, dims: tuple, scale: float):
-        if kind == "embd":
-            return (rng.standard_normal(dims) * 0.5).astype(np.float32), None
-        if kind == "mat":
-            return (rng.standard_normal(dims) * scale / np.sqrt(dims[1])).astype(np.float32), None
-        if kind == "norm":
-            return (1.0 + 0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
-        return (0.1 * rng.standard_normal(dims[0])).astype(np.float32), None
+    from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
+    tensor = random_f32_tensors(np.random.default_rng(seed))
 
     return write_tiny_gguf(path, "llama", TinyShape(256, 512, 4, 2, 64, 4, 2048), tensor,
                            file_type=0, name="synthetic-pixtral-text", space_prefix=True,
