@@ -190,19 +190,17 @@ def test_estimate_and_show_use_the_true_bytes(gemma3_path):
     assert text.startswith("18,432 bytes/token (f16 on cpu)")
 
 
-class _FakeRunner:
-    weights_bytes, kv_bytes, weights_format = 1000, 2000, "fake"
-
-    def __init__(self, kv_type):
-        from edgeinfer.runners.base import KVPlan
-        self.kv_plan = KVPlan(10, 16, 9792 if kv_type == "q8_0" else 18432)
-
-
 class _FakeEngine:
+    """What the manager reads of a loaded engine: its EngineInfo figures, close(), dead."""
+
     def __init__(self, path, ecfg):
+        from types import SimpleNamespace
         self.ecfg = ecfg
-        self.runner = _FakeRunner(ecfg.kv_cache_type)
+        self.info = SimpleNamespace(
+            weights_bytes=1000, kv_bytes=2000, weights_format="fake", kv_window=0,
+            kv_bytes_per_token=9792 if ecfg.kv_cache_type == "q8_0" else 18432)
         self.max_model_len = 64
+        self.dead = None
         self.closed = False
 
     def close(self):
@@ -220,15 +218,15 @@ def test_manager_reloads_an_idle_model_for_another_kv_type(monkeypatch, tmp_path
     from edgeinfer.store.model_store import Store
     engines = []
 
-    def new_engine(path, ecfg):
+    def new_engine(path, ecfg, mmproj, remote, status):
         engines.append(_FakeEngine(path, ecfg))
         return engines[-1]
-    monkeypatch.setattr(mm, "_new_engine", new_engine)
+    monkeypatch.setattr(mm, "_load_engine", new_engine)
     monkeypatch.setattr(mm, "estimate_memory", lambda *a, **k: MemoryEstimate(1000, 2))
     monkeypatch.setattr(mm, "release_memory", lambda: None)
     store = Store(tmp_path)
     store.register_file(gemma3_path, "gemma3:270m")
-    cfg = mm.ServerConfig.from_env(backend="cpu", kv_cache_type="f16")
+    cfg = mm.ServerConfig.from_env(backend="cpu", kv_cache_type="f16", engine_process=False)
 
     async def go():
         m = mm.ModelManager(cfg, store)

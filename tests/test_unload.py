@@ -1,4 +1,5 @@
-"""Deterministic unload (issue 12): unloading a model through the API gives its memory back.
+"""Deterministic unload (issue 12) of an engine in the daemon's own process
+(EDGEINFER_ENGINE_PROCESS=0): unloading a model through the API gives its memory back.
 
 A real daemon process loads the bundled model, generates, and unloads it (keep_alive 0, then
 `edgeinfer stop NAME`, then the idle reaper after a 1 s keep_alive);
@@ -37,7 +38,9 @@ def daemon(request, tmp_path, gemma3_path):
     """A fresh daemon (nothing loaded yet) on the native runner, and on llama.cpp's."""
     home = tmp_path / "home"
     register_gemma(home, gemma3_path)
-    d = start_daemon(home, EDGEINFER_BACKEND=request.param)
+    # the in-process engine (EDGEINFER_ENGINE_PROCESS=0); engine processes:
+    # tests/test_engine_process.py
+    d = start_daemon(home, EDGEINFER_BACKEND=request.param, EDGEINFER_ENGINE_PROCESS="0")
     try:
         yield d
     finally:

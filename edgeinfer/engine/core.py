@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -17,10 +18,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from edgeinfer.formats.chat_template import chat_template_for, encode_prompt, render_chat, special_token_strings
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
 from edgeinfer.engine.kv_manager import KVCacheManager
 from edgeinfer.engine.prompt_scoring import PromptScoring
+from edgeinfer.engine.prompts import Prompter, chat_format
+from edgeinfer.engine.requests import (EngineInfo, RequestError, check_embed, check_request,
+                                       no_images_note)
 from edgeinfer.engine.repetition import RepetitionGuard
 from edgeinfer.engine.sampling import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -34,10 +37,6 @@ from edgeinfer.runners.base import NewRequest, Runner, ScheduledSpan, StepPlan
 from edgeinfer.runners.load import load_runner
 
 log = logging.getLogger("edgeinfer.engine.core")
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take (prompt too long, bad parameter); a 400 in the API."""
 
 
 DEFAULT_KV_BUDGET = 1 << 30
@@ -131,6 +130,7 @@ class Engine:
         self.path = path
         self.config = config
         self.vision = None
+        self.dead: str | None = None    # never set in process: RemoteEngine's process can die
         self.vision_note = ""       # why a model with a projector takes no images here
         self.runner: Runner = load_runner(
             path, config.backend, kv_budget_bytes=config.kv_budget_bytes or DEFAULT_KV_BUDGET,
@@ -143,8 +143,6 @@ class Engine:
             self.cfg: ModelConfig = self.runner.cfg
             md = self.runner.gf.metadata
             self.tokenizer = self.runner.tokenizer
-            self.chat_template = chat_template_for(md, self.cfg.arch)
-            self._specials = special_token_strings(md)
             self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
             set_ctx = getattr(getattr(self.runner, "model", None), "set_context_length", None)
             if set_ctx is not None:     # phi3: LongRoPE factors chosen by the context, as llama.cpp
@@ -158,7 +156,25 @@ class Engine:
                 from edgeinfer.engine.images import load_vision
                 self.vision = load_vision(self.runner, self.tokenizer, mmproj,
                                           config.backend)
+            self.vision_note = self.vision_note or no_images_note(self.cfg.name)
+            self.prompts = Prompter(
+                self.tokenizer, chat_format(md, self.cfg.arch),
+                layout=self.vision.layout if self.vision is not None else None,
+                encode_image=self.vision.encode if self.vision is not None else None,
+                no_images=self.vision_note)
             plan = self.runner.kv_plan
+            self.info = EngineInfo(
+                cfg=self.cfg, kind=self.runner.kind,
+                weights_format=str(getattr(self.runner, "weights_format", "") or "unknown"),
+                weights_bytes=int(self.runner.weights_bytes) + (
+                    self.vision.nbytes if self.vision is not None else 0),
+                kv_bytes=int(self.runner.kv_bytes),
+                kv_bytes_per_token=int(getattr(plan, "bytes_per_token", 0)),
+                kv_window=int(getattr(plan, "window", 0)),
+                max_model_len=self.max_model_len, capacity_tokens=int(plan.capacity_tokens),
+                pooling=getattr(self.runner, "pooling", None),
+                embedding_only=bool(getattr(self.runner, "embedding_only", False)),
+                vision=self.vision is not None, vision_note=self.vision_note)
             # the runner says what its block ids mean: shared prefix blocks (native) or only
             # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
             kv = KVCacheManager(plan.num_blocks, plan.block_size,
@@ -189,36 +205,39 @@ class Engine:
         self.tokens_generated = 0
         self.prompt_tokens_computed = 0
         self._snapshot: dict[str, float] = self._make_snapshot()
+        # called with each new snapshot on the engine thread (the engine process forwards it)
+        self.on_publish: Callable[[dict], None] | None = None
 
     # -- prompts ---------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str:
+        return self.prompts.chat_template
+
+    @property
+    def has_own_template(self) -> bool:
+        return self.prompts.has_own_template
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        return render_chat(self.chat_template, messages, add_generation_prompt,
-                           bos_token=self._specials.get("bos_token", ""),
-                           eos_token=self._specials.get("eos_token", ""), **extra)
+        return self.prompts.render(messages, add_generation_prompt, **extra)
 
     def encode_chat(self, messages: list[dict], **extra) -> list[int]:
-        return encode_prompt(self.tokenizer, self.render(messages, **extra))
+        return self.prompts.encode_chat(messages, **extra)
 
     def encode_raw(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special=True, parse_special=False)
+        return self.prompts.encode_raw(text)
 
     def encode_chat_images(self, messages: list[dict], images: list, **extra):
-        """(token ids, ImageSpans) for messages whose text holds one images.MEDIA_MARKER per
-        image of `images` (edgeinfer.formats.image.Image, in order), each image encoded by
-        the projector (its LRU skips images seen lately). RequestError for a model without
-        a projector."""
-        from edgeinfer.engine.images import MEDIA_MARKER, VisionError, splice_images
-        if self.vision is None:
-            raise RequestError(self.vision_note or (
-                f"{self.cfg.name or 'this model'!r} has no vision projector: it cannot take "
-                "images (pull it with --mmproj, or use a vision model)"))
-        text = self.render(messages, **extra)
-        first = encode_prompt(self.tokenizer, text.partition(MEDIA_MARKER)[0])
-        encoded = [self.vision.encode(im) for im in images]
-        try:
-            return splice_images(self.tokenizer, text, encoded, first, self.vision.layout)
-        except VisionError as e:
-            raise RequestError(str(e)) from None
+        """(token ids, ImageSpans): edgeinfer.engine.prompts.Prompter.encode_chat_images."""
+        return self.prompts.encode_chat_images(messages, images, **extra)
+
+    @property
+    def pid(self) -> int:
+        """The process the engine runs in (this one)."""
+        return os.getpid()
+
+    def vision_stats(self) -> dict | None:
+        """The projector's counters (images encoded, cache hits, seconds), or None."""
+        return self.vision.stats() if self.vision is not None else None
 
     # -- client side (any thread) ----------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink,
@@ -239,105 +258,31 @@ class Engine:
         output is expected to repeat (OpenAI's Predicted Outputs); speculative drafts are
         looked up in them too, which changes speed, never the output. `images`: the
         ImageSpans of a prompt from encode_chat_images."""
-        if getattr(self.runner, "embedding_only", False):
-            raise RequestError(f"{self.cfg.name!r} is an embedding model: it cannot generate "
-                               "text (use /api/embed or /v1/embeddings)")
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise RequestError(f"the prompt is {n} tokens, but the context is {self.max_model_len} "
-                               f"tokens (leave room for at least one output token)")
-        capacity = self.runner.kv_plan.capacity_tokens
-        if capacity < n + 1:
-            raise RequestError(f"the prompt is {n} tokens, more than the KV cache holds "
-                               f"({capacity} tokens)")
         images = tuple(images or ())
-        if images:
-            self._check_images(prompt_ids, images, prompt_logprobs)
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad and images:
-            bad = [t for t in self._text_ids(prompt_ids, images)
-                   if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
-        try:
-            params.validate(self.cfg.vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        room = self.max_model_len - n
-        if params.max_tokens is None or params.max_tokens > room:
-            params = replace(params, max_tokens=room if params.max_tokens is None else
-                             min(params.max_tokens, room))
-        scoring = None
-        if prompt_logprobs is not None or score_only:
-            try:
-                scoring = PromptScoring(n, prompt_logprobs, bool(score_only))
-            except ValueError as e:
-                raise RequestError(str(e)) from None
+        params, scoring, pred = check_request(self.info, prompt_ids, params, images,
+                                              prompt_logprobs, score_only, prediction)
         seq_id = next(self._ids)
-        pred = None
-        if prediction:
-            pred = np.asarray(prediction, np.int64)
-            if ((pred < 0) | (pred >= self.cfg.vocab_size)).any():
-                raise RequestError("a prediction token id is outside the vocabulary")
         self._commands.put(("add", seq_id, list(prompt_ids), params, sink, choice, constraint,
                             follows, scoring, pred, images))
         self._wake.set()
         return seq_id
 
-    def _check_images(self, prompt_ids: list[int], images: tuple, prompt_logprobs) -> None:
-        from edgeinfer.engine.images import placeholder_ids
-        if self.vision is None:
-            raise RequestError(self.vision_note or f"{self.cfg.name or 'this model'!r} has no "
-                               "vision projector: it cannot take images")
-        if prompt_logprobs is not None:
-            raise RequestError("prompt logprobs are not supported for prompts with images")
-        prev = 0
-        for im in images:
-            if im.start < prev or im.end > len(prompt_ids) or \
-                    prompt_ids[im.start:im.end] != placeholder_ids(im.digest, im.end - im.start):
-                raise RequestError("image spans do not match the prompt's image positions")
-            if im.embeddings.shape[1:] != (self.cfg.n_embd,):
-                raise RequestError("image embeddings do not match the model's width")
-            prev = im.end
-
-    @staticmethod
-    def _text_ids(prompt_ids: list[int], images: tuple) -> list[int]:
-        keep = np.ones(len(prompt_ids), bool)
-        for im in images:
-            keep[im.start:im.end] = False
-        return [t for t, k in zip(prompt_ids, keep) if k]
-
     @property
     def pooling(self) -> str | None:
         """How this model pools embeddings (GGUF pooling_type; mean for decoders without
         one); None when its runner cannot embed."""
-        return getattr(self.runner, "pooling", None)
+        return self.info.pooling
 
     @property
     def max_embed_tokens(self) -> int:
-        """The longest input an embedding request may have (the scheduler keeps one position
-        of the context free)."""
-        return min(self.max_model_len - 1, self.runner.kv_plan.capacity_tokens - 1)
+        return self.info.max_embed_tokens
 
     def submit_embed(self, prompt_ids: list[int], sink: Sink, pooling: str | None = None) -> int:
         """Queue a prefill-only request whose finished event carries the pooled final hidden
         states (RequestOutput.embedding). It batches with everything else, never takes a
         prefix-cache hit (pooling needs every position computed) and ends after its prompt."""
+        check_embed(self.info, prompt_ids)
         pooling = pooling or self.pooling
-        if self.pooling is None:
-            raise RequestError(f"the {self.runner.kind} backend cannot compute embeddings; "
-                               "load the model on the native backend (cpu or torch)")
-        if not prompt_ids:
-            raise RequestError("the input is empty")
-        n = len(prompt_ids)
-        if n > self.max_embed_tokens:
-            raise RequestError(f"the input is {n} tokens, more than the {self.max_embed_tokens} "
-                               "this model takes")
-        bad = [t for t in prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         seq_id = next(self._ids)
         self._commands.put(("embed", seq_id, list(prompt_ids), pooling, sink))
         self._wake.set()
@@ -654,10 +599,18 @@ class Engine:
         d = self.scheduler.stats().to_dict()
         d.update(steps=self.steps, tokens_generated=self.tokens_generated,
                  prompt_tokens_computed=self.prompt_tokens_computed)
+        if self.vision is not None:     # for an engine process's daemon (vision_stats)
+            d["vision"] = self.vision.stats()
+        gov = self.config.governor
+        if gov is not None:             # the CPU budget this engine steps with
+            d.update(cpu_threads=gov.threads, engine_stepping=int(gov.active_threads() > 0),
+                     other_programs_cores=round(float(gov.others), 2))
         return d
 
     def _publish(self) -> None:
         self._snapshot = self._make_snapshot()
+        if self.on_publish is not None:
+            self.on_publish(self._snapshot)
 
     def stats(self) -> dict[str, float]:
         """Engine-thread view (or a stopped engine's); other threads read snapshot()."""

@@ -365,8 +365,10 @@ async def compile_async(view, spec: GrammarSpec, timeout: float = COMPILE_TIMEOU
 class GrammarConstraint:
     """One request's matcher, implementing edgeinfer.engine.constraint.TokenConstraint."""
 
-    def __init__(self, matcher: "LLMatcher", vocab_size: int, eos_ids=()):
+    def __init__(self, matcher: "LLMatcher", vocab_size: int, eos_ids=(),
+                 spec: "GrammarSpec | None" = None):
         self.m = matcher
+        self.spec = spec        # what it was compiled from: an engine process compiles it again
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._mask = np.full(self.words, -1, dtype=np.int32)
@@ -378,7 +380,8 @@ class GrammarConstraint:
     @classmethod
     def for_spec(cls, tok, vocab_size: int, spec: GrammarSpec) -> "GrammarConstraint":
         view = tokenizer_view(tok, vocab_size)
-        return cls(compile_spec(view, spec), max(vocab_size, tok.vocab_size), tok.eot_ids)
+        return cls(compile_spec(view, spec), max(vocab_size, tok.vocab_size), tok.eot_ids,
+                   spec=spec)
 
     def bitmask(self) -> np.ndarray:
         """int32 [ceil(vocab/32)]: bit j of word i allows token 32*i + j (llguidance's

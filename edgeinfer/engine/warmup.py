@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -283,6 +284,27 @@ def prepare_model(path: str, progress: ProgressFn | None = None, kv_cache_type: 
                   repack: bool | None = None) -> list[str]:
     """prepare() for what this model file needs (see keys_for_model)."""
     return prepare(keys_for_model(path, kv_cache_type, repack), progress)
+
+
+def prepare_for_load(path: str, backend: str, kv_cache_type: str | None, repack: bool | None,
+                     progress: ProgressFn | None = None, name: str = "") -> None:
+    """Before a load: compile, with progress, the CPU kernels this model needs that no
+    install, pull or earlier load compiled (child processes). A failure is logged: the
+    kernels then compile on first use, as they would have anyway."""
+    if backend != "cpu":
+        return
+    log = logging.getLogger("edgeinfer.engine.warmup")
+    name = name or Path(path).name
+    try:
+        todo = pending(keys_for_model(path, kv_cache_type, repack))
+        if todo:
+            log.info("compiling %d kernel steps for %s: %s", len(todo), name, ", ".join(todo))
+            t0 = time.monotonic()
+            prepare(todo, progress)
+            log.info("kernels for %s compiled in %.1fs", name, time.monotonic() - t0)
+    except Exception as e:          # noqa: BLE001 - never fail a load over a warm-up
+        log.warning("compiling kernels ahead for %s failed (%s); they compile on first use",
+                    name, e)
 
 
 # -- the model steps -----------------------------------------------------------------------

@@ -55,12 +55,7 @@ BASE_MAX_TOKENS = 256            # an output cap where the request sets none
 
 def is_base_model(engine) -> bool:
     """The GGUF has no chat template of its own (the engine then uses a built-in one)."""
-    gf = getattr(getattr(engine, "runner", None), "gf", None)
-    md = getattr(gf, "metadata", None)
-    if not isinstance(md, dict):
-        return False
-    own = md.get("tokenizer.chat_template")
-    return not (isinstance(own, str) and own.strip())
+    return not engine.has_own_template
 
 
 def base_model_params(params: SamplingParams, given: Collection[str] = ()) -> SamplingParams:

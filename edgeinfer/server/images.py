@@ -121,12 +121,8 @@ def build_with_images(refs: list[ImageRef], messages: list[dict], param: str = "
                       **extra):
     """A gen.encode() builder: (engine) -> (prompt ids, image spans)."""
     def build(engine):
-        if getattr(engine, "vision", None) is None:
-            note = getattr(engine, "vision_note", "")
-            name = getattr(getattr(engine, "cfg", None), "name", "") or "this model"
-            raise bad_image(refs[0].param, note or (
-                f"{name!r} is a text-only model here: it has no vision projector, so it "
-                "cannot take images (pull it with --mmproj FILE)"))
+        if not engine.info.vision:
+            raise bad_image(refs[0].param, engine.info.vision_note)
         images = []
         for r in refs:
             r = r.fetched()

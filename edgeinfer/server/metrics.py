@@ -151,8 +151,7 @@ class Metrics:
             for lm, st in snaps:
                 L.append(f'{name}{{model="{_esc(lm.name)}",backend="{lm.backend}"}} '
                          f'{float(st.get(key, 0)):g}')
-        vision = [(lm, v.stats()) for lm, _ in snaps
-                  if (v := getattr(lm.engine, "vision", None)) is not None]
+        vision = [(lm, vs) for lm, _ in snaps if (vs := lm.engine.vision_stats()) is not None]
         for name, key, help_ in (
                 ("edgeinfer_images_encoded_total", "images_encoded",
                  "Images run through the vision encoder"),
@@ -180,8 +179,8 @@ class Metrics:
     def snapshot(self, manager: ModelManager) -> dict:
         vm = psutil.virtual_memory()
         models = []
-        for lm in manager.models.values():
-            st = _engine_stats(lm)
+        snaps = [(lm, _engine_stats(lm)) for lm in manager.models.values()]
+        for lm, st in snaps:
             total = int(st.get("kv_blocks_total", 0))
             used = int(st.get("kv_blocks_used", 0))
             models.append({
@@ -193,6 +192,7 @@ class Metrics:
                 "expires_in_s": None if lm.expires_at == float("inf")
                 else max(0.0, round(lm.expires_at - time.time(), 1)),
                 "active_requests": lm.active,
+                "engine_pid": lm.engine.pid,     # its own process unless EDGEINFER_ENGINE_PROCESS=0
                 "running": int(st.get("running", 0)), "waiting": int(st.get("waiting", 0)),
                 "kv_blocks_used": used, "kv_blocks_total": total,
                 "kv_blocks_cached": int(st.get("kv_blocks_cached", 0)),
@@ -202,8 +202,7 @@ class Metrics:
                 "preemptions": int(st.get("preemptions", 0)),
                 "steps": int(st.get("steps", 0)),
                 "tokens_generated": int(st.get("tokens_generated", 0)),
-                **({"vision": v.stats()}
-                   if (v := getattr(lm.engine, "vision", None)) is not None else {}),
+                **({"vision": vs} if (vs := lm.engine.vision_stats()) is not None else {}),
             })
         return {
             "time": time.time(),
@@ -223,7 +222,7 @@ class Metrics:
                        "memory_used_bytes": vm.total - vm.available,
                        "memory_used_percent": vm.percent},
             "gpu": _gpu(),
-            "compute": _compute(manager),
+            "compute": _compute(manager, [st for _, st in snaps]),
             "models": models,
             # loads in progress: "compiling kernels (k/n)", then "loading weights"
             "loading": [{"name": st.name, "backend": st.backend, **st.to_dict()}
@@ -243,21 +242,20 @@ def _gpu() -> dict | None:
         return None
 
 
-def _compute(manager: ModelManager) -> dict | None:
-    """The process's CPU budget: threads the free cores allow, and how many engines share
-    them right now."""
-    g = getattr(manager, "governor", None)
-    if g is None:
-        return None
-    return {"cpu_threads": int(g.threads), "engines_stepping": int(g.active_threads()),
-            "other_programs_cores": round(float(g.others), 2)}
+def _compute(manager: ModelManager, snaps: list[dict]) -> dict:
+    """The CPU budget: threads the free cores allow, and how many engines step right now.
+    In process, one governor serves every engine; with engine processes each has its own
+    (it counts the others as busy cores) and reports it in its snapshot."""
+    g = manager.governor
+    if not manager.config.engine_process:
+        return {"cpu_threads": int(g.threads), "engines_stepping": int(g.active_threads()),
+                "other_programs_cores": round(float(g.others), 2)}
+    mine = [s for s in snaps if "cpu_threads" in s]
+    return {"cpu_threads": max([int(s["cpu_threads"]) for s in mine], default=int(g.threads)),
+            "engines_stepping": sum(int(s["engine_stepping"]) for s in mine),
+            "other_programs_cores": min([float(s["other_programs_cores"]) for s in mine],
+                                        default=round(float(g.others), 2))}
 
 
 def _engine_stats(lm: LoadedModel) -> dict:
-    snapshot = getattr(lm.engine, "snapshot", None)
-    if callable(snapshot):
-        return snapshot()   # published by the engine thread: safe to read from here
-    try:
-        return lm.engine.stats()
-    except Exception:       # an engine without snapshot(): live structures, may race
-        return {}
+    return lm.engine.snapshot()     # published by the engine thread: safe to read from here

@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import gc
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 import psutil
 
 from edgeinfer.engine.core import Engine, EngineConfig
-from edgeinfer.settings import Settings, parse_duration
+from edgeinfer.engine.remote import LoadFailed, RemoteEngine
+from edgeinfer.settings import Settings, SettingsError, parse_duration
 from edgeinfer.runners.choice import estimate_memory
 from edgeinfer.store.model_store import ModelNotFound, Store, StoreError
 
@@ -50,7 +52,10 @@ def parse_keep_alive(value: float | int | str | None, default: float) -> float:
 @dataclass(frozen=True)
 class ServerConfig(Settings):
     """The daemon's settings: the process Settings with the default backend/device pair
-    filled and validated (a named cuda/mps device must be present)."""
+    filled and validated (a named cuda/mps device must be present). `engine_process`: each
+    loaded model's engine runs in a process of its own (edgeinfer.engine.remote);
+    EDGEINFER_ENGINE_PROCESS=0 keeps them in the daemon's."""
+    engine_process: bool = True
 
     @classmethod
     def from_env(cls, env=None, **overrides) -> "ServerConfig":
@@ -68,6 +73,11 @@ class ServerConfig(Settings):
             require_device(device)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Settings)}
         fields.update(backend=backend, device=device)
+        flag = (env if env is not None else os.environ).get("EDGEINFER_ENGINE_PROCESS", "")
+        if flag.strip():
+            if flag.strip().lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise SettingsError(f"EDGEINFER_ENGINE_PROCESS={flag!r} is not 0 or 1")
+            fields["engine_process"] = flag.strip().lower() in ("1", "true", "yes", "on")
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)
 
@@ -79,7 +89,7 @@ class ServerConfig(Settings):
 class LoadedModel:
     name: str                       # full name, e.g. gemma3:270m
     backend: str
-    engine: Engine
+    engine: Engine | RemoteEngine
     digest: str | None
     weights_bytes: int
     kv_bytes: int
@@ -106,7 +116,7 @@ class LoadedModel:
     def weights_format(self) -> str:
         """How the runner holds the weights: gguf (quantized), gguf (llama.cpp), or torch's
         dtype (float32, bfloat16, float16)."""
-        return str(getattr(self.engine.runner, "weights_format", "") or "unknown")
+        return self.engine.info.weights_format
 
     def refresh_expiry(self) -> None:
         self.last_used = time.monotonic()
@@ -144,20 +154,10 @@ def _trim_heap() -> None:
 _malloc_trim = None
 
 
-def close_engine(engine: Engine) -> None:
-    """Stop the engine thread and release its runner (weights, KV pool, GGUF mapping). Any
-    thread but the engine's own."""
-    close = getattr(engine, "close", None)
-    if callable(close):
-        close()
-        return
-    engine.shutdown()                       # an engine without close(): what it has
-    runner = getattr(engine, "runner", None)
-    rclose = getattr(runner, "close", None)
-    if callable(rclose):
-        rclose()
-    elif getattr(runner, "gf", None) is not None:
-        runner.gf.close()
+def close_engine(engine: Engine | RemoteEngine) -> None:
+    """Stop the engine (its thread, or its process) and release its runner: weights, KV
+    pool, GGUF mapping. Any thread but the engine's own."""
+    engine.close()
 
 
 def release_memory() -> None:
@@ -176,8 +176,6 @@ def _forget_grammars() -> None:
         grammar.cache.clear()
 
 
-def _new_engine(path: str, ecfg: EngineConfig, mmproj=None) -> Engine:
-    return Engine(path, ecfg, mmproj=str(mmproj) if mmproj else None).start()
 
 
 @dataclass
@@ -204,31 +202,28 @@ class LoadStatus:
                 "step": self.step, "elapsed_s": round(time.monotonic() - self.started, 1)}
 
 
-def _prepare_kernels(path: str, backend: str, kv_cache_type: str, repack: bool | None,
-                     status: LoadStatus) -> None:
-    """Compile, with progress in `status`, the CPU kernels this model needs that no install,
-    pull or earlier load compiled (edgeinfer.engine.warmup; child processes). A failure is
-    logged: the kernels then compile on first use, as they would have anyway."""
-    if backend != "cpu":
-        return
-    from edgeinfer.engine import warmup
+def _str_or_none(ref) -> str | None:
+    """The store entry's vision projector file, if it has one."""
+    proj = getattr(ref, "projector_path", None)
+    return str(proj) if proj else None
 
-    def progress(p: warmup.Progress) -> None:
+
+def _load_engine(path: str, ecfg: EngineConfig, mmproj: str | None,
+                 remote: RemoteEngine | None, status: LoadStatus) -> Engine | RemoteEngine:
+    """The engine for a model file: `remote`'s process, which compiles what kernels the
+    model needs first, or one in this process after compiling them here. `status` shows
+    the progress ("compiling kernels (k/n)", then "loading weights")."""
+    def progress(p) -> None:        # an edgeinfer.engine.warmup.Progress
         status.stage, status.done, status.total, status.step = (
             "compiling kernels", p.done, p.total, p.label)
-    try:
-        keys = warmup.keys_for_model(path, kv_cache_type, repack)
-        todo = warmup.pending(keys)
-        if todo:
-            log.info("compiling %d kernel steps for %s: %s", len(todo), status.name,
-                     ", ".join(todo))
-            t0 = time.monotonic()
-            warmup.prepare(todo, progress)
-            log.info("kernels for %s compiled in %.1fs", status.name, time.monotonic() - t0)
-    except Exception as e:          # noqa: BLE001 - never fail a load over a warm-up
-        log.warning("compiling kernels ahead for %s failed (%s); they compile on first use",
-                    status.name, e)
+        if p.done >= p.total:
+            status.stage = "loading weights"
+    if remote is not None:
+        return remote.load(progress)
+    from edgeinfer.engine.warmup import prepare_for_load
+    prepare_for_load(path, ecfg.backend, ecfg.kv_cache_type, ecfg.repack, progress, status.name)
     status.stage = "loading weights"
+    return Engine(path, ecfg, mmproj=mmproj).start()
 
 
 def _gib(n: float) -> str:
@@ -360,6 +355,9 @@ class ModelManager:
         load_time = 0.0
         async with lock:
             lm = self.models.get(key)
+            if lm is not None and lm.engine.dead:
+                self.models.pop(key, None)      # its death notice cleans up
+                lm = None
             kv_type = self.choose_kv_cache_type(backend, kv_cache_type, lm)
             if lm is not None and lm.kv_cache_type != kv_type:
                 if lm.active:
@@ -399,15 +397,34 @@ class ModelManager:
     async def _load(self, key: tuple[str, str], ref, kv_cache_type: str | None = None) -> LoadedModel:
         cfg = self.config
         kv_cache_type = kv_cache_type or cfg.kv_cache_type
+        ecfg = cfg.engine_config(key[1], governor=self.governor, kv_cache_type=kv_cache_type)
         # what the backend will really hold: repacked tiles on the CPU, dense tensors in
-        # torch's dtype; the KV pool never grows past its budget
+        # torch's dtype; the KV pool never grows past its budget. An engine process works
+        # it out itself (the backend's modules, torch too, never enter the daemon).
+        remote: RemoteEngine | None = None
         try:
-            est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path), None,
-                                          kv_cache_type)
+            if cfg.engine_process:
+                remote = await asyncio.to_thread(
+                    RemoteEngine, str(ref.path), ecfg, _str_or_none(ref), self._death_notice(key),
+                    None, ref.full_name)
+                est = remote.estimate
+            else:
+                est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path), None,
+                                              kv_cache_type)
         except (APIError, MemoryError):
             raise
         except Exception as e:  # the file broke after it was stored: one sentence, as a load
             raise APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed") from None
+        try:
+            return await self._load_within_budget(key, ref, kv_cache_type, est, ecfg, remote)
+        except BaseException:
+            if remote is not None and not hasattr(remote, "info"):
+                await asyncio.to_thread(remote.close)      # refused before it loaded
+            raise
+
+    async def _load_within_budget(self, key, ref, kv_cache_type: str, est, ecfg: EngineConfig,
+                                  remote: RemoteEngine | None) -> LoadedModel:
+        cfg = self.config
         weights = est.weights_bytes
         proj = getattr(ref, "projector_path", None)
         if proj is not None:        # the vision projector loads with it (its GGUF's size)
@@ -441,18 +458,16 @@ class ModelManager:
                                f"(weights {_gib(weights)} + KV cache {_gib(cfg.kv_budget_bytes)}) "
                                f"but only {_gib(free)} of memory is free",
                                code="insufficient_memory")
-            ecfg = cfg.engine_config(key[1], governor=self.governor, kv_cache_type=kv_cache_type)
             t0 = time.monotonic()
             failure: BaseException | None = None
             status = self.loading[key] = LoadStatus(ref.full_name, key[1])
             try:
-                await asyncio.to_thread(_prepare_kernels, str(ref.path), key[1], kv_cache_type,
-                                        cfg.repack, status)
-                proj = getattr(ref, "projector_path", None)
-                engine = await asyncio.to_thread(_new_engine, str(ref.path), ecfg,
-                                                 **({"mmproj": proj} if proj else {}))
+                engine = await asyncio.to_thread(_load_engine, str(ref.path), ecfg,
+                                                 _str_or_none(ref), remote, status)
             except (APIError, MemoryError) as e:
                 failure = e
+            except LoadFailed as e:     # the engine process's own sentence
+                failure = APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed")
             except Exception as e:      # a broken file or unsupported arch: one sentence
                 failure = APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed")
             finally:
@@ -463,26 +478,37 @@ class ModelManager:
                 failure.__traceback__ = failure.__context__ = failure.__cause__ = None
                 await asyncio.to_thread(release_memory)
                 raise failure
-            try:
-                runner = engine.runner
-                lm = LoadedModel(
-                    name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
-                    weights_bytes=runner.weights_bytes + int(
-                        getattr(getattr(engine, "vision", None), "nbytes", 0) or 0),
-                    kv_bytes=runner.kv_bytes,
-                    loaded_at=time.time(), load_duration=time.monotonic() - t0,
-                    keep_alive=cfg.keep_alive, kv_cache_type=kv_cache_type,
-                    kv_bytes_per_token=int(getattr(runner.kv_plan, "bytes_per_token", 0)),
-                    kv_window=int(getattr(runner.kv_plan, "window", 0)))
-            except BaseException:
-                await asyncio.to_thread(close_engine, engine)
-                del engine
-                await asyncio.to_thread(release_memory)
-                raise
-            del engine, runner
+            info = engine.info
+            lm = LoadedModel(
+                name=ref.full_name, backend=key[1], engine=engine, digest=ref.digest,
+                weights_bytes=info.weights_bytes, kv_bytes=info.kv_bytes,
+                loaded_at=time.time(), load_duration=time.monotonic() - t0,
+                keep_alive=cfg.keep_alive, kv_cache_type=kv_cache_type,
+                kv_bytes_per_token=info.kv_bytes_per_token, kv_window=info.kv_window)
+            del engine
             self.models[key] = lm
             log.info("loaded %s on %s in %.1fs", lm.name, lm.backend, lm.load_duration)
             return lm
+
+    def _death_notice(self, key: tuple[str, str]):
+        """What a RemoteEngine calls (on its reader thread) when its process dies: the model
+        leaves the loaded set on the event loop, so the next request loads it again."""
+        loop = asyncio.get_running_loop()
+
+        def notice(engine) -> None:
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drop_dead(key, engine)))
+        return notice
+
+    async def _drop_dead(self, key: tuple[str, str], engine) -> None:
+        lm = self.models.get(key)
+        if lm is not None and lm.engine is engine:
+            log.warning("%s: its engine process died; it loads again on the next request",
+                        lm.name)
+            self.models.pop(key, None)
+        del lm
+        await asyncio.to_thread(close_engine, engine)
+        del engine
+        await asyncio.to_thread(release_memory)
 
     async def unload(self, model: str) -> int:
         """Unload now (Ollama's keep_alive 0 / `stop`): idle copies at once, busy ones when

@@ -286,7 +286,7 @@ async def build_constraints(engine, spec: GrammarSpec, n: int, param: str) -> li
 
     def work() -> list:
         view = g.tokenizer_view(tok, vocab)
-        return [g.GrammarConstraint(g.compile_spec(view, spec), vocab, tok.eot_ids)
+        return [g.GrammarConstraint(g.compile_spec(view, spec), vocab, tok.eot_ids, spec=spec)
                 for _ in range(n)]
     try:
         return await asyncio.wait_for(asyncio.to_thread(work), g.COMPILE_TIMEOUT_S)

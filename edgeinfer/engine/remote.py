@@ -1,0 +1,572 @@
+"""One loaded model's engine in a process of its own.
+
+The daemon keeps HTTP, templates and tokenization; the engine process (spawned, never
+forked: numba's OpenMP runtime is not fork-safe) loads the runner and runs the Engine loop.
+Over one pipe cross only plain data: requests as token ids and sampling parameters, grammar
+specs (compiled again on the engine's side), image embeddings as arrays, and events back as
+dicts of RequestOutput's fields. Unloading ends the process, so every page its runner,
+kernels and libraries mapped goes back to the OS; a runner that dies (a crash in native
+code, SIGKILL, an OOM kill) ends its requests with an error and takes nothing else with it.
+
+Finishing (stop tokens and strings, length, grammar, repetition) is decided in one place,
+the engine's FinishCheck, so detokenization for stop strings runs there too; the daemon
+gets the text with each event.
+
+`RemoteEngine` is the daemon's handle and has the Engine's client-side surface (submit,
+abort, submit_embed, snapshot, prompts). `serve` is the engine process's main loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+from edgeinfer.engine.core import Engine, EngineConfig, RequestOutput
+from edgeinfer.engine.images import Layout
+from edgeinfer.engine.prompts import Prompter, chat_format
+from edgeinfer.engine.requests import EngineInfo, RequestError, check_embed, check_request
+from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.engine.warmup import Progress
+from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.tokenizer import Tokenizer
+
+log = logging.getLogger("edgeinfer.engine.remote")
+
+READY_TIMEOUT_S = 3600.0        # a load that compiles kernels may take minutes
+_OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput))
+
+
+class RunnerDied(RuntimeError):
+    """The engine process is gone; requests on it end with this message."""
+
+
+class LoadFailed(RuntimeError):
+    """The engine process could not load the model (the message is the load's own)."""
+
+
+# ----- the engine process ---------------------------------------------------------------------
+
+def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: int,
+          name: str = "") -> None:
+    """The engine process: compile what kernels the model lacks (progress messages), load,
+    say ready (or why not), then run commands until the daemon says close or its end of the
+    pipe goes away."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[runner "
+                        f"{os.getpid()}]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
+    from edgeinfer.engine.warmup import prepare_for_load
+    from edgeinfer.runners.choice import estimate_memory
+    try:    # the backend's own figures, for the daemon's memory budget, before any weight
+        est = estimate_memory(config.backend, path, _EstimateSettings(config),
+                              config.kv_cache_type)
+    except BaseException as e:      # noqa: BLE001 - the daemon reports it, in one sentence
+        conn.send(("failed", type(e).__name__, str(e)))
+        conn.close()
+        return
+    conn.send(("estimate", est))
+    try:
+        go = conn.recv()
+    except (EOFError, OSError):
+        return
+    if go[0] != "load":             # the budget refused it
+        return
+
+    def progress(p) -> None:
+        conn.send(("progress", p.done, p.total, p.label))
+    prepare_for_load(path, config.backend, config.kv_cache_type, config.repack, progress, name)
+    if config.backend == "cpu" or config.backend == "llamacpp":
+        from edgeinfer.backends.cpu.threads import ThreadGovernor
+        # this process's own budget: it measures the other engine processes as busy cores
+        config = dataclasses.replace(config, governor=ThreadGovernor(fixed=config.threads))
+    try:
+        engine = Engine(path, config, mmproj=mmproj)
+    except BaseException as e:      # noqa: BLE001 - the daemon reports it, in one sentence
+        conn.send(("failed", type(e).__name__, str(e)))
+        conn.close()
+        return
+    _EngineServer(conn, engine).run()
+
+
+@dataclasses.dataclass(frozen=True)
+class _EstimateSettings:
+    """What estimate_memory reads of the settings, from the engine's config."""
+    kv_cache_type: str
+    repack: bool | None
+    torch_dtype: str | None
+
+    def __init__(self, config: EngineConfig):
+        object.__setattr__(self, "kv_cache_type", config.kv_cache_type or "f16")
+        object.__setattr__(self, "repack", config.repack)
+        object.__setattr__(self, "torch_dtype", config.torch_dtype)
+
+
+class _EngineServer:
+    """The engine process's side of the pipe. The main thread reads commands; the engine
+    thread sends events (one lock orders the two senders)."""
+
+    def __init__(self, conn, engine: Engine):
+        self.conn, self.engine = conn, engine
+        self._send_lock = threading.Lock()
+        self._ids: dict[int, int] = {}       # the daemon's request id -> the engine's
+
+    def send(self, msg: tuple) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, EOFError, BrokenPipeError):
+                pass                # the daemon is gone: the read loop ends us
+
+    def run(self) -> None:
+        engine = self.engine
+        engine.on_publish = self._published
+        engine.start()
+        self.send(("ready", engine.info))
+        try:
+            while True:
+                try:
+                    msg = self.conn.recv()
+                except (EOFError, OSError):
+                    break
+                if msg[0] == "close":
+                    break
+                self._handle(msg)
+        finally:
+            engine.close()
+            self.send(("closed",))
+            self.conn.close()
+
+    def _published(self, snap: dict) -> None:
+        """Engine thread, after each step: the figures follow the step's events (one small
+        dict; /api/stats reads them as of the last step, as in process)."""
+        self.send(("snap", snap))
+
+    def _sink(self, rid: int) -> Callable[[RequestOutput], None]:
+        def sink(out: RequestOutput) -> None:
+            d = {k: getattr(out, k) for k in _OUTPUT_FIELDS}
+            d["request_id"] = rid
+            if out.finished:
+                self._ids.pop(rid, None)
+            self.send(("out", rid, d))
+        return sink
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        engine = self.engine
+        if kind == "add":
+            (_, rid, prompt, params, choice, spec, follows, prompt_logprobs, score_only,
+             prediction, images) = msg
+            sink = self._sink(rid)
+            try:
+                constraint = None
+                if spec is not None:
+                    from edgeinfer.engine.grammar import GrammarConstraint
+                    tok = engine.tokenizer
+                    constraint = GrammarConstraint.for_spec(
+                        tok, max(int(engine.cfg.vocab_size), tok.vocab_size), spec)
+                kw = {"constraint": constraint, "prompt_logprobs": prompt_logprobs,
+                      "score_only": score_only, "prediction": prediction, "images": images}
+                if follows is not None and follows in self._ids:
+                    kw["follows"] = self._ids[follows]
+                self._ids[rid] = engine.submit(prompt, params, sink, choice=choice, **kw)
+            except Exception as e:      # noqa: BLE001 - checked in the daemon already
+                sink(RequestOutput(rid, finished=True, finish_reason="error", error=str(e),
+                                   num_prompt_tokens=len(prompt), finish_time=time.monotonic()))
+        elif kind == "embed":
+            _, rid, prompt, pooling = msg
+            sink = self._sink(rid)
+            try:
+                self._ids[rid] = engine.submit_embed(prompt, sink, pooling)
+            except Exception as e:      # noqa: BLE001
+                sink(RequestOutput(rid, finished=True, finish_reason="error", error=str(e),
+                                   finish_time=time.monotonic()))
+        elif kind == "abort":
+            eid = self._ids.pop(msg[1], None)
+            if eid is not None:
+                engine.abort(eid)
+        elif kind == "call":
+            _, cid, name, args = msg
+            try:
+                self.send(("reply", cid, True, self._call(name, args)))
+            except Exception as e:      # noqa: BLE001 - the caller raises it
+                self.send(("reply", cid, False, (type(e).__name__, str(e))))
+
+    def _call(self, name: str, args: tuple) -> Any:
+        engine = self.engine
+        if name == "encode_image":
+            return engine.vision.encode(args[0])
+        if name == "encode":
+            return engine.tokenizer.encode(*args)
+        if name == "piece":
+            return engine.tokenizer.piece(*args)
+        if name == "tokenizer_facts":
+            t = engine.tokenizer
+            return {k: getattr(t, k) for k in ("vocab_size", "model", "bos_id", "eos_id",
+                                               "add_bos", "eot_ids")}
+        raise ValueError(f"unknown call {name!r}")
+
+
+# ----- the daemon's side ------------------------------------------------------------------------
+
+class _RemoteTokenizer:
+    """A vocabulary only llama.cpp reads (the llama.cpp backend's own tokenizer): encode and
+    pieces are asked of the engine process, pieces cached."""
+
+    def __init__(self, remote: "RemoteEngine"):
+        self._remote = remote
+        facts = remote.call("tokenizer_facts")
+        self.__dict__.update(facts)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self._remote.call("encode", text, add_special, parse_special)
+
+    def is_eog(self, token_id: int) -> bool:
+        return token_id in self.eot_ids
+
+    def piece(self, token_id: int, render_special: bool = False) -> bytes:
+        key = (token_id, render_special)
+        p = self._pieces.get(key)
+        if p is None:
+            p = self._pieces[key] = self._remote.call("piece", token_id, render_special)
+        return p
+
+    def decode_bytes(self, ids, render_special: bool = False) -> bytes:
+        return b"".join(self.piece(i, render_special) for i in ids)
+
+    def decode(self, ids, render_special: bool = False) -> str:
+        return self.decode_bytes(ids, render_special).decode("utf-8", errors="replace")
+
+
+class RemoteEngine:
+    """A model whose engine runs in its own process. Construction spawns the process and
+    returns with `estimate`, the backend's memory figures (edgeinfer.runners.choice
+    .MemoryEstimate), before any weight is read; `load()` then loads (or `close()` gives
+    up), blocking until the engine is ready (LoadFailed or MemoryError with the load's
+    message otherwise); meanwhile the daemon reads the vocabulary and template."""
+
+    def __init__(self, path: str, config: EngineConfig, mmproj: str | None = None,
+                 on_death: Callable[["RemoteEngine"], None] | None = None,
+                 progress: Callable[[Any], None] | None = None, name: str = ""):
+        self.path, self.config, self.mmproj = path, config, mmproj
+        self.on_death = on_death
+        self._progress = progress
+        self._lock = threading.Lock()
+        self._sinks: dict[int, Callable[[RequestOutput], None]] = {}
+        self._calls: dict[int, list] = {}            # call id -> [Event, ok, value]
+        self._ids = itertools.count(1)
+        self._snapshot: dict[str, float] = {}
+        self.dead: str | None = None                 # why the process is gone
+        self._closing = False
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=serve, name="edgeinfer-runner", daemon=True,
+            args=(child, path, dataclasses.replace(config, governor=None), mmproj,
+                  logging.getLogger("edgeinfer").getEffectiveLevel(), name))
+        self.process.start()
+        child.close()
+        try:
+            self.estimate = self._wait_for("estimate")[1]
+        except BaseException:
+            self._kill()
+            raise
+
+    def load(self, progress: Callable[[Progress], None] | None = None) -> "RemoteEngine":
+        """Load the weights in the engine process; returns once it serves. `progress` gets
+        the kernel compilation's steps first, if any are due."""
+        mmproj = self.mmproj
+        if progress is not None:
+            self._progress = progress
+        try:
+            self._conn.send(("load",))
+            tokenizer, md = self._read_vocabulary(self.path)
+            self.info: EngineInfo = self._wait_for("ready")[1]
+            self._reader = threading.Thread(target=self._read_loop, daemon=True,
+                                            name=f"edgeinfer-runner-{self.pid}")
+            self._reader.start()
+            if tokenizer is None:
+                tokenizer = _RemoteTokenizer(self)
+            self.tokenizer = tokenizer
+            layout = None
+            if self.info.vision:
+                from edgeinfer.formats.mmproj import read_mmproj
+                gf, pcfg = read_mmproj(mmproj)
+                gf.close()
+                layout = Layout(tokenizer, pcfg)
+            self.prompts = Prompter(
+                tokenizer, chat_format(md, self.info.cfg.arch), layout=layout,
+                encode_image=(lambda im: self.call("encode_image", im)) if layout else None,
+                no_images=self.info.vision_note)
+        except BaseException:
+            self._kill()
+            raise
+        return self
+
+    # -- start-up ----------------------------------------------------------------------------
+    @staticmethod
+    def _read_vocabulary(path: str):
+        """Our tokenizer and the metadata, read while the engine process loads; None for a
+        vocabulary only llama.cpp reads (its tokenizer is then asked over the pipe)."""
+        gf = read_gguf(path)
+        try:
+            md = {k: v for k, v in gf.metadata.items()
+                  if k.startswith(("tokenizer.", "general."))}
+        finally:
+            gf.close()
+        try:
+            return Tokenizer.from_gguf(md), md
+        except Exception:       # noqa: BLE001 - the engine process reads it then
+            return None, md
+
+    def _wait_for(self, kind: str) -> tuple:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            while not self._conn.poll(0.2):
+                if not self.process.is_alive():
+                    raise LoadFailed(f"the engine process exited while loading "
+                                     f"({_exit_text(self.process.exitcode)})")
+                if time.monotonic() > deadline:
+                    raise LoadFailed("the engine process did not finish loading in time")
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                self.process.join(5)
+                raise LoadFailed(f"the engine process exited while loading "
+                                 f"({_exit_text(self.process.exitcode)})") from None
+            if msg[0] != "progress":
+                break
+            if self._progress is not None:
+                self._progress(Progress(msg[1], msg[2], msg[3]))
+        if msg[0] == "failed":
+            self.process.join(10)
+            _, kind, text = msg
+            if kind == "MemoryError":
+                raise MemoryError(text)
+            raise LoadFailed(text)
+        if msg[0] != kind:
+            raise LoadFailed(f"the engine process sent {msg[0]!r} where {kind!r} was due")
+        return msg
+
+    # -- what the server reads -------------------------------------------------------------
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid or 0)
+
+    @property
+    def cfg(self):
+        return self.info.cfg
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def max_embed_tokens(self) -> int:
+        return self.info.max_embed_tokens
+
+    @property
+    def pooling(self) -> str | None:
+        return self.info.pooling
+
+    @property
+    def chat_template(self) -> str:
+        return self.prompts.chat_template
+
+    @property
+    def has_own_template(self) -> bool:
+        return self.prompts.has_own_template
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        return self.prompts.render(messages, add_generation_prompt, **extra)
+
+    def encode_chat(self, messages: list[dict], **extra) -> list[int]:
+        return self.prompts.encode_chat(messages, **extra)
+
+    def encode_raw(self, text: str) -> list[int]:
+        return self.prompts.encode_raw(text)
+
+    def encode_chat_images(self, messages: list[dict], images: list, **extra):
+        return self.prompts.encode_chat_images(messages, images, **extra)
+
+    def snapshot(self) -> dict[str, float]:
+        return self._snapshot
+
+    def stats(self) -> dict[str, float]:
+        return self._snapshot
+
+    def vision_stats(self) -> dict | None:
+        """The projector's counters as of the engine's last step."""
+        return self._snapshot.get("vision") if self.info.vision else None
+
+    # -- requests ----------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink, choice: int = 0,
+               constraint=None, follows: int | None = None, prompt_logprobs: int | None = None,
+               score_only: bool = False, prediction: list[int] | None = None,
+               images: list | None = None) -> int:
+        """Engine.submit's contract; the checks run here, the request runs there."""
+        images = tuple(images or ())
+        params, _, _ = check_request(self.info, prompt_ids, params, images, prompt_logprobs,
+                                     score_only, prediction)
+        spec = None
+        if constraint is not None:
+            spec = constraint.spec
+            if spec is None:
+                raise RequestError("this constraint cannot cross to the engine process")
+        rid = self._register(sink)
+        self._send(("add", rid, list(prompt_ids), params, choice, spec, follows,
+                    prompt_logprobs, bool(score_only), list(prediction) if prediction else None,
+                    images), rid)
+        return rid
+
+    def submit_embed(self, prompt_ids: list[int], sink, pooling: str | None = None) -> int:
+        check_embed(self.info, prompt_ids)
+        rid = self._register(sink)
+        self._send(("embed", rid, list(prompt_ids), pooling or self.info.pooling), rid)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        with self._lock:
+            known = self._sinks.get(request_id) is not None
+        if known:
+            self._send(("abort", request_id))
+
+    def call(self, name: str, *args) -> Any:
+        """A request-reply to the engine process (image encoding, llama.cpp's tokenizer)."""
+        if self.dead:
+            raise RunnerDied(self.dead)
+        cid = next(self._ids)
+        slot = [threading.Event(), False, None]
+        with self._lock:
+            self._calls[cid] = slot
+        self._send(("call", cid, name, args))
+        slot[0].wait()
+        if not slot[1]:
+            kind, text = slot[2]
+            if kind == "RunnerDied":
+                raise RunnerDied(text)
+            if kind in ("VisionError", "RequestError", "ValueError"):
+                raise RequestError(text)
+            raise RuntimeError(text)
+        return slot[2]
+
+    def _register(self, sink) -> int:
+        if self.dead:
+            raise RunnerDied(self.dead)
+        rid = next(self._ids)
+        with self._lock:
+            self._sinks[rid] = sink
+        return rid
+
+    def _send(self, msg: tuple, rid: int | None = None) -> None:
+        try:
+            with self._lock:
+                self._conn.send(msg)
+        except (OSError, EOFError, BrokenPipeError, ValueError):
+            if rid is not None:
+                with self._lock:
+                    self._sinks.pop(rid, None)
+            raise RunnerDied(self.dead or "the model's engine process is gone") from None
+
+    # -- events ------------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "out":
+                _, rid, d = msg
+                with self._lock:
+                    sink = self._sinks.get(rid)
+                    if d["finished"]:
+                        self._sinks.pop(rid, None)
+                if sink is not None:
+                    try:
+                        sink(RequestOutput(**d))
+                    except Exception:
+                        log.exception("request sink failed")
+            elif kind == "snap":
+                self._snapshot = msg[1]
+            elif kind == "reply":
+                _, cid, ok, value = msg
+                with self._lock:
+                    slot = self._calls.pop(cid, None)
+                if slot is not None:
+                    slot[1], slot[2] = ok, value
+                    slot[0].set()
+            elif kind == "closed":
+                break
+        self._gone()
+
+    def _gone(self) -> None:
+        """The pipe closed: a close we asked for, or the process died. Every open request
+        ends with an error event, every pending call raises."""
+        self.process.join(2 if self._closing else 5)
+        code = self.process.exitcode
+        if self._closing:
+            why = "the model was unloaded"
+        else:
+            why = (f"the model's engine process (pid {self.pid}) died "
+                   f"({_exit_text(code)}); the next request loads the model again")
+            log.error("%s", why)
+        self.dead = why
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            calls, self._calls = self._calls, {}
+        for rid, sink in sinks.items():
+            try:
+                sink(RequestOutput(rid, finished=True, finish_reason="error", error=why,
+                                   finish_time=time.monotonic()))
+            except Exception:
+                log.exception("request sink failed")
+        for slot in calls.values():
+            slot[1], slot[2] = False, ("RunnerDied", why)
+            slot[0].set()
+        if not self._closing and self.on_death is not None:
+            self.on_death(self)
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def close(self, timeout: float = 30.0) -> None:
+        """End the engine process (its open requests end with "abort" there) and wait."""
+        self._closing = True
+        if self.process.is_alive():
+            try:
+                with self._lock:
+                    self._conn.send(("close",))
+            except (OSError, EOFError, BrokenPipeError, ValueError):
+                pass
+            self.process.join(timeout)
+        self._kill()
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(5)
+
+    shutdown = close
+
+    def _kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
