@@ -11,6 +11,8 @@ engines together (streams requests each), and reports aggregate decode tokens pe
 The target is together >= 0.8x alone: the second model must not slow the machine down by
 oversubscribing the cores. `--separate` gives each engine its own governor (each believes it
 owns every free core), the behaviour before the shared budget, for comparison.
+`--process` runs each engine in its own process (edgeinfer.engine.remote, as the daemon
+does by default): each process has its own governor, which counts the other as busy cores.
 
 Absolute numbers on a shared machine drift run to run; rounds interleave alone/together so
 the ratio is taken under the same conditions.
@@ -66,6 +68,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="NUMBA_NUM_THREADS (0: all cores)")
     ap.add_argument("--separate", action="store_true",
                     help="one governor per engine (no shared budget), for comparison")
+    ap.add_argument("--process", action="store_true",
+                    help="each engine in its own process, as the daemon runs them")
     args = ap.parse_args()
     import os
     setup_env(args.threads or os.cpu_count() or 1)
@@ -77,6 +81,10 @@ def main() -> None:
     shared = ThreadGovernor()
 
     def load():
+        if args.process:
+            from edgeinfer.engine.remote import RemoteEngine
+            return RemoteEngine(path, EngineConfig(kv_budget_bytes=64 << 20,
+                                                   max_model_len=1024)).load()
         g = ThreadGovernor() if args.separate else shared
         return Engine(path, EngineConfig(kv_budget_bytes=64 << 20, max_model_len=1024,
                                          governor=g)).start()
@@ -94,7 +102,7 @@ def main() -> None:
                 ["two models", 2 * args.streams, statistics.median(together), min(together),
                  max(together)]]
         print(table(f"Aggregate decode tok/s, {args.tokens} tokens per request, "
-                    f"{'separate governors' if args.separate else 'one shared governor'}, "
+                    f"{'engine processes' if args.process else 'separate governors' if args.separate else 'one shared governor'}, "
                     f"{os.cpu_count()} cores",
                     ["", "streams", "tok/s median", "min", "max"], rows))
         ratio = statistics.median(together) / statistics.median(alone)
