@@ -14,6 +14,7 @@ like that, not on chat turns; measured in README "The first run"). --raw sends P
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import sys
@@ -97,7 +98,6 @@ QA_STOPS = ("\nQuestion:", "\n\n")
 
 def qa_framed(prompt: str, params):
     """A one-shot prompt for a base model: the Q/A framing and its stops."""
-    import dataclasses
     text = QA_PREFIX + prompt.strip() + QA_SUFFIX
     return text, dataclasses.replace(params, stop=tuple(params.stop) + QA_STOPS)
 
@@ -140,9 +140,9 @@ def with_image_markers(messages: list[dict]) -> tuple[list[dict], list[bytes]]:
 
 
 def stream(engine, prompt_ids: list[int], params, out=None,
-           guard=None, images=None) -> tuple[str, RunStats]:
-    """Submit, print text as it arrives, return the text and timings. Ctrl-C aborts.
-    `guard` (a RepetitionGuard) ends the request with reason "repetition" when it fires."""
+           images=None) -> tuple[str, RunStats]:
+    """Submit, print text as it arrives, return the text and timings. Ctrl-C aborts. How
+    it finishes (stop, length, repetition) is the engine's FinishCheck's to decide."""
     out = out or sys.stdout
     from edgeinfer.engine.core import RequestError
     events: queue.SimpleQueue = queue.SimpleQueue()
@@ -165,10 +165,6 @@ def stream(engine, prompt_ids: list[int], params, out=None,
             last = now
             if ev.finished:
                 final = ev
-            elif guard is not None and guard.feed(ev.token_ids):
-                import dataclasses
-                engine.abort(rid)
-                final = dataclasses.replace(ev, finished=True, finish_reason="repetition")
     except KeyboardInterrupt:
         engine.abort(rid)
         raise
@@ -220,11 +216,10 @@ class LocalSession:
             ids = self.engine.encode_raw(prompt)
         else:
             ids = self.engine.encode_chat([{"role": "user", "content": prompt}])
-        from edgeinfer.engine.repetition import RepetitionGuard
         from edgeinfer.engine.sampling import with_vocabulary
-        guard = RepetitionGuard() if self.repetition_stop else None
-        return stream(self.engine, ids, with_vocabulary(params, self.engine.tokenizer),
-                      guard=guard, images=spans)
+        params = dataclasses.replace(with_vocabulary(params, self.engine.tokenizer),
+                                     stop_on_repetition=self.repetition_stop)
+        return stream(self.engine, ids, params, images=spans)
 
     def close(self) -> None:
         self.engine.shutdown()
