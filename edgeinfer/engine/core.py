@@ -492,19 +492,26 @@ class Engine:
             self._end(seq, "abort")
         for seq in out.finished:
             self._end(seq, seq.finish_reason or "error", seq.error)
-        if out.is_empty:
-            self._publish()
-            return out
-        plan = self._plan(out)
-        result = self.runner.execute(plan)
-        self.steps += 1
-        self.prompt_tokens_computed += sum(len(c.token_ids) for c in out.chunks if not c.is_decode)
+        if not out.is_empty:
+            result = self.runner.execute(self._plan(out))
+            self.steps += 1
+            self.prompt_tokens_computed += sum(len(c.token_ids) for c in out.chunks
+                                               if not c.is_decode)
+            self._take_side_results(result)
+            kept, verdicts = self._check_finishes(out, result)
+            self.scheduler.update(out, kept)
+            self._deliver(out, result, kept, verdicts)
+        self._publish()
+        return out
+
+    def _take_side_results(self, result) -> None:
+        """What a step computes besides sampled tokens: tokens a runner's own cache reused,
+        embeddings (their requests end now, before their blocks would be published), prompt
+        logprobs, and per-request errors."""
         for rid, n in result.reused_tokens.items():
             if rid in self._states:
                 self._states[rid].reused = max(self._states[rid].reused, n)
         for rid, vec in (result.hidden or {}).items():
-            # an embedding's last position was computed: it ends now, before its blocks
-            # would be published (Sequence.reuse_prefix keeps it off cache hits too)
             seq, st = self.scheduler.get(rid), self._states.get(rid)
             if seq is not None and st is not None:
                 st.out.embedding = vec
@@ -518,9 +525,12 @@ class Engine:
             seq = self.scheduler.get(rid)
             if seq is not None:
                 self._fail(seq, message)
-        # Each sampling request's new tokens (several when a draft was accepted) go through
-        # its FinishCheck first: a stop inside them keeps only the tokens up to it.
-        now = time.monotonic()
+
+    def _check_finishes(self, out: SchedulerOutput, result) -> tuple[dict, dict]:
+        """Each sampling request's new tokens (several when a draft was accepted) through its
+        FinishCheck: a stop inside them keeps only the tokens up to it. Returns the tokens
+        kept and a verdict per request: ("ok", text, shown indices, reason or None),
+        ("score_only",) or ("error", message)."""
         kept: dict[int, list[int]] = {}
         verdicts: dict[int, tuple] = {}
         for c in out.chunks:
@@ -551,7 +561,11 @@ class Engine:
                 continue
             kept[rid] = tokens[:i + 1]
             verdicts[rid] = ("ok", text, shown, reason)
-        self.scheduler.update(out, kept)
+        return kept, verdicts
+
+    def _deliver(self, out: SchedulerOutput, result, kept: dict, verdicts: dict) -> None:
+        """The step's events: new text, tokens and logprobs; the requests that finished end."""
+        now = time.monotonic()
         for c in out.chunks:
             seq = c.seq
             rid = seq.seq_id
@@ -591,8 +605,6 @@ class Engine:
                 self._end(seq, reason)
             else:
                 self._emit(st, seq)
-        self._publish()
-        return out
 
     # -- figures ---------------------------------------------------------------------------
     def _make_snapshot(self) -> dict[str, float]:
