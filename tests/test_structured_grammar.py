@@ -118,13 +118,14 @@ def test_regex_choice_gbnf_lark(tok):
     _walk(tok, c, "x7")
 
 
-def test_compiles_are_cached(tok):
+def test_compiles_are_cached_per_model(tok):
     spec = g.json_schema({"type": "object", "properties": {"q": {"type": "string"}}})
     g.GrammarConstraint.for_spec(tok, tok.vocab_size, spec)
-    hits = g.cache.hits
+    cache = g.grammars_for(tok, tok.vocab_size).cache
+    hits = cache.hits
     a = g.GrammarConstraint.for_spec(tok, tok.vocab_size, spec)
     b = g.GrammarConstraint.for_spec(tok, tok.vocab_size, spec)
-    assert g.cache.hits == hits + 2
+    assert cache.hits == hits + 2
     a.accept(a_tok := int(np.nonzero(a.allowed_tokens())[0][0]))   # copies are independent
     assert b.allowed_tokens()[a_tok]
 

@@ -111,23 +111,86 @@ class _GGUFVocab:
         return self._tok.encode(text, add_special=False, parse_special=False)
 
 
-_views: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
-_views_lock = threading.Lock()
+class _Cache:
+    """LRU of compiled matchers (fresh, never advanced) per (view, grammar key)."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._d: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        with self._lock:
+            m = self._d.get(key)
+            if m is not None:
+                self._d.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return m
+
+    def put(self, key, m) -> None:
+        with self._lock:
+            self._d[key] = m
+            self._d.move_to_end(key)
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+
+
+class Grammars:
+    """One tokenizer's compiled grammars: llguidance's view of the vocabulary and an LRU of
+    fresh matchers. It lives as long as the tokenizer, that is as the loaded model (the daemon's
+    Prompter, or the engine in its process): nothing of an unloaded model's stays."""
+
+    def __init__(self, tok, vocab_size: int, cache_size: int = 64):
+        _require()
+        vocab = _GGUFVocab(tok, vocab_size)
+        self.vocab_size = vocab_size
+        self.eos_ids = tok.eot_ids
+        self.view = LLTokenizer(TokenizerWrapper(vocab), n_vocab=vocab_size,
+                                eos_token=vocab.eos_token_ids or None)
+        self.cache = _Cache(cache_size)
+
+    def compile(self, spec: "GrammarSpec") -> "LLMatcher":
+        """A fresh matcher for `spec` (cached; the caller gets its own copy). GrammarError
+        with llguidance's reason when the grammar cannot be compiled."""
+        if spec.kind == "json_schema" and not isinstance(spec.source, str):
+            check_schema(spec.source)      # before the key recurses through it
+        key = spec.key()
+        m = self.cache.get(key)
+        if m is None:
+            m = compile_spec(self.view, spec)
+            self.cache.put(key, m)
+        return m.deep_copy()
+
+    def constraint(self, spec: "GrammarSpec") -> "GrammarConstraint":
+        return GrammarConstraint(self.compile(spec), self.vocab_size, self.eos_ids, spec=spec)
+
+
+# per tokenizer, weakly: the entry goes with the tokenizer
+_grammars: "weakref.WeakKeyDictionary[Any, dict[int, Grammars]]" = weakref.WeakKeyDictionary()
+_grammars_lock = threading.Lock()
+
+
+def grammars_for(tok, vocab_size: int | None = None) -> Grammars:
+    """The Grammars of `tok` at `vocab_size` (at least the tokenizer's own), built once."""
+    n = max(vocab_size or 0, tok.vocab_size)
+    with _grammars_lock:
+        per = _grammars.setdefault(tok, {})
+        g = per.get(n)
+        if g is None:
+            g = per[n] = Grammars(tok, n)
+    return g
 
 
 def tokenizer_view(tok, vocab_size: int | None = None):
     """llguidance's LLTokenizer for our Tokenizer, built once per (tokenizer, vocab size)."""
-    _require()
-    n = max(vocab_size or 0, tok.vocab_size)
-    with _views_lock:
-        per = _views.setdefault(tok, {})
-        view = per.get(n)
-        if view is None:
-            vocab = _GGUFVocab(tok, n)
-            view = LLTokenizer(TokenizerWrapper(vocab), n_vocab=n,
-                               eos_token=vocab.eos_token_ids or None)
-            per[n] = view
-    return view
+    return grammars_for(tok, vocab_size).view
 
 
 # ----- grammar specs -----------------------------------------------------------------------
@@ -297,56 +360,17 @@ def _clean(msg: str) -> str:
     return msg or "the grammar could not be compiled"
 
 
-class _Cache:
-    """LRU of compiled matchers (fresh, never advanced) per (view, grammar key)."""
-
-    def __init__(self, size: int = 64):
-        self.size = size
-        self._d: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(self, key):
-        with self._lock:
-            m = self._d.get(key)
-            if m is not None:
-                self._d.move_to_end(key)
-                self.hits += 1
-            else:
-                self.misses += 1
-            return m
-
-    def put(self, key, m) -> None:
-        with self._lock:
-            self._d[key] = m
-            self._d.move_to_end(key)
-            while len(self._d) > self.size:
-                self._d.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._d.clear()
-
-
-cache = _Cache()
-
-
 def compile_spec(view, spec: GrammarSpec) -> "LLMatcher":
-    """A fresh matcher for `spec` on `view` (cached; the caller gets its own copy).
+    """A new matcher for `spec` on `view` (uncached: Grammars.compile caches per model).
     Raises GrammarError with llguidance's reason when the grammar cannot be compiled."""
     _require()
     if spec.kind == "json_schema" and not isinstance(spec.source, str):
         check_schema(spec.source)          # before anything recurses through it
-    key = (id(view), spec.key())
-    m = cache.get(key)
-    if m is None:
-        grammar = to_llguidance(spec)
-        m = LLMatcher(view, grammar, log_level=0, limits=LLParserLimits(**_LIMITS_KW))
-        if m.is_error():
-            raise GrammarError(f"cannot compile the {spec.kind.replace('_', ' ')}: "
-                               f"{_clean(m.get_error())}")
-        cache.put(key, m)
-    return m.deep_copy()
+    m = LLMatcher(view, to_llguidance(spec), log_level=0, limits=LLParserLimits(**_LIMITS_KW))
+    if m.is_error():
+        raise GrammarError(f"cannot compile the {spec.kind.replace('_', ' ')}: "
+                           f"{_clean(m.get_error())}")
+    return m
 
 
 async def compile_async(view, spec: GrammarSpec, timeout: float = COMPILE_TIMEOUT_S):
@@ -379,9 +403,8 @@ class GrammarConstraint:
 
     @classmethod
     def for_spec(cls, tok, vocab_size: int, spec: GrammarSpec) -> "GrammarConstraint":
-        view = tokenizer_view(tok, vocab_size)
-        return cls(compile_spec(view, spec), max(vocab_size, tok.vocab_size), tok.eot_ids,
-                   spec=spec)
+        """The constraint for `spec` from the tokenizer's Grammars (compiles cached)."""
+        return grammars_for(tok, vocab_size).constraint(spec)
 
     def bitmask(self) -> np.ndarray:
         """int32 [ceil(vocab/32)]: bit j of word i allows token 32*i + j (llguidance's

@@ -164,11 +164,10 @@ class _EngineServer:
             sink = self._sink(rid)
             try:
                 constraint = None
-                if spec is not None:
-                    from edgeinfer.engine.grammar import GrammarConstraint
-                    tok = engine.tokenizer
-                    constraint = GrammarConstraint.for_spec(
-                        tok, max(int(engine.cfg.vocab_size), tok.vocab_size), spec)
+                if spec is not None:    # compiled again here, cached per model
+                    from edgeinfer.engine.grammar import grammars_for
+                    constraint = grammars_for(engine.tokenizer,
+                                              int(engine.cfg.vocab_size)).constraint(spec)
                 kw = {"constraint": constraint, "prompt_logprobs": prompt_logprobs,
                       "score_only": score_only, "prediction": prediction, "images": images}
                 if follows is not None and follows in self._ids:

@@ -161,19 +161,11 @@ def close_engine(engine: Engine | RemoteEngine) -> None:
 
 
 def release_memory() -> None:
-    """Collect what an unloaded engine left (its objects reference each other) and give the
-    freed heap back to the OS. Call once nothing references the engine any more."""
-    _forget_grammars()
+    """Collect what an unloaded engine left (its objects reference each other; its compiled
+    grammars go with its tokenizer) and give the freed heap back to the OS. Call once
+    nothing references the engine any more."""
     gc.collect()
     _trim_heap()
-
-
-def _forget_grammars() -> None:
-    """Compiled grammars hold their model's tokenizer view; an unloaded model's must go."""
-    import sys
-    grammar = sys.modules.get("edgeinfer.engine.grammar")   # loaded only if ever used
-    if grammar is not None:
-        grammar.cache.clear()
 
 
 

@@ -285,9 +285,8 @@ async def build_constraints(engine, spec: GrammarSpec, n: int, param: str) -> li
     vocab = max(int(engine.cfg.vocab_size), tok.vocab_size)
 
     def work() -> list:
-        view = g.tokenizer_view(tok, vocab)
-        return [g.GrammarConstraint(g.compile_spec(view, spec), vocab, tok.eot_ids, spec=spec)
-                for _ in range(n)]
+        grammars = g.grammars_for(tok, vocab)      # the model's: it goes with its tokenizer
+        return [grammars.constraint(spec) for _ in range(n)]
     try:
         return await asyncio.wait_for(asyncio.to_thread(work), g.COMPILE_TIMEOUT_S)
     except asyncio.TimeoutError:
