@@ -121,7 +121,7 @@ def test_previous_response_id_unknown_is_404_and_store_false(oa, shared_daemon):
     with pytest.raises(openai.NotFoundError) as e:
         oa.responses.create(model=MODEL, input="hi", previous_response_id="resp_nope",
                             max_output_tokens=2)
-    assert e.value.body["type"] == "not_found_error" or e.value.status_code == 404
+    assert e.value.status_code == 404 and "resp_nope" in str(e.value.message)
     r = oa.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         oa.responses.create(model=MODEL, input="again", previous_response_id=r.id,

@@ -30,7 +30,7 @@ def _walk(tok, c: g.GrammarConstraint, text: str) -> None:
         allowed = c.allowed_tokens()
         assert allowed.dtype == bool and allowed.shape == (tok.vocab_size,)
         assert allowed[t], f"{tok.piece(t)!r} was masked out"
-        assert not c.is_complete() or False
+        assert not c.is_complete(), f"complete before {tok.piece(t)!r}"
         c.accept(t)
 
 
