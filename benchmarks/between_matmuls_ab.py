@@ -13,7 +13,7 @@ T = int(sys.argv[1]); R = int(sys.argv[2])
 setup_env(T)
 import numpy as np
 from edgeinfer.engine.core import Engine, EngineConfig
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 import edgeinfer.backends.cpu._actquant as aq, edgeinfer.backends.cpu._norm as nm, edgeinfer.backends.cpu._geglu as gg
 import edgeinfer.backends.cpu.kernels as K
 engine = Engine(model_path(None), EngineConfig(kv_budget_bytes=1 << 30, max_model_len=4096, max_tokens_per_step=2048, threads=T, speculative=False))

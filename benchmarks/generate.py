@@ -67,7 +67,7 @@ def _kv_budget(model: str, ctx: int) -> int:
 
 def worker_native(model: str, depths: list[int], ctx: int) -> dict:
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     engine = Engine(model, EngineConfig(max_model_len=ctx, kv_budget_bytes=_kv_budget(model, ctx),
                                         max_tokens_per_step=PP, speculative=False))
     greedy = SamplingParams(temperature=0, max_tokens=1)
@@ -131,7 +131,7 @@ def worker_llamacpp(model: str, depths: list[int], ctx: int, threads: int, fa: b
 
 def worker_fill_native(model: str, n: int) -> dict:
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     engine = Engine(model, EngineConfig(max_model_len=n + 64,
                                         kv_budget_bytes=_kv_budget(model, n + 64),
                                         max_tokens_per_step=PP, speculative=False))

@@ -212,7 +212,7 @@ def bench_decode(path: str, rounds: int = 3) -> None:
     import threading
     from edgeinfer.engine import grammar as g
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
 
     eng = Engine(path, EngineConfig(max_model_len=1024, max_running_seqs=8)).start()
     try:

@@ -37,7 +37,7 @@ def worker(model: str, isa: str) -> dict:
     import numpy as np
 
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     engine = Engine(model, EngineConfig(max_model_len=2048, kv_budget_bytes=1 << 28,
                                         max_tokens_per_step=PP, speculative=False,
                                         repack=isa != "gguf"))

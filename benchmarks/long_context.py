@@ -62,7 +62,7 @@ def native_budget(cfg, ctx: int, windowed: bool, running: int, step: int, bs: in
 def worker_native(model: str, ctx: int, windowed: bool, running: int) -> dict:
     from edgeinfer.backends.cpu.ops import CpuOps
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     from edgeinfer.formats.gguf_file import read_gguf
     from edgeinfer.formats.model_config import load_model_config
     CpuOps.kv_window_group = windowed
@@ -134,7 +134,7 @@ def ab_decode(model: str, ctx: int, rounds: int, running: int, n_decode: int = 3
     decode runs alternate, so machine drift hits both alike. Also checks equal tokens."""
     from edgeinfer.backends.cpu.ops import CpuOps
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     from edgeinfer.formats.gguf_file import read_gguf
     from edgeinfer.formats.model_config import load_model_config
     gf = read_gguf(model)

@@ -20,7 +20,7 @@ from common import model_path, setup_env  # noqa: E402
 
 
 def ttft(engine, prompt: list[int], n: int) -> float:
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     events: queue.Queue = queue.Queue()
     params = SamplingParams(temperature=0.8, max_tokens=4, seed=1)
     t0 = time.perf_counter()

@@ -106,7 +106,7 @@ def prompt_of(engine, n: int, salt: int) -> list[int]:
 
 
 def scenario(engine, timers: Timers, name: str, repeats: int) -> dict[str, float]:
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     rows = []
     for r in range(repeats):
         if name.startswith("prefill"):
@@ -155,7 +155,7 @@ def main() -> None:
         per_matrix_baseline(engine)
     instrument(engine, timers)
     engine.generate(prompt_of(engine, 64, 1), __import__(
-        "edgeinfer.engine.sampling", fromlist=["SamplingParams"]).SamplingParams(
+        "edgeinfer.runners.sampling_params", fromlist=["SamplingParams"]).SamplingParams(
         temperature=0, max_tokens=2))                     # warm-up
     results = {}
     for name in a.scenarios.split(","):

@@ -40,7 +40,7 @@ def main() -> None:
     from edgeinfer.backends.cpu.quants import QuantMatrix
     from edgeinfer.backends.cpu.repack import PackedMatrix
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     from repack_ab import load_base
 
     old8, oldrp = load_base(a.base)

@@ -12,7 +12,8 @@ machine is shared: min is the least noisy figure).
 Configs marked "+mask" give every row a token mask (structured output) allowing a random
 10% of the vocabulary.
 
---baseline REV also loads edgeinfer/engine/sampling.py as it was at git revision REV and
+--baseline REV also loads the sampler (edgeinfer/runners/sampling.py; before the split,
+edgeinfer/engine/sampling.py) as it was at git revision REV and
 times it on the same unmasked configs, interleaved call by call with the current code (so
 drift on a shared machine hits both alike), then prints the ratio current/baseline of the
 min and median: the check that rows without a mask did not get slower.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeinfer.engine.sampling import Sampler
+from edgeinfer.runners.sampling import Sampler
 
 VOCAB = 262_144
 MASK_DENSITY = 0.1
@@ -76,8 +77,14 @@ def make_states(mod, params_kw: dict, batch: int) -> list:
 
 
 def load_baseline(rev: str):
-    src = subprocess.run(["git", "show", f"{rev}:edgeinfer/engine/sampling.py"], check=True,
-                         capture_output=True, text=True).stdout
+    src = ""
+    for where in ("edgeinfer/runners/sampling.py", "edgeinfer/engine/sampling.py"):
+        got = subprocess.run(["git", "show", f"{rev}:{where}"], capture_output=True, text=True)
+        if got.returncode == 0:
+            src = got.stdout
+            break
+    if not src:
+        raise SystemExit(f"no sampler at revision {rev}")
     path = Path(tempfile.mkdtemp(prefix="sampling-baseline-")) / "sampling_baseline.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("sampling_baseline", path)

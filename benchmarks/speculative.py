@@ -88,7 +88,7 @@ FREE = "Once upon a time, in a small village at the edge of a great forest, ther
 
 
 def ours(engine, ids: list[int], n: int) -> float:
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     return (out.num_output_tokens - 1) / (out.finish_time - out.first_token_time)
 

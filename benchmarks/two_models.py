@@ -35,7 +35,7 @@ PROMPTS = ["The history of the lighthouse begins", "A short guide to growing tom
 
 def run(engines, streams: int, tokens: int) -> tuple[int, float]:
     """Submit `streams` requests to each engine at once; (tokens generated, seconds)."""
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     lock = threading.Lock()
     left = [len(engines) * streams]

@@ -35,6 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from edgeinfer.formats.kv_cache_types import (  # noqa: F401 (the settings' names too)
+    KV_BYTES_PER_VALUE, KV_CACHE_TYPES, check_kv_cache_type)
+
 DEFAULT_KEEP_ALIVE = 300.0
 DEFAULT_KV_BUDGET = 1 << 30
 
@@ -69,20 +72,6 @@ def parse_duration(value: float | int | str) -> float:
 class SettingsError(ValueError):
     """A setting with a value that cannot be used; the message names the variable."""
 
-
-# KV cache element types a user may choose (--kv-cache-type, EDGEINFER_KV_CACHE_TYPE, the
-# APIs' kv_cache_type load option), as llama.cpp names them; f32 is only the pool of the CPU
-# backend's f32 numerics. Bytes per value: q8_0 is ggml's block of 32 int8 codes + f16 scale.
-KV_CACHE_TYPES = ("f16", "q8_0")
-KV_BYTES_PER_VALUE = {"f32": 4, "f16": 2, "q8_0": 34 / 32}
-
-
-def check_kv_cache_type(value, name: str = "kv_cache_type") -> str:
-    """The KV cache type, or ValueError naming `name` and the allowed values."""
-    if value not in KV_CACHE_TYPES:
-        raise ValueError(f"{name} {value!r} is not a KV cache type: use "
-                         + " or ".join(KV_CACHE_TYPES))
-    return value
 
 
 def _num(env: Mapping[str, str], name: str, default, scale: int = 1, kind=int):
@@ -181,18 +170,6 @@ class Settings:
             allow_image_urls=bool(_flag(env, "EDGEINFER_ALLOW_IMAGE_URLS")),
         )
         return s.with_overrides(**overrides)
-
-    def engine_config(self, backend: str | None = None, governor=None, **kw):
-        """The EngineConfig these settings give one engine (backend: the resolved name)."""
-        from edgeinfer.engine.core import EngineConfig
-        kw.setdefault("kv_cache_type", self.kv_cache_type)   # a load option may override it
-        return EngineConfig(backend=backend or self.backend, max_model_len=self.max_model_len,
-                            kv_budget_bytes=self.kv_budget_bytes,
-                            max_running_seqs=self.max_running_seqs,
-                            batch_invariant=self.batch_invariant, repack=self.repack,
-                            torch_dtype=self.torch_dtype, threads=self.threads,
-                            speculative=self.speculative,
-                            governor=governor, **kw)
 
     def with_overrides(self, **overrides) -> "Settings":
         names = {f.name for f in fields(self)}

@@ -176,24 +176,21 @@ def test_show_rows_predict_auto_when_not_loaded(monkeypatch):
     assert rows["weights"] == "gguf (llama.cpp): GGUF tensors held by llama.cpp"
 
 
-def test_torch_weights_format_prediction(monkeypatch):
+def test_torch_weights_format_prediction():
     from edgeinfer.runners.choice import describe_weights, weights_format_of
     assert weights_format_of("torch:cpu") == "float32"       # exact parity with numba on CPU
-    monkeypatch.setenv("EDGEINFER_TORCH_DTYPE", "bfloat16")
-    assert weights_format_of("torch:cpu") == "bfloat16"
-    assert describe_weights("torch:cpu") == \
+    assert weights_format_of("torch:cpu", torch_dtype="bfloat16") == "bfloat16"
+    assert describe_weights("torch:cpu", torch_dtype="bfloat16") == \
         "bfloat16: dequantized once at load to dense bfloat16 on the cpu device"
     # a CPU runner that describes its own layout is shown in its own words
     assert describe_weights("cpu", "int8 tiles repacked") == "int8 tiles repacked"
 
 
-def test_cpu_weights_prediction_follows_the_runner(gemma3_path, monkeypatch):
+def test_cpu_weights_prediction_follows_the_runner(gemma3_path):
     """What `show` predicts for the numba backend is what CpuOps decides for the file."""
     from edgeinfer.runners.choice import weights_format_of
-    monkeypatch.setenv("EDGEINFER_REPACK", "0")
-    assert "int8" not in weights_format_of("cpu", str(gemma3_path))
-    monkeypatch.setenv("EDGEINFER_REPACK", "1")
-    assert "int8" in weights_format_of("cpu", str(gemma3_path))
+    assert "int8" not in weights_format_of("cpu", str(gemma3_path), repack=False)
+    assert "int8" in weights_format_of("cpu", str(gemma3_path), repack=True)
 
 
 def test_cli_show_without_daemon(gemma3_path, capsys):

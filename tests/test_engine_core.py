@@ -12,7 +12,7 @@ from conftest import CACHE
 from synth import synthetic_model
 
 from edgeinfer.engine.core import Engine, EngineConfig, greedy
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.runners.base import ScheduledSpan, StepPlan
 
 

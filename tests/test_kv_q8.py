@@ -139,8 +139,9 @@ def test_settings_kv_cache_type(monkeypatch):
     with pytest.raises(SettingsError, match="EDGEINFER_KV_CACHE_TYPE 'q4_0'.*f16 or q8_0"):
         Settings.from_env({"EDGEINFER_KV_CACHE_TYPE": "q4_0"})
     s = Settings.from_env({}, kv_cache_type="q8_0")
-    assert s.engine_config("cpu").kv_cache_type == "q8_0"
-    assert s.engine_config("cpu", kv_cache_type="f16").kv_cache_type == "f16"
+    from edgeinfer.engine.core import EngineConfig
+    assert EngineConfig.from_settings(s, "cpu").kv_cache_type == "q8_0"
+    assert EngineConfig.from_settings(s, "cpu", kv_cache_type="f16").kv_cache_type == "f16"
 
 
 @pytest.mark.parametrize("argv", [["run", "m", "--kv-cache-type", "q4_0"],

@@ -15,7 +15,7 @@ import pytest
 
 from edgeinfer.backends.cpu.ops import CpuOps
 from edgeinfer.engine.core import Engine, EngineConfig
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 from test_serving_real import alone, make, run_to_end, submit, tokens  # noqa: F401
 
 MODEL_WINDOW = 512

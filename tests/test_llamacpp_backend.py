@@ -12,7 +12,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from edgeinfer.runners.llamacpp.runner import LlamaCppRunner  # noqa: E402
 from edgeinfer.engine.core import Engine, EngineConfig, greedy  # noqa: E402
-from edgeinfer.engine.sampling import SamplingParams  # noqa: E402
+from edgeinfer.runners.sampling_params import SamplingParams  # noqa: E402
 from edgeinfer.runners.base import NewRequest, ScheduledSpan, StepPlan  # noqa: E402
 
 os.environ.setdefault("EDGEINFER_THREADS", "2")

@@ -9,8 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from edgeinfer.engine import sampling as S
-from edgeinfer.engine.sampling import Sampler, SamplingParams, SeqSamplingState
+from edgeinfer.runners import sampling as S
+from edgeinfer.runners import sampling_params as P
+from edgeinfer.runners.sampling_params import SamplingParams
+from edgeinfer.runners.sampling import Sampler, SeqSamplingState
 
 L = pytest.importorskip("llama_cpp")
 lib = L.llama_cpp._lib
@@ -242,12 +244,12 @@ def test_dry_breaker_ids_from_a_vocabulary():
 
         def piece(self, t, special=False):
             return self.pieces[t]
-    assert S.breaker_ids(Tok(), ("\n", ":")) == (1, 2)
-    p = S.with_vocabulary(SamplingParams(dry_multiplier=0.5, dry_sequence_breakers=["x"]),
+    assert P.breaker_ids(Tok(), ("\n", ":")) == (1, 2)
+    p = P.with_vocabulary(SamplingParams(dry_multiplier=0.5, dry_sequence_breakers=["x"]),
                           Tok())
     assert p.dry_breaker_ids == (3,)
     off = SamplingParams()
-    assert S.with_vocabulary(off, Tok()) is off
+    assert P.with_vocabulary(off, Tok()) is off
 
 
 def test_dry_stops_a_greedy_loop():

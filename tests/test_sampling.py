@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from edgeinfer.engine.sampling import (
-    SamplingParams, Sampler, SeqSamplingState, _categorical, process_logits, truncate,
-)
+from edgeinfer.runners.sampling_params import SamplingParams
+
+from edgeinfer.runners.sampling import Sampler, SeqSamplingState, _categorical, process_logits, truncate
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -21,7 +21,9 @@ from collections import Counter
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from edgeinfer.engine.sampling import SamplingParams, Sampler, SeqSamplingState
+from edgeinfer.runners.sampling_params import SamplingParams
+
+from edgeinfer.runners.sampling import Sampler, SeqSamplingState
 
 F32 = np.float32
 SPECIALS = (math.nan, math.inf, -math.inf)

@@ -48,9 +48,12 @@ def test_durations():
 
 
 def test_engine_config_carries_the_settings():
-    cfg = Settings.from_env({"EDGEINFER_REPACK": "1", "EDGEINFER_MAX_MODEL_LEN": "2048"}) \
-        .engine_config("cpu")
+    from edgeinfer.engine.core import EngineConfig
+    cfg = EngineConfig.from_settings(
+        Settings.from_env({"EDGEINFER_REPACK": "1", "EDGEINFER_MAX_MODEL_LEN": "2048",
+                           "EDGEINFER_THREADS": "1"}), "cpu")
     assert cfg.repack is True and cfg.max_model_len == 2048 and cfg.backend == "cpu"
+    assert cfg.threads == 1
 
 
 def test_cli_reports_a_bad_setting_in_one_line(monkeypatch, capsys):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from edgeinfer.engine.core import Engine, EngineConfig, greedy
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.engine.speculation import SpeculationStats, propose
 
 CODE = '''def fib(n):

@@ -24,7 +24,7 @@ import pytest
 
 import edgeinfer.engine.core as core
 from edgeinfer.engine.core import Engine, EngineConfig, greedy
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 
 FREE_TEXT = [
     "The history of the Roman Empire began",

@@ -235,7 +235,7 @@ def test_llamacpp_backend_takes_images(pair):
 def test_penalties_and_dry_ignore_image_placeholders(engine):
     """Repeat/frequency penalties and DRY over a prompt with images: the sampler's history
     is the text (a placeholder id never indexes the logits)."""
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     img = _img(51)
     ids, spans = _prompt(engine, f"the the {MEDIA_MARKER} the the", [img])
     p = SamplingParams(temperature=0.8, seed=3, max_tokens=8, repeat_penalty=1.3,

@@ -1,14 +1,16 @@
 """Find the daemon, or start one on this machine when there is none.
 
-The TUI is a client: it never runs the engine itself. When nothing answers at the configured
-address and that address is on this machine, it starts the daemon the way every client
-command does (`edgeinfer.server.daemon.start_background`: a new detached process, never a
-fork, since numba's OpenMP layer is not fork-safe; pid file and log in the state directory).
-The daemon keeps running after the TUI exits, like Ollama's.
+The TUI is a client: it never runs the engine itself, nor imports the server. When nothing
+answers at the configured address and that address is on this machine, it runs
+`edgeinfer daemon start` (a new process; it starts the detached daemon, with its pid file and
+log in the state directory, and returns once /health answers). The daemon keeps running after
+the TUI exits, like Ollama's.
 """
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from urllib.parse import urlsplit
 
 from .api import DaemonClient
@@ -31,14 +33,15 @@ class DaemonLauncher:
     def start(self) -> str:
         """Start a daemon in the background and wait for it (blocking: run it in a thread).
         Returns a sentence saying what was started; raises LaunchError with the reason."""
-        from edgeinfer.server import daemon as server_daemon
         parts = urlsplit(self.base_url)
-        try:
-            info = server_daemon.start_background(parts.hostname or "127.0.0.1",
-                                                  parts.port or 11435)
-        except server_daemon.DaemonError as e:
-            raise LaunchError(str(e).splitlines()[0]) from None
-        return f"started the edgeinfer daemon (pid {info.pid})"
+        cmd = [sys.executable, "-m", "edgeinfer", "daemon", "start",
+               "--host", parts.hostname or "127.0.0.1", "--port", str(parts.port or 11435)]
+        r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        if r.returncode != 0:
+            why = (r.stderr.strip() or r.stdout.strip() or f"exit code {r.returncode}")
+            raise LaunchError(why.splitlines()[0].removeprefix("edgeinfer: "))
+        # "edgeinfer daemon started: pid N, URL, log PATH"
+        return r.stdout.strip().splitlines()[-1].partition(", ")[0]
 
 
 async def wait_healthy(client: DaemonClient, timeout: float) -> bool:

@@ -22,6 +22,7 @@ from edgeinfer.backends.cpu.quants import get_rows, row_bytes
 from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
+from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE, check_kv_cache_type
 
 
 _Q = GGMLQuantizationType
@@ -132,7 +133,7 @@ class CpuOps:
 
     def __init__(self, numerics: str = "ggml", batch_invariant: bool = False,
                  repack: bool | None = None, governor: ThreadGovernor | None = None,
-                 kv_cache_type: str | None = None):
+                 kv_cache_type: str | None = None, threads: int | None = None):
         """numerics="ggml" rounds activations, K/V and GELU as llama.cpp's CPU backend does
         (8-bit activation blocks per weight type, f16 K/V and GELU), so greedy text matches it
         token for token; "f32" keeps every intermediate in float32.
@@ -156,7 +157,6 @@ class CpuOps:
         self.batch_invariant = batch_invariant
         # ggml numerics keep K/V in f16, as llama.cpp's default cache does: the pool stores
         # the halves themselves (half the memory and attention bandwidth of float32)
-        from edgeinfer.settings import KV_BYTES_PER_VALUE, check_kv_cache_type
         if kv_cache_type is None:
             kv_cache_type = "f16" if numerics == "ggml" else "f32"
         elif kv_cache_type != "f32" or numerics != "f32":
@@ -171,6 +171,7 @@ class CpuOps:
         # One governor per process (the model manager's), so two loaded models share the
         # cores instead of each taking all of them; a lone ops object makes its own.
         self.governor = governor
+        self.threads = threads          # the lone-ops governor's fixed count (None: measured)
         # Rows that must be the one-row matvec's bits (a speculative verify's: the runner
         # sets it around such a forward when rows_exact is false). Repacked matrices give
         # every row those bits anyway; the others then take the per-row dot for any M.
@@ -203,9 +204,8 @@ class CpuOps:
 
     def begin_step(self) -> None:
         """Called by the runner before each forward, on the thread that runs it."""
-        if self.governor is None:
-            from edgeinfer.settings import current   # a lone ops object (scripts, tests)
-            self.governor = ThreadGovernor(fixed=current().threads)
+        if self.governor is None:       # a lone ops object (scripts, tests): its own budget
+            self.governor = ThreadGovernor(fixed=self.threads)
         self.governor.update()
 
     @property

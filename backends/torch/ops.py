@@ -18,6 +18,7 @@ from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.torch import device as dev
 from edgeinfer.backends.torch.attention import StepLayout, paged_attention, write_kv
 from edgeinfer.backends.torch.weights import dense_bytes, load_tensor
+from edgeinfer.formats.kv_cache_types import check_kv_cache_type
 
 
 @dataclass
@@ -38,7 +39,6 @@ class TorchOps:
     def __init__(self, device: str | None = None, check_memory: bool = True,
                  dtype: str | None = None, kv_cache_type: str | None = None):
         if kv_cache_type not in (None, "f16"):
-            from edgeinfer.settings import check_kv_cache_type
             check_kv_cache_type(kv_cache_type)
             raise ValueError(f"the torch backend keeps its KV cache in f16 (bf16/f32 on some "
                              f"devices) and has no {kv_cache_type} cache: use kv_cache_type f16, "

@@ -53,7 +53,7 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="default backend for the models it loads: cpu, torch, "
                                      "torch:DEVICE, llamacpp or auto (default EDGEINFER_BACKEND, "
                                      "else cpu)")
-    from edgeinfer.cli.run import add_device_arg, add_kv_cache_type_arg
+    from edgeinfer.cli.args import add_device_arg, add_kv_cache_type_arg
     add_kv_cache_type_arg(p, "KV cache type of the models it loads (default "
                              "EDGEINFER_KV_CACHE_TYPE, else f16); a request's kv_cache_type "
                              "load option overrides it per model")
@@ -85,7 +85,7 @@ def _ray_args(p: argparse.ArgumentParser) -> None:
 
 def _validate_placement(p: argparse.ArgumentParser):
     def validate(args: argparse.Namespace) -> None:
-        from edgeinfer.cli.run import check_device_args
+        from edgeinfer.cli.args import check_device_args
         check_device_args(p, args.backend, args.device)
     return validate
 

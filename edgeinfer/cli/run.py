@@ -21,6 +21,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from edgeinfer.cli.args import (add_device_arg, add_kv_cache_type_arg, check_device_args,
+                                resolve_model_file)
 from edgeinfer.cli.errors import UserError
 from edgeinfer.store.bundled import DEFAULT_MODEL
 
@@ -44,7 +46,7 @@ class RunStats:
 
 
 def sampling_from_args(args: argparse.Namespace):
-    from edgeinfer.engine.sampling import SamplingParams
+    from edgeinfer.runners.sampling_params import SamplingParams
     try:
         dry = getattr(args, "dry_multiplier", None)
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -82,9 +84,10 @@ def load_engine(path: str, backend: str, num_ctx: int | None, kv_cache_type: str
     from edgeinfer.settings import current
     prepare_kernels(path, backend, kv_cache_type)
     try:
-        return Engine(path, EngineConfig(backend=backend, max_model_len=num_ctx,
-                                         kv_cache_type=kv_cache_type or current().kv_cache_type),
-                      mmproj=mmproj).start()
+        settings = current()
+        return Engine(path, EngineConfig.from_settings(
+            settings, backend, max_model_len=num_ctx or settings.max_model_len,
+            kv_cache_type=kv_cache_type or settings.kv_cache_type), mmproj=mmproj).start()
     except GGUFError as e:
         raise UserError(f"{mmproj if mmproj and str(e).startswith('the projector') else path}: "
                         f"{e}") from None
@@ -216,7 +219,7 @@ class LocalSession:
             ids = self.engine.encode_raw(prompt)
         else:
             ids = self.engine.encode_chat([{"role": "user", "content": prompt}])
-        from edgeinfer.engine.sampling import with_vocabulary
+        from edgeinfer.runners.sampling_params import with_vocabulary
         params = dataclasses.replace(with_vocabulary(params, self.engine.tokenizer),
                                      stop_on_repetition=self.repetition_stop)
         return stream(self.engine, ids, params, images=spans)
@@ -388,7 +391,6 @@ def local_backend(path: str, backend: str, device: str | None) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from edgeinfer.cli.show import resolve_model_file
     params = sampling_from_args(args)
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
@@ -453,28 +455,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "(default: on for base models)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-
-
-def add_kv_cache_type_arg(p: argparse.ArgumentParser, help_: str) -> None:
-    from edgeinfer.settings import KV_CACHE_TYPES
-    p.add_argument("--kv-cache-type", choices=KV_CACHE_TYPES, default=None, help=help_)
-
-
-def add_device_arg(p: argparse.ArgumentParser, help_: str) -> None:
-    from edgeinfer.runners.choice import DEVICES
-    p.add_argument("--device", choices=DEVICES, default=None, help=help_)
-
-
-def check_device_args(p: argparse.ArgumentParser, backend: str | None,
-                      device: str | None) -> None:
-    """A bad --backend name, or a --device that cannot go with it, is a usage error (exit 2)."""
-    if backend is None:
-        return
-    from edgeinfer.runners.choice import BackendChoiceError, check
-    try:
-        check(backend, device)
-    except BackendChoiceError as e:
-        p.error(str(e))
 
 
 def add_commands(subparsers) -> None:

@@ -4,18 +4,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from edgeinfer.cli.args import add_kv_cache_type_arg, resolve_model_file
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
 from edgeinfer.formats.model_config import ModelSummary, load_model_config, summarize
-
-
-def resolve_model_file(model: str) -> str:
-    """A store name (`gemma3:270m`) or a path to a .gguf file -> the file's path."""
-    if model.endswith(".gguf") or os.sep in model or os.path.exists(model):
-        if not os.path.exists(model):
-            raise GGUFError(f"{model}: file not found")
-        return model
-    from edgeinfer.store.model_store import Store
-    return str(Store().resolve(model).path)
+from edgeinfer.settings import KV_BYTES_PER_VALUE, current
 
 
 def load_summary(path: str) -> ModelSummary:
@@ -77,8 +69,10 @@ def placement_rows(s: ModelSummary, loaded: list[dict]) -> list[tuple[str, str]]
         b = resolve("auto", None, s.arch, getattr(s, "native", True))
     except BackendChoiceError as e:
         return [("backend", f"auto cannot choose: {e}")]
+    settings = current()
     return [("backend", f"{b} (not loaded; what --backend auto picks on this machine)"),
-            ("weights", describe_weights(b, path=s.path))]
+            ("weights", describe_weights(b, path=s.path, repack=settings.repack,
+                                         torch_dtype=settings.torch_dtype))]
 
 
 def kv_row(s: ModelSummary, backend: str | None,
@@ -86,13 +80,13 @@ def kv_row(s: ModelSummary, backend: str | None,
     """KV bytes per token as the backend that runs the model stores them: f16 (the numba
     CPU pool and llama.cpp by default), q8_0 (34 bytes per 32 values) with --kv-cache-type
     or EDGEINFER_KV_CACHE_TYPE, torch's f16/bf16; f16 when no backend is known."""
-    from edgeinfer.settings import KV_BYTES_PER_VALUE, current
-    name = kv_cache_type or current().kv_cache_type
+    settings = current()
+    name = kv_cache_type or settings.kv_cache_type
     per_value = KV_BYTES_PER_VALUE.get(name, 2)
     if backend is not None:
         try:
             from edgeinfer.runners.choice import estimate_memory
-            est = estimate_memory(backend, s.path, kv_cache_type=kv_cache_type)
+            est = estimate_memory(backend, s.path, name, settings.repack, settings.torch_dtype)
             per_value, name = est.kv_bytes_per_value, est.kv_cache_type
         except Exception:       # a prediction only: never fail `show` over it
             backend = None
@@ -177,7 +171,6 @@ def projector_rows(model: str) -> list[tuple[str, str]]:
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("show", help="show a model's architecture, quantization and sizes")
     p.add_argument("model", help="a store name (gemma3:270m) or a path to a .gguf file")
-    from edgeinfer.cli.run import add_kv_cache_type_arg
     add_kv_cache_type_arg(p, "the KV cache type to size the KV row for (default: the loaded "
                              "copy's, else EDGEINFER_KV_CACHE_TYPE, else f16)")
     p.set_defaults(func=cmd_show)

@@ -12,7 +12,7 @@ reason "length" at the point where its first token would be sampled; that token 
 """
 from __future__ import annotations
 
-from edgeinfer.engine.sampling import MAX_LOGPROBS
+from edgeinfer.runners.sampling_params import MAX_LOGPROBS
 from edgeinfer.runners.logprobs import PromptLogprobs
 
 

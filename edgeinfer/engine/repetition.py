@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from edgeinfer.engine.sampling import suffix_z
+from edgeinfer.runners.sampling import suffix_z
 
 REASON = "repetition"
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from edgeinfer.engine.images import placeholder_ids
 from edgeinfer.engine.prompt_scoring import PromptScoring
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.formats.model_config import ModelConfig
 
 

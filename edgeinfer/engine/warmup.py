@@ -339,7 +339,7 @@ def _model_step(arch: str, kv: str) -> None:
     decode with prompt-lookup drafts (several rows a sequence), then sampled requests decoded
     together with every sampler that has a kernel, and a masked (grammar) sample."""
     from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.engine.sampling import SamplingParams, with_vocabulary
+    from edgeinfer.runners.sampling_params import SamplingParams, with_vocabulary
     with tempfile.TemporaryDirectory(prefix="edgeinfer-warm-") as tmp:
         path = write_tiny_model(Path(tmp) / f"{arch}.gguf", arch)
         engine = Engine(str(path), EngineConfig(kv_budget_bytes=8 << 20, max_model_len=256,
@@ -371,7 +371,9 @@ def _masked_sampling() -> None:
     """Structured output samples masked rows through kernels of their own."""
     import numpy as np
 
-    from edgeinfer.engine.sampling import Sampler, SamplingParams, SeqSamplingState
+    from edgeinfer.runners.sampling_params import SamplingParams
+
+    from edgeinfer.runners.sampling import Sampler, SeqSamplingState
     logits = np.random.default_rng(0).standard_normal((1, 4096)).astype(np.float32)
     mask = np.zeros(4096, bool)
     mask[::7] = True

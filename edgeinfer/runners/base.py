@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.runners.logprobs import PromptLogprobs
 

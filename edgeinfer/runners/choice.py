@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE
+
 BACKENDS = ("auto", "cpu", "torch", "llamacpp")
 DEVICES = ("cuda", "mps", "cpu")
 
@@ -193,15 +195,14 @@ class MemoryEstimate:
         return round(2 * n_layers * n_kv_head * head_dim * self.kv_bytes_per_value)
 
 
-def estimate_memory(backend: str, path: str, settings=None,
-                    kv_cache_type: str | None = None) -> MemoryEstimate:
-    """The backend's own figures for the file: repacked tiles on the CPU, dense tensors in
-    torch's dtype, the GGUF's bytes for llama.cpp; the KV pool's bytes per value for
-    `kv_cache_type` (None: the settings' EDGEINFER_KV_CACHE_TYPE; torch keeps f16)."""
+def estimate_memory(backend: str, path: str, kv_cache_type: str | None = None,
+                    repack: bool | None = None, torch_dtype: str | None = None
+                    ) -> MemoryEstimate:
+    """The backend's own figures for the file: repacked tiles on the CPU (`repack`: None
+    per model), dense tensors in torch's dtype, the GGUF's bytes for llama.cpp; the KV
+    pool's bytes per value for `kv_cache_type` (None: f16; torch keeps f16)."""
     from edgeinfer.formats.gguf_file import read_gguf
-    from edgeinfer.settings import KV_BYTES_PER_VALUE, current
-    s = settings or current()
-    kv_type = kv_cache_type or s.kv_cache_type
+    kv_type = kv_cache_type or "f16"
     gf = read_gguf(str(path))
     try:
         base = backend.partition(":")[0]
@@ -210,11 +211,11 @@ def estimate_memory(backend: str, path: str, settings=None,
                                   KV_BYTES_PER_VALUE[kv_type], kv_type)
         from edgeinfer.runners.native import make_ops
         if base == "cpu":
-            ops = make_ops(backend, repack=s.repack, torch_dtype=s.torch_dtype,
+            ops = make_ops(backend, repack=repack, torch_dtype=torch_dtype,
                            kv_cache_type=kv_type)
             kv_type = ops.kv_cache_type
         else:
-            ops = _torch_ops_for_estimate(backend, s.torch_dtype)
+            ops = _torch_ops_for_estimate(backend, torch_dtype)
             kv_type = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}.get(
                 str(ops.kv_dtype).removeprefix("torch."), "f16")
         return MemoryEstimate(ops.weights_nbytes(gf), ops.kv_bytes_per_value, kv_type)
@@ -237,12 +238,13 @@ CPU_WEIGHTS = "gguf (quantized)"          # ModelRunner.weights_format's default
 
 
 def describe_weights(backend: str, weights_format: str | None = None,
-                     path: str | None = None, settings=None) -> str:
+                     path: str | None = None, repack: bool | None = None,
+                     torch_dtype: str | None = None) -> str:
     """How a resolved backend holds the weights, for `show`: the runner's format name and,
     where it helps, words. `weights_format` is a loaded runner's own; without it, what a load
     of the file at `path` would use (torch: the dtype it would choose on that device)."""
     base = backend.partition(":")[0]
-    fmt = weights_format or weights_format_of(backend, path, settings)
+    fmt = weights_format or weights_format_of(backend, path, repack, torch_dtype)
     if base == "cpu" and fmt == CPU_WEIGHTS:
         return f"{fmt}: GGUF quantized blocks, dequantized per matmul"
     if base == "llamacpp":
@@ -252,18 +254,18 @@ def describe_weights(backend: str, weights_format: str | None = None,
     return fmt          # the CPU runner's own words (e.g. its repacked int8 layout)
 
 
-def weights_format_of(backend: str, path: str | None = None, settings=None) -> str:
+def weights_format_of(backend: str, path: str | None = None, repack: bool | None = None,
+                      torch_dtype: str | None = None) -> str:
     """The `weights_format` a runner on this resolved backend would report for the file at
     `path`: the numba backend decides its layout per model (repacked int8 tiles on CPUs with
-    VNNI when they fit, else the GGUF blocks), torch names its dtype."""
-    from edgeinfer.settings import current
-    s = settings or current()
+    VNNI when they fit, else the GGUF blocks; `repack` forces it), torch names its dtype
+    (`torch_dtype`: None for the device's choice)."""
     base = backend.partition(":")[0]
     if base == "cpu":
-        return _cpu_weights_format(path, s.repack)
+        return _cpu_weights_format(path, repack)
     if base == "llamacpp":
         return "gguf (llama.cpp)"
-    return torch_dtype_name(device_of(backend), s.torch_dtype)
+    return torch_dtype_name(device_of(backend), torch_dtype)
 
 
 def _cpu_weights_format(path: str | None, repack: bool | None) -> str:

@@ -27,4 +27,4 @@ def load_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
                             batch_invariant=batch_invariant, governor=governor,
                             repack=repack, torch_dtype=torch_dtype,
                             kv_cache_type=kv_cache_type, max_running_seqs=max_running_seqs,
-                            max_tokens_per_step=max_tokens_per_step)
+                            max_tokens_per_step=max_tokens_per_step, threads=n_threads)

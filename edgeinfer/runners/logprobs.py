@@ -11,7 +11,7 @@ vocabulary floats at once: each chunk is reduced to one float and k pairs per ro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -78,7 +78,6 @@ def score_spans(spans, prompts, run_rows, vocab: int):
     for the given row indices of the span. Pieces of one span run in order, so each attends
     over the K/V the previous one wrote. Returns ({req_id: PromptLogprobs}, the spans that
     sample, and their logits [n, vocab]: the last row of each)."""
-    from edgeinfer.runners.base import ScheduledSpan
     out: dict[int, PromptLogprobs] = {}
     sampled, rows_out = [], []
     for span in spans:
@@ -87,8 +86,9 @@ def score_spans(spans, prompts, run_rows, vocab: int):
         res = None
         for a in range(span.start, span.end, CHUNK_ROWS):
             b = min(a + CHUNK_ROWS, span.end)
-            piece = ScheduledSpan(span.req_id, a, span.token_ids[a - span.start:b - span.start],
-                                  span.block_table, False, window_table=span.window_table)
+            # the span's rows a..b, computed only (no sampling, no mask, no draft)
+            piece = replace(span, start=a, token_ids=span.token_ids[a - span.start:b - span.start],
+                            sample=False, token_mask=None, prompt_logprobs=None, num_draft=0)
             want = wanted_positions(a, b, len(prompt))
             rows = [p - a for p in want]
             last = span.sample and b == span.end

@@ -22,12 +22,13 @@ from edgeinfer.runners.sampling_stage import SamplingStage
 
 def make_ops(backend: str, batch_invariant: bool = False, governor=None,
              repack: bool | None = None, torch_dtype: str | None = None,
-             kv_cache_type: str | None = None) -> Ops:
-    """The ops object for a resolved native backend name (`cpu`, `torch[:device]`)."""
+             kv_cache_type: str | None = None, threads: int | None = None) -> Ops:
+    """The ops object for a resolved native backend name (`cpu`, `torch[:device]`).
+    `threads`: a fixed CPU thread count when no governor is given (None: measured)."""
     if backend == "cpu":
         from edgeinfer.backends.cpu.ops import CpuOps
         return CpuOps(batch_invariant=batch_invariant, governor=governor, repack=repack,
-                      kv_cache_type=kv_cache_type)
+                      kv_cache_type=kv_cache_type, threads=threads)
     if backend == "torch" or backend.startswith("torch:"):
         from edgeinfer.backends.torch.ops import TorchOps
         return TorchOps(device=backend.partition(":")[2] or None, dtype=torch_dtype,
@@ -120,12 +121,12 @@ class ModelRunner:
              governor=None, repack: bool | None = None,
              torch_dtype: str | None = None,
              kv_cache_type: str | None = None, max_running_seqs: int = 16,
-             max_tokens_per_step: int = 512) -> "ModelRunner":
+             max_tokens_per_step: int = 512, threads: int | None = None) -> "ModelRunner":
         gf = read_gguf(path)
         try:
             cfg = load_model_config(gf)
             ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype,
-                           kv_cache_type)
+                           kv_cache_type, threads)
             kv_budget_bytes = ops.fit_kv_budget(gf, kv_budget_bytes)
             # backends whose attention reads per-layer block tables keep Gemma 3's
             # sliding-window layers in a pool of their own (ForwardBatch.tables_for)

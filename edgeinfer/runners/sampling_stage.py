@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from edgeinfer.engine.sampling import Sampler, SeqSamplingState
+from edgeinfer.runners.sampling import Sampler, SeqSamplingState
 from edgeinfer.runners.base import NewRequest, ScheduledSpan, StepPlan, StepResult
 
 

@@ -479,7 +479,8 @@ def _runtime(manager, ref) -> dict[str, Any]:
               for (name, _), lm in list(manager.models.items()) if name == ref.full_name]
     try:
         backend = manager.choose_backend(ref)
-        fmt = weights_format_of(backend, str(ref.path))
+        fmt = weights_format_of(backend, str(ref.path), manager.config.repack,
+                                manager.config.torch_dtype)
         default = {"backend": backend, "device": device_of(backend), "weights_format": fmt,
                    "weights": describe_weights(backend, fmt)}
     except APIError as e:     # e.g. a default device this machine lost: say so, do not fail

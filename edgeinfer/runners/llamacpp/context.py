@@ -6,6 +6,7 @@ read logits, and edit sequences in the KV memory (seq_rm / seq_cp). Freed on clo
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import numpy as np
@@ -18,8 +19,7 @@ def _quiet() -> None:
     """llama.cpp logs every tensor and cache at load: silence it unless debugging (the
     callback must stay referenced while llama.cpp may call it)."""
     global _LOG_CB
-    from edgeinfer.settings import current
-    if current().debug or _LOG_CB is not None:
+    if _LOG_CB is not None or logging.getLogger("edgeinfer").isEnabledFor(logging.DEBUG):
         return
     import llama_cpp as L
     _LOG_CB = L.llama_log_callback(lambda level, text, user: None)

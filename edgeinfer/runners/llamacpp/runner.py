@@ -25,6 +25,7 @@ import numpy as np
 
 from edgeinfer.runners.llamacpp.context import LlamaContext, LlamaError
 from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE, check_kv_cache_type
 from edgeinfer.formats.model_config import ModelConfig, UnsupportedArchitecture, load_model_config, summarize
 from edgeinfer.runners.base import KVPlan, StepPlan, StepResult
 from edgeinfer.runners.logprobs import CHUNK_ROWS, PromptLogprobs, rows_logprobs, wanted_positions
@@ -79,7 +80,6 @@ class LlamaCppRunner:
     def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
                  min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,
                  n_threads: int | None = None, governor=None, kv_cache_type: str | None = None):
-        from edgeinfer.settings import KV_BYTES_PER_VALUE, check_kv_cache_type
         kv_cache_type = check_kv_cache_type(kv_cache_type or "f16")
         self.kv_cache_type = kv_cache_type
         self.gf = read_gguf(path)
