@@ -25,7 +25,7 @@ from edgeinfer.engine.prompts import Prompter, chat_format
 from edgeinfer.engine.requests import (EngineInfo, RequestError, check_embed, check_request,
                                        no_images_note)
 from edgeinfer.engine.repetition import RepetitionGuard
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from edgeinfer.engine.sequence import Sequence
 from edgeinfer.engine.speculation import (MAX_BATCH, WINDOW as SPEC_WINDOW,
@@ -44,8 +44,8 @@ DEFAULT_KV_BUDGET = 1 << 30
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """One engine's settings (edgeinfer.settings.Settings.engine_config builds it from the
-    process's flags and environment; nothing below reads the environment)."""
+    """One engine's settings: the edge (CLI, daemon) builds it from its Settings
+    (from_settings) and passes it down; nothing below reads the environment."""
     backend: str = "cpu"
     max_model_len: int | None = None      # context per sequence; default min(model's, 8192)
     kv_budget_bytes: int | None = None    # KV pool budget; default DEFAULT_KV_BUDGET
@@ -59,9 +59,22 @@ class EngineConfig:
     batch_invariant: bool = False
     repack: bool | None = None            # CPU weights as int8 tiles; None = per model
     torch_dtype: str | None = None        # torch weights' dtype; None = the device's choice
-    threads: int | None = None            # llama.cpp threads when no governor is given
+    threads: int | None = None            # a fixed CPU thread count (None: measured per step)
     speculative: bool = True              # prompt-lookup drafts for small batches
     governor: Any = field(default=None, compare=False)   # the process's CPU thread budget
+
+    @classmethod
+    def from_settings(cls, settings, backend: str | None = None, governor=None,
+                      **kw) -> "EngineConfig":
+        """The config an edgeinfer.settings.Settings gives one engine (`backend`: the
+        resolved name; `kw` overrides, e.g. a request's kv_cache_type load option)."""
+        kw.setdefault("kv_cache_type", settings.kv_cache_type)
+        kw.setdefault("max_model_len", settings.max_model_len)
+        return cls(backend=backend or settings.backend, kv_budget_bytes=settings.kv_budget_bytes,
+                   max_running_seqs=settings.max_running_seqs,
+                   batch_invariant=settings.batch_invariant, repack=settings.repack,
+                   torch_dtype=settings.torch_dtype, threads=settings.threads,
+                   speculative=settings.speculative, governor=governor, **kw)
 
 
 @dataclass

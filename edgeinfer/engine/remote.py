@@ -31,7 +31,7 @@ from edgeinfer.engine.core import Engine, EngineConfig, RequestOutput
 from edgeinfer.engine.images import Layout
 from edgeinfer.engine.prompts import Prompter, chat_format
 from edgeinfer.engine.requests import EngineInfo, RequestError, check_embed, check_request
-from edgeinfer.engine.sampling import SamplingParams
+from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.engine.warmup import Progress
 from edgeinfer.formats.gguf_file import read_gguf
 from edgeinfer.formats.tokenizer import Tokenizer
@@ -63,8 +63,8 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
     from edgeinfer.engine.warmup import prepare_for_load
     from edgeinfer.runners.choice import estimate_memory
     try:    # the backend's own figures, for the daemon's memory budget, before any weight
-        est = estimate_memory(config.backend, path, _EstimateSettings(config),
-                              config.kv_cache_type)
+        est = estimate_memory(config.backend, path, config.kv_cache_type, config.repack,
+                              config.torch_dtype)
     except BaseException as e:      # noqa: BLE001 - the daemon reports it, in one sentence
         conn.send(("failed", type(e).__name__, str(e)))
         conn.close()
@@ -91,19 +91,6 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
         conn.close()
         return
     _EngineServer(conn, engine).run()
-
-
-@dataclasses.dataclass(frozen=True)
-class _EstimateSettings:
-    """What estimate_memory reads of the settings, from the engine's config."""
-    kv_cache_type: str
-    repack: bool | None
-    torch_dtype: str | None
-
-    def __init__(self, config: EngineConfig):
-        object.__setattr__(self, "kv_cache_type", config.kv_cache_type or "f16")
-        object.__setattr__(self, "repack", config.repack)
-        object.__setattr__(self, "torch_dtype", config.torch_dtype)
 
 
 class _EngineServer:

@@ -20,8 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi.responses import StreamingResponse
 
 from edgeinfer.engine.core import RequestError, RequestOutput
-from edgeinfer.engine.sampling import (DRY_BREAKERS, SamplingParams, breaker_ids,
-                                       with_vocabulary)
+from edgeinfer.runners.sampling_params import DRY_BREAKERS, SamplingParams, breaker_ids, with_vocabulary
 
 from .errors import APIError
 from .metrics import Metrics

@@ -389,7 +389,8 @@ class ModelManager:
     async def _load(self, key: tuple[str, str], ref, kv_cache_type: str | None = None) -> LoadedModel:
         cfg = self.config
         kv_cache_type = kv_cache_type or cfg.kv_cache_type
-        ecfg = cfg.engine_config(key[1], governor=self.governor, kv_cache_type=kv_cache_type)
+        ecfg = EngineConfig.from_settings(cfg, key[1], governor=self.governor,
+                                          kv_cache_type=kv_cache_type)
         # what the backend will really hold: repacked tiles on the CPU, dense tensors in
         # torch's dtype; the KV pool never grows past its budget. An engine process works
         # it out itself (the backend's modules, torch too, never enter the daemon).
@@ -401,8 +402,8 @@ class ModelManager:
                     None, ref.full_name)
                 est = remote.estimate
             else:
-                est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path), None,
-                                              kv_cache_type)
+                est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path),
+                                              kv_cache_type, cfg.repack, cfg.torch_dtype)
         except (APIError, MemoryError):
             raise
         except Exception as e:  # the file broke after it was stored: one sentence, as a load
