@@ -65,19 +65,25 @@ class Ops(Protocol):
     """The operations a model needs. Arrays are the backend's own type.
 
     In-place contract (models rely on it, so a backend must not differ): `add`, `scale`,
-    `add_bias` and `rope` write their result into their first argument and return it;
+    `add_bias`, `rope` and `put_rows` write their result into their first argument and return it;
     `geglu` and `swiglu` write into `gate` and return it. Every other op leaves its inputs
     alone and returns a new array (`take_rows` may return its input when it keeps all rows).
     """
 
     name: str
-    kv_bytes_per_value: int     # bytes of one K or V element in this backend's pool
+    kv_bytes_per_value: float   # bytes of one K or V element in this backend's pool
+    kv_cache_type: str          # that element's type: f16, q8_0, f32, bf16
     weights_copied: bool        # weights live in the backend's own memory, not the GGUF map
-    # Optional (the native runner reads them with getattr; absent means False / True):
-    # exact_drafts: a speculative verify can compute every position with the bits plain
-    # decoding gives it (runners/native.py verifies drafts only then); rows_exact: every row
-    # of any forward gets its bits alone, else the runner forwards drafted spans apart with
-    # per_row set (see CpuOps).
+    # attention reads per-layer block tables (ForwardBatch.tables_for), so Gemma 3's
+    # sliding-window layers keep their K/V in a pool of their own (runners.base.plan_kv)
+    kv_window_group: bool
+    # a speculative verify can compute every position with the bits plain decoding gives it
+    # (runners/native.py verifies drafts only then)
+    exact_drafts: bool
+    # every row of any forward gets the bits it would get alone; where not, the runner
+    # forwards drafted spans apart with per_row set, which asks for exactly that (see CpuOps)
+    rows_exact: bool
+    per_row: bool
 
     @property
     def weights_format(self) -> str:
@@ -125,6 +131,7 @@ class Ops(Protocol):
     def add(self, x: Any, y: Any) -> Any: ...                 # in place on x
     def scale(self, x: Any, s: float) -> Any: ...             # in place on x
     def take_rows(self, x: Any, rows: Any) -> Any: ...
+    def put_rows(self, x: Any, rows: Any, values: Any) -> Any: ...  # in place: x[rows] = values
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
                      head_dim: int, layer_blocks: Any = None) -> Any: ...
     # ^ layer_blocks: blocks per layer when they differ (a sliding-window group's pool)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.models.base import Model
 
 
-def build_model(cfg: ModelConfig, ops, gguf_file):
+def build_model(cfg: ModelConfig, ops, gguf_file) -> Model:
     """Instantiate the forward pass for cfg.arch with weights from the GGUF file."""
     if cfg.arch == "gemma3":
         from edgeinfer.models.gemma3 import Gemma3Model

@@ -21,6 +21,7 @@ import numpy as np
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.models.base import ModelBase
 
 
 @dataclass
@@ -93,7 +94,7 @@ def _dense(gf, name: str) -> np.ndarray | None:
     return np.asarray(a, np.float32).reshape(tuple(reversed([int(d) for d in t.shape])))
 
 
-class BertModel:
+class BertModel(ModelBase):
     non_causal = True
     embedding_only = True
 

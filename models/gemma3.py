@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.models.base import ModelBase
 from edgeinfer.models.llama import attention, final_head, load_head, load_layers
 
 
-class Gemma3Model:
+class Gemma3Model(ModelBase):
     accepts_embeddings = True       # image spans (ForwardBatch.embd_rows)
 
     def __init__(self, cfg: ModelConfig, ops, gf):

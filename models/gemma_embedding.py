@@ -15,11 +15,12 @@ import numpy as np
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.models.base import ModelBase
 from edgeinfer.models.bert import _dense
 from edgeinfer.models.llama import load_head, load_layers
 
 
-class GemmaEmbeddingModel:
+class GemmaEmbeddingModel(ModelBase):
     non_causal = True
     embedding_only = True
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.models.base import ModelBase
 
 
 @dataclass
@@ -83,7 +84,7 @@ def load_head(cfg: ModelConfig, ops, gf):
     return tok_embd, ops.vector(gf, "output_norm.weight"), output
 
 
-class LlamaModel:
+class LlamaModel(ModelBase):
     accepts_embeddings = True       # image spans (ForwardBatch.embd_rows): SmolVLM's text model
 
     def __init__(self, cfg: ModelConfig, ops, gf):

@@ -92,7 +92,7 @@ class ExpertFFN:
 
 class Qwen3MoeModel(VariantModel):
     def __init__(self, cfg: ModelConfig, ops, gf):
-        if getattr(ops, "name", "") != "cpu":
+        if ops.name != "cpu":
             raise ValueError(f"the native {cfg.arch} (mixture of experts) runs on the cpu "
                              f"backend only, not {ops.name!r}: use --backend cpu or llamacpp")
         super().__init__(cfg, ops, gf)

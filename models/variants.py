@@ -23,6 +23,7 @@ import numpy as np
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.models.base import ModelBase
 from edgeinfer.models.llama import final_head, load_head
 
 
@@ -70,7 +71,7 @@ def yarn_mscale(cfg: ModelConfig) -> float:
     return 1.0 + 0.1 * lf
 
 
-class VariantModel:
+class VariantModel(ModelBase):
     def __init__(self, cfg: ModelConfig, ops, gf):
         self.cfg, self.ops = cfg, ops
         self.tok_embd, self.output_norm, self.output = load_head(cfg, ops, gf)

@@ -35,6 +35,12 @@ class TorchKVCache:
 class TorchOps:
     name = "torch"
     kv_bytes_per_value = 2
+    kv_window_group = False     # attention gathers each window from the one pool (attention.py)
+    # matmuls and attention pick kernels by the number of rows (BLAS, cuBLAS, SDPA): a
+    # verify row rounds differently from a decode row, and per_row cannot change that
+    exact_drafts = False
+    rows_exact = False
+    per_row = False
 
     def __init__(self, device: str | None = None, check_memory: bool = True,
                  dtype: str | None = None, kv_cache_type: str | None = None):
@@ -56,6 +62,11 @@ class TorchOps:
         self.name = f"torch:{self.info.kind}"
         self.check_memory = check_memory
         self._checked = False
+
+    @property
+    def kv_cache_type(self) -> str:
+        return {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[
+            str(self.kv_dtype).removeprefix("torch.")]
 
     def begin_step(self) -> None:
         """Nothing per step: torch keeps its own thread pool and device queues."""

@@ -75,15 +75,17 @@ class VisionEncoder:
 
     def __init__(self, path: str, backend: str = "cpu", cache_images: int = 16,
                  runner=None):
-        """`runner`: one whose own library encodes images (the llama.cpp runner: libmtmd,
-        `runner.image_encoder(path)`); else the native tower on `backend`'s ops."""
+        """`runner`: the text model's; where its own library encodes images (the llama.cpp
+        runner: libmtmd, `runner.image_encoder(path)` not None), that encoder, else the
+        native tower on `backend`'s ops."""
         from edgeinfer.formats.mmproj import read_mmproj
         self.path = path
         self.gf, self.cfg = read_mmproj(path)
         self._external = None
         try:
-            if runner is not None and hasattr(runner, "image_encoder"):
+            if runner is not None:
                 self._external = runner.image_encoder(path)
+            if self._external is not None:
                 self.model = None
             else:
                 from edgeinfer.models.siglip import SiglipVision
@@ -280,7 +282,7 @@ def load_vision(runner, tokenizer, mmproj: str, backend: str = "cpu") -> VisionE
     that runs image spans, the image tags in the vocabulary, the text width. GGUFError or
     VisionError (one sentence) otherwise; nothing stays open then."""
     from edgeinfer.formats.mmproj import check_pair, read_mmproj
-    if not getattr(runner, "supports_images", False):
+    if not runner.supports_images:
         raise VisionError(f"the {runner.cfg.arch} architecture does not take image embeddings "
                           f"on the {runner.kind} backend yet (try backend llamacpp)")
     gf, cfg = read_mmproj(mmproj)

@@ -13,11 +13,12 @@ state), and in `finished` once (the runner drops everything it holds for it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from edgeinfer.runners.sampling_params import SamplingParams
+from edgeinfer.formats.gguf_file import GGUFFile
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.runners.logprobs import PromptLogprobs
 
@@ -239,6 +240,7 @@ class KVAllocator(Protocol):
 
 class Runner(Protocol):
     """One loaded model on one backend, executing one step at a time (engine thread only)."""
+    gf: GGUFFile                  # the model's file (its metadata: chat template, tokens...)
     cfg: ModelConfig
     kv_plan: KVPlan
     kind: str                     # "cpu", "torch:cuda", "llamacpp", ...
@@ -247,9 +249,19 @@ class Runner(Protocol):
     # verifies ScheduledSpan.num_draft guesses, each verified position with exactly the bits
     # plain decoding would give it (so speculation never changes the output)
     supports_drafts: bool
+    # takes image embeddings in place of tokens (ImageSpan in NewRequest.images)
+    supports_images: bool
+    pooling: str | None           # how embeddings pool ("mean", "cls", "last", "rank"); None: none
+    embedding_only: bool          # no LM head: embeddings only
 
     @property
     def tokenizer(self): ...
+    def set_context_length(self, n_ctx: int) -> None:
+        """The engine's context per sequence, before any token (phi3's LongRoPE factors)."""
+    def image_encoder(self, mmproj: str) -> Any | None:
+        """The runner's own library's encoder for the projector at `mmproj` (llama.cpp's
+        libmtmd): a callable RGB pixels -> embeddings; None: the engine runs the native
+        tower (edgeinfer.engine.images)."""
     def execute(self, plan: StepPlan) -> StepResult: ...
     @property
     def weights_bytes(self) -> int: ...      # what the backend holds for the weights

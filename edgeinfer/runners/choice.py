@@ -213,12 +213,10 @@ def estimate_memory(backend: str, path: str, kv_cache_type: str | None = None,
         if base == "cpu":
             ops = make_ops(backend, repack=repack, torch_dtype=torch_dtype,
                            kv_cache_type=kv_type)
-            kv_type = ops.kv_cache_type
         else:
             ops = _torch_ops_for_estimate(backend, torch_dtype)
-            kv_type = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}.get(
-                str(ops.kv_dtype).removeprefix("torch."), "f16")
-        return MemoryEstimate(ops.weights_nbytes(gf), ops.kv_bytes_per_value, kv_type)
+        return MemoryEstimate(ops.weights_nbytes(gf), ops.kv_bytes_per_value,
+                              ops.kv_cache_type)
     finally:
         gf.close()
 

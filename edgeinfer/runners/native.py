@@ -14,6 +14,7 @@ import numpy as np
 from edgeinfer.backends.base import ForwardBatch, Ops
 from edgeinfer.formats.gguf_file import GGUFFile, read_gguf
 from edgeinfer.formats.model_config import ModelConfig, load_model_config
+from edgeinfer.models.base import Model
 from edgeinfer.runners.base import KVPlan, ScheduledSpan, StepPlan, StepResult, plan_kv
 from edgeinfer.runners.logprobs import score_spans
 from edgeinfer.runners.pooling import Pooler, pooling_of
@@ -86,7 +87,7 @@ class ModelRunner:
         self.gf, self.cfg, self.ops, self.kv_plan = gf, cfg, ops, kv_plan
         self.kind = ops.name
         self._weights_bytes = ops.weights_nbytes(gf)
-        self.model = build_model(cfg, ops, gf)
+        self.model: Model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now
         # per layer: whether it keeps its K/V in the sliding-window group's pool
@@ -109,10 +110,10 @@ class ModelRunner:
         # embeddings: the model's pooling, and per-request pools (non-causal encoders compute
         # a prompt only once all of it is scheduled)
         self.pooling = pooling_of(gf.metadata, cfg.arch)
-        self.pooler = Pooler(whole_prompt=bool(getattr(self.model, "non_causal", False)))
+        self.pooler = Pooler(whole_prompt=self.model.non_causal)
         # encoders (bert) have no LM head: the engine refuses generation on them
-        self.embedding_only = bool(getattr(self.model, "embedding_only", False))
-        if self.pooling == "rank" and not getattr(self.model, "has_rank_head", False):
+        self.embedding_only = self.model.embedding_only
+        if self.pooling == "rank" and not self.model.has_rank_head:
             self.pooling = "cls"        # a rank pooling_type without a head: plain CLS vectors
 
     @classmethod
@@ -131,7 +132,7 @@ class ModelRunner:
             # backends whose attention reads per-layer block tables keep Gemma 3's
             # sliding-window layers in a pool of their own (ForwardBatch.tables_for)
             plan = plan_kv(cfg, kv_budget_bytes, ops.kv_bytes_per_value, block_size,
-                           min_kv_tokens, windowed=getattr(ops, "kv_window_group", False),
+                           min_kv_tokens, windowed=ops.kv_window_group,
                            max_running_seqs=max_running_seqs,
                            max_tokens_per_step=max_tokens_per_step)
             return cls(gf, cfg, ops, plan)
@@ -147,7 +148,7 @@ class ModelRunner:
         never changes the output: the CPU backend (rows exact, or made so: forward()). Not
         torch: its matmuls and attention pick kernels by the number of rows (BLAS, cuBLAS,
         SDPA), so a verify row rounds differently from a decode row."""
-        return bool(getattr(self.ops, "exact_drafts", False))
+        return self.ops.exact_drafts
 
     @property
     def tokenizer(self):
@@ -178,7 +179,7 @@ class ModelRunner:
         self.hidden = {}
         if not spans:
             return np.empty((0, self.cfg.vocab_size), np.float32)
-        if not getattr(self.ops, "rows_exact", True) and any(s.num_draft for s in spans):
+        if not self.ops.rows_exact and any(s.num_draft for s in spans):
             return self._forward_drafts_apart(spans, hidden_of)
         return self._forward(spans, hidden_of)
 
@@ -211,12 +212,18 @@ class ModelRunner:
     @property
     def supports_images(self) -> bool:
         """The model takes embeddings in place of tokens and the backend attends inside an
-        image (ForwardBatch.embd_rows / attn_until)."""
+        image (ForwardBatch.embd_rows / attn_until: every backend's put_rows and attention)."""
         # the class whose forward runs must say so itself: a subclass with a forward of its
         # own does not inherit the promise (it would drop the embeddings silently)
         owner = next((c for c in type(self.model).__mro__ if "forward" in vars(c)), None)
-        return (owner is not None and bool(vars(owner).get("accepts_embeddings", False))
-                and hasattr(self.ops, "put_rows"))
+        return owner is not None and bool(vars(owner).get("accepts_embeddings", False))
+
+    def image_encoder(self, mmproj: str) -> None:
+        """None: the engine runs the projector's native tower on this backend's ops."""
+        return None
+
+    def set_context_length(self, n_ctx: int) -> None:
+        self.model.set_context_length(n_ctx, self.gf)
 
     def _attach_images(self, spans, batch) -> None:
         """The step's image positions: their embeddings, and how far they attend."""
@@ -314,7 +321,7 @@ class ModelRunner:
                     result.hidden = {}
                 if self.pooler.kind(s.req_id) == "rank":
                     vec = self.rank(vec)
-                elif getattr(self.model, "post_pool", None) is not None:
+                elif self.model.post_pool is not None:
                     vec = self.model.post_pool(vec)     # EmbeddingGemma's dense projections
                 result.hidden[s.req_id] = vec
         self.hidden = {}
@@ -328,10 +335,7 @@ class ModelRunner:
 
     def rank(self, vec: np.ndarray) -> np.ndarray:
         """The classification head over a rank-pooled vector (rerankers): float32 [classes]."""
-        head = getattr(self.model, "rank_head", None)
-        if head is None:
-            raise RuntimeError("this model has no classification head for rank pooling")
-        return np.asarray(head(vec), np.float32).reshape(-1)
+        return np.asarray(self.model.rank_head(vec), np.float32).reshape(-1)
 
     def close(self) -> None:
         """Drop the weights, the KV pool and the file mapping (deterministic unload)."""

@@ -76,6 +76,8 @@ class LlamaCppRunner:
     # images: libmtmd encodes them (image_encoder), their rows decode non-causally as
     # embeddings (LlamaContext.decode_embd)
     supports_images = True
+    pooling = None                # no embeddings through this runner (the native one pools)
+    embedding_only = False
 
     def __init__(self, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
                  min_kv_tokens: int = 0, max_running_seqs: int = 16, max_tokens_per_step: int = 512,
@@ -122,6 +124,10 @@ class LlamaCppRunner:
     def load(cls, path: str, kv_budget_bytes: int = 1 << 30, block_size: int = 16,
              min_kv_tokens: int = 0, **kw) -> "LlamaCppRunner":
         return cls(str(path), kv_budget_bytes, block_size, min_kv_tokens, **kw)
+
+    def set_context_length(self, n_ctx: int) -> None:
+        """Nothing to do: llama.cpp chose its RoPE factors for the context it was given at
+        load (LlamaContext)."""
 
     def image_encoder(self, mmproj: str):
         """libmtmd on this runner's model: a callable RGB pixels -> embeddings."""
