@@ -157,10 +157,9 @@ class Engine:
             md = self.runner.gf.metadata
             self.tokenizer = self.runner.tokenizer
             self.max_model_len = min(self.cfg.context_length, config.max_model_len or 8192)
-            set_ctx = getattr(getattr(self.runner, "model", None), "set_context_length", None)
-            if set_ctx is not None:     # phi3: LongRoPE factors chosen by the context, as llama.cpp
-                set_ctx(self.max_model_len, self.runner.gf)
-            if mmproj and not getattr(self.runner, "supports_images", False):
+            # phi3: LongRoPE factors chosen by the context, as llama.cpp
+            self.runner.set_context_length(self.max_model_len)
+            if mmproj and not self.runner.supports_images:
                 # text still works; image requests get this reason
                 self.vision_note = (f"the {self.cfg.arch} architecture does not take image "
                                     f"embeddings on the {self.runner.kind} backend yet (try "
@@ -178,15 +177,13 @@ class Engine:
             plan = self.runner.kv_plan
             self.info = EngineInfo(
                 cfg=self.cfg, kind=self.runner.kind,
-                weights_format=str(getattr(self.runner, "weights_format", "") or "unknown"),
+                weights_format=self.runner.weights_format,
                 weights_bytes=int(self.runner.weights_bytes) + (
                     self.vision.nbytes if self.vision is not None else 0),
                 kv_bytes=int(self.runner.kv_bytes),
-                kv_bytes_per_token=int(getattr(plan, "bytes_per_token", 0)),
-                kv_window=int(getattr(plan, "window", 0)),
+                kv_bytes_per_token=int(plan.bytes_per_token), kv_window=int(plan.window),
                 max_model_len=self.max_model_len, capacity_tokens=int(plan.capacity_tokens),
-                pooling=getattr(self.runner, "pooling", None),
-                embedding_only=bool(getattr(self.runner, "embedding_only", False)),
+                pooling=self.runner.pooling, embedding_only=bool(self.runner.embedding_only),
                 vision=self.vision is not None, vision_note=self.vision_note)
             # the runner says what its block ids mean: shared prefix blocks (native) or only
             # capacity accounting over a cache that reuses prefixes itself (llama.cpp)
