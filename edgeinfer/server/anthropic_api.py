@@ -33,6 +33,7 @@ from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
 from .images import ImageCollector, build_with_images, check_text, from_b64
+from .openai_api import _ChatOut
 from .schemas import _LlamaSamplers, sampler_kwargs
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
@@ -312,7 +313,6 @@ def _given(body: MessagesRequest) -> set[str]:
 
 @router.post("/messages")
 async def messages(body: MessagesRequest, request: Request):
-    from .openai_api import _ChatOut
     manager, metrics = request.app.state.manager, request.app.state.metrics
     stops = list(body.stop_sequences or [])
     if len(stops) > 16:

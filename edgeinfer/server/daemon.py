@@ -21,6 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edgeinfer import __version__
+from edgeinfer.settings import current
+
 from . import DEFAULT_HOST, DEFAULT_PORT
 
 log = logging.getLogger("edgeinfer.server")
@@ -64,7 +67,6 @@ def _port(p: str, whole: str) -> int:
 
 
 def env_address() -> tuple[str, int]:
-    from edgeinfer.settings import current
     return parse_address(current().host)
 
 
@@ -86,11 +88,10 @@ def url_for(host: str, port: int) -> str:
 
 
 def state_dir() -> Path:
-    from edgeinfer.settings import current
     home = current().home
     if home:
         return home / "state"
-    import platformdirs
+    import platformdirs  # lazy: only without EDGEINFER_HOME
     return Path(platformdirs.user_state_dir("edgeinfer", appauthor=False))
 
 
@@ -130,7 +131,7 @@ def read_pid_file() -> DaemonInfo | None:
 
 def _is_our_process(pid: int) -> bool:
     """Alive and an edgeinfer server (pids are reused: never signal a stranger)."""
-    import psutil
+    import psutil  # lazy: keeps `edgeinfer --help` fast (the CLI imports this module)
     try:
         p = psutil.Process(pid)
         if p.status() == psutil.STATUS_ZOMBIE:
@@ -142,7 +143,6 @@ def _is_our_process(pid: int) -> bool:
 
 
 def _write_pid_file(host: str, port: int) -> None:
-    from edgeinfer import __version__
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / f"daemon.json.{os.getpid()}.tmp"
@@ -185,9 +185,7 @@ def prepare_serve(host: str | None, port: int | None, api_key: str | None,
     """What `serve` (plain or --ray) settles before it listens: the address (flags over
     settings), the API key (required off loopback), the server config, logging. Returns
     (host, port, api_key, config); DaemonError with one sentence otherwise."""
-    from edgeinfer.settings import current
-
-    from .model_manager import ServerConfig
+    from .model_manager import ServerConfig  # lazy: the engine loads with a server, not the CLI
     env_host, env_port = env_address()
     host, port = host or env_host, port or env_port
     api_key = api_key or current().api_key
@@ -206,6 +204,7 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
           backend: str | None = None, log_level: str = "info", device: str | None = None,
           kv_cache_type: str | None = None) -> int:
     """Run the server in this process until SIGINT/SIGTERM."""
+    # lazy: the server and uvicorn load when it starts, not with every CLI command
     import uvicorn
 
     from .app import create_app
@@ -235,7 +234,7 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
 # ----- background ------------------------------------------------------------------------------
 
 def health(url: str, timeout: float = 2.0) -> dict | None:
-    import httpx
+    import httpx  # lazy: the daemon process itself never needs it
     try:
         r = httpx.get(url + "/health", timeout=timeout)
         return r.json() if r.status_code == 200 else None
@@ -253,7 +252,6 @@ def start_background(host: str | None = None, port: int | None = None,
     running = read_pid_file()
     if running is not None:
         return running
-    from edgeinfer.settings import current
     check_bind(host, api_key or current().api_key)
     if health(url_for(host, port)) is not None:
         raise DaemonError(f"another server already answers on {url_for(host, port)}")
@@ -295,7 +293,7 @@ def stop_background(wait_s: float = 30.0) -> DaemonInfo | None:
     info = read_pid_file()
     if info is None:
         return None
-    import psutil
+    import psutil  # lazy: keeps `edgeinfer --help` fast (the CLI imports this module)
     try:
         p = psutil.Process(info.pid)
         p.send_signal(signal.SIGTERM)

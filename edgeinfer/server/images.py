@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from edgeinfer.engine.core import RequestError
 from edgeinfer.engine.images import MEDIA_MARKER
-from edgeinfer.formats.image import ImageError, b64_image, decode_image
+from edgeinfer.formats.image import MAX_IMAGE_BYTES, ImageError, b64_image, decode_image
 
 from .errors import APIError
 
@@ -30,9 +30,7 @@ class ImageRef:
         """The bytes at `url` (at most MAX_IMAGE_BYTES); a 400 when they cannot be had."""
         if self.url is None:
             return self
-        import httpx
-
-        from edgeinfer.formats.image import MAX_IMAGE_BYTES
+        import httpx  # lazy: only a daemon started with --allow-image-urls fetches
         try:
             with httpx.Client(timeout=FETCH_TIMEOUT_S, follow_redirects=True,
                               max_redirects=5, headers={"User-Agent": "edgeinfer"}) as c:

@@ -28,8 +28,11 @@ import psutil
 
 from edgeinfer.engine.core import Engine, EngineConfig
 from edgeinfer.engine.remote import LoadFailed, RemoteEngine
-from edgeinfer.settings import Settings, SettingsError, parse_duration
-from edgeinfer.runners.choice import estimate_memory
+from edgeinfer.engine.warmup import prepare_for_load
+from edgeinfer.formats.gguf_file import GGUFError, read_gguf
+from edgeinfer.settings import Settings, SettingsError, check_kv_cache_type, parse_duration
+from edgeinfer.runners.choice import (BackendChoiceError, check, device_of, estimate_memory,
+                                      native_for_file, require_device, resolve, with_defaults)
 from edgeinfer.store.model_store import ModelNotFound, Store, StoreError
 
 from .errors import APIError, not_found
@@ -62,7 +65,6 @@ class ServerConfig(Settings):
         """The environment's settings, then `overrides` (command-line flags) on top.
         BackendChoiceError (a ValueError) with one sentence for a bad backend/device pair;
         SettingsError (a ValueError) naming the variable for a bad value."""
-        from edgeinfer.runners.choice import check, require_device, with_defaults
         base = Settings.from_env(env)
         env_backend = base.backend if base.backend_set else None
         backend, device = with_defaults(env_backend, base.device, "cpu", None)
@@ -109,7 +111,6 @@ class LoadedModel:
 
     @property
     def device(self) -> str:
-        from edgeinfer.runners.choice import device_of
         return device_of(self.backend)
 
     @property
@@ -125,7 +126,6 @@ class LoadedModel:
 
 def _arch_of(path) -> str | None:
     """general.architecture from the file, for manifests written without it."""
-    from edgeinfer.formats.gguf_file import GGUFError, read_gguf
     try:
         f = read_gguf(str(path))
     except (GGUFError, OSError):
@@ -212,7 +212,6 @@ def _load_engine(path: str, ecfg: EngineConfig, mmproj: str | None,
             status.stage = "loading weights"
     if remote is not None:
         return remote.load(progress)
-    from edgeinfer.engine.warmup import prepare_for_load
     prepare_for_load(path, ecfg.backend, ecfg.kv_cache_type, ecfg.repack, progress, status.name)
     status.stage = "loading weights"
     return Engine(path, ecfg, mmproj=mmproj).start()
@@ -233,6 +232,7 @@ class ModelManager:
         self._reaper: asyncio.Task | None = None
         # One compute budget for the process: every engine's CPU kernels (and the llama.cpp
         # runner's thread count) ask this governor how many threads to use for a step.
+        # lazy: keeps edgeinfer.backends (numba) out of `import edgeinfer.server`
         from edgeinfer.backends.cpu.threads import ThreadGovernor
         self.governor = ThreadGovernor(fixed=config.threads)
 
@@ -301,8 +301,6 @@ class ModelManager:
         """The concrete backend (cpu, llamacpp, torch:DEVICE) a request's `backend`/`device`
         load options mean for this model, the server's defaults filling what they leave out.
         A bad name, or a device this machine lacks, is a 400 naming the field."""
-        from edgeinfer.runners.choice import (BackendChoiceError, native_for_file, resolve,
-                                              with_defaults)
         backend, device = with_defaults(backend, device, self.config.backend, self.config.device)
         arch = (ref.manifest.get("gguf") or {}).get("architecture")
         if not isinstance(arch, str):
@@ -318,7 +316,6 @@ class ModelManager:
         """The KV cache type a load on `backend` gets: the request's `kv_cache_type` load
         option, else the loaded copy's, else the server's (EDGEINFER_KV_CACHE_TYPE /
         --kv-cache-type). 400 for a bad name or a type the backend does not have."""
-        from edgeinfer.settings import check_kv_cache_type
         if kv_cache_type is None:
             return loaded.kv_cache_type if loaded is not None else self.config.kv_cache_type
         try:

@@ -15,7 +15,8 @@ from edgeinfer import __version__
 from edgeinfer.formats.chat_template import ChatTemplateError, chat_template_for
 from edgeinfer.engine.core import RequestOutput
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
-from edgeinfer.formats.model_config import summarize
+from edgeinfer.formats.model_config import EMBEDDING_ARCHS, summarize
+from edgeinfer.runners.choice import describe_weights, device_of, weights_format_of
 from edgeinfer.store.model_store import ModelNotFound, StoreError
 
 from edgeinfer.engine.grammar import any_json_object, json_schema
@@ -460,7 +461,6 @@ def _capabilities(template: str, md: dict) -> list[str]:
     """Ollama's capability names: encoders only embed; every generating model takes tools
     (its template's own tool format, or edgeinfer's built-in fallback prompt) and embeds
     (mean pooling); "thinking" where the model writes <think>."""
-    from edgeinfer.formats.model_config import EMBEDDING_ARCHS
     if md.get("general.architecture") in EMBEDDING_ARCHS:
         return ["embedding"]
     caps = ["completion", "tools", "embedding"]
@@ -473,7 +473,6 @@ def _capabilities(template: str, md: dict) -> list[str]:
 def _runtime(manager, ref) -> dict[str, Any]:
     """edgeinfer extension of /api/show: the loaded copies' backend and weights format, and
     what a load with the server's default backend/device would use."""
-    from edgeinfer.runners.choice import describe_weights, device_of, weights_format_of
     loaded = [{"backend": lm.backend, "device": lm.device, "weights_format": lm.weights_format,
                "weights": describe_weights(lm.backend, lm.weights_format)}
               for (name, _), lm in list(manager.models.items()) if name == ref.full_name]
@@ -516,7 +515,7 @@ async def copy(body: CopyRequest, request: Request):
 
 @router.post("/pull")
 async def pull(body: PullRequest, request: Request):
-    from edgeinfer.store.pull import pull as do_pull, resolve_source   # httpx machinery: lazily
+    from edgeinfer.store.pull import pull as do_pull, resolve_source  # lazy: httpx, for pulls only
 
     source = _model_of(body)
     store = request.app.state.manager.store
@@ -578,7 +577,7 @@ async def pull(body: PullRequest, request: Request):
 
 
 def _pull_error(e: Exception) -> tuple[int, str]:
-    from edgeinfer.store.download import DownloadError
+    from edgeinfer.store.download import DownloadError  # lazy: httpx, for pulls only
     if isinstance(e, ModelNotFound):
         return 404, str(e)
     if isinstance(e, DownloadError):

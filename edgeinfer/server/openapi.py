@@ -6,10 +6,11 @@ import json
 import sys
 from pathlib import Path
 
+from .app import create_app
+from .model_manager import ServerConfig
+
 
 def build() -> dict:
-    from .app import create_app
-    from .model_manager import ServerConfig
     doc = create_app(ServerConfig()).openapi()
     # fixed across machines and runs: no host, no dates
     return json.loads(json.dumps(doc, sort_keys=True))

@@ -45,6 +45,7 @@ from . import generation, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation
 from .images import MAX_IMAGES, ImageCollector, build_with_images, check_text
+from .openai_api import _ChatOut, _given, _sampling
 from .schemas import _OpenAISampling
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -311,7 +312,6 @@ def _conversation(messages: list[dict], output: list[dict]) -> list[dict]:
 
 @router.post("/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    from .openai_api import _ChatOut, _given, _sampling
     if body.background:
         raise bad_param("background", "background responses are not supported")
     manager, metrics = request.app.state.manager, request.app.state.metrics

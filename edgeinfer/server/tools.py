@@ -22,6 +22,7 @@ The envelope (what the fallback prompt teaches and the grammar forces):
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass
@@ -29,9 +30,10 @@ from typing import Any
 
 from jsonschema.exceptions import SchemaError
 
+from edgeinfer.engine import grammar as g
 from edgeinfer.engine.grammar import GrammarError, GrammarSpec, check_schema
 
-from .errors import bad_param
+from .errors import APIError, bad_param
 from .tool_grammar import (auto_grammar_fits, auto_spec, call_grammar, call_schema,  # noqa: F401
                            template_supports_tools)
 from .tool_parse import (CLOSE, OPEN, StreamSplitter, Tool, ToolCall, _holdback,  # noqa: F401
@@ -272,11 +274,6 @@ def split_thinking(text: str, started: bool = False) -> tuple[str, str]:
 async def build_constraints(engine, spec: GrammarSpec, n: int, param: str) -> list:
     """n independent matchers for `spec` (one per choice), built off the event loop and off
     the engine thread, bounded in time. A bad or too-slow grammar is a 400 naming `param`."""
-    import asyncio
-
-    from edgeinfer.engine import grammar as g
-
-    from .errors import APIError
     tok = engine.tokenizer
     if not hasattr(tok, "token_bytes") or not hasattr(tok, "types"):
         raise APIError(501, "structured output needs edgeinfer's own tokenizer for this model "
