@@ -24,7 +24,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+import gguf
+
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
+from edgeinfer.formats.mmproj import check_pair, read_mmproj
+from edgeinfer.formats.model_config import load_model_config
+from edgeinfer.settings import current
 from .bundled import BUNDLED, DEFAULT_MODEL, bundled
 from .names import (InvalidModelName, ModelName, ModelNotFound, StoreError,
                     name_from_filename, parse_name)
@@ -76,11 +81,10 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def default_home() -> Path:
-    from edgeinfer.settings import current
     home = current().home
     if home:
         return home
-    import platformdirs
+    import platformdirs  # lazy: only without EDGEINFER_HOME
     return Path(platformdirs.user_data_dir("edgeinfer", appauthor=False))
 
 
@@ -94,7 +98,6 @@ def sha256_file(path: Path) -> str:
 
 def gguf_summary(path: Path) -> dict[str, Any]:
     """Validate a GGUF file (raises GGUFError) and summarize it for the manifest."""
-    import gguf
     g = read_gguf(path)
     try:
         if g.metadata.get("general.architecture") == "clip":
@@ -441,9 +444,6 @@ class Store:
         """Store a vision projector (mmproj GGUF) with the registered model `name[:tag]`:
         checked (a projector, of the model's width), linked or copied into blobs/, named in
         the model's manifest. `show`, /api/show and the loads find it there."""
-        from edgeinfer.formats.gguf_file import read_gguf
-        from edgeinfer.formats.mmproj import check_pair, read_mmproj
-        from edgeinfer.formats.model_config import load_model_config
         path = Path(path).expanduser()
         ref = self.resolve(model, allow_path=False)
         try:

@@ -23,6 +23,7 @@ import httpx
 
 from .download import (DownloadError, DownloadPolicy, RemoteInfo, check_disk, download, probe)
 from edgeinfer.formats.gguf_file import GGUFError
+from edgeinfer.settings import current
 from .names import InvalidModelName, ModelName, ModelNotFound, StoreError, name_from_filename, \
     parse_name
 from .bundled import by_package
@@ -109,7 +110,6 @@ class PullSource:
 
 
 def hf_endpoint() -> str:
-    from edgeinfer.settings import current
     return (current().hf_endpoint or HF_ENDPOINT_DEFAULT).rstrip("/")
 
 
@@ -118,7 +118,6 @@ def hf_url(repo: str, file: str, revision: str = "main") -> str:
 
 
 def _hf_headers() -> tuple[tuple[str, str], ...]:
-    from edgeinfer.settings import current
     token = current().hf_token
     return (("Authorization", f"Bearer {token}"),) if token else ()
 
