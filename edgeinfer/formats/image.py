@@ -58,7 +58,7 @@ def b64_image(data: str, what: str = "image") -> bytes:
 def decode_image(data: bytes, what: str = "image", max_bytes: int = MAX_IMAGE_BYTES,
                  max_pixels: int = MAX_IMAGE_PIXELS) -> Image:
     """Bytes of a PNG / JPEG / WebP / GIF (first frame) / BMP to RGB pixels."""
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # lazy: Pillow is optional (the vision extra)
     from PIL import UnidentifiedImageError
     if not data:
         raise ImageError(f"{what} is empty")
@@ -93,7 +93,7 @@ def resize_fit_pad(rgb: np.ndarray, size: int, pad_color=(0, 0, 0),
                    resample: str = "bilinear") -> np.ndarray:
     """libmtmd's resize to size x size with PAD_CEIL: scale to fit (Pillow's bilinear or
     bicubic), bars of `pad_color` (black for Gemma 3, LLaVA's mean grey for LLaVA)."""
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # lazy: Pillow is optional (the vision extra)
     h, w = int(rgb.shape[0]), int(rgb.shape[1])
     if (w, h) == (size, size):
         return rgb
@@ -123,7 +123,7 @@ def _resize(rgb: np.ndarray, w: int, h: int, resample) -> np.ndarray:
     """Pillow's resampling as libmtmd reimplements it: the horizontal pass, then the
     vertical one, through 8-bit pixels. (One Pillow resize may run the vertical pass first
     when that reduces more, which rounds differently: up to 0.05 apart after a tower.)"""
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # lazy: Pillow is optional (the vision extra)
     H, W = int(rgb.shape[0]), int(rgb.shape[1])
     if W != w:
         rgb = np.asarray(PILImage.fromarray(rgb, "RGB").resize((w, H), resample), np.uint8)
@@ -152,7 +152,7 @@ def preprocess_idefics3(rgb: np.ndarray, tile: int, longest_edge: int, mean, std
     """libmtmd's Idefics3 preprocessing: Lanczos to the longest edge, then to whole tiles,
     cut into tile x tile crops (rows first), plus the whole as one tile (the overview).
     Returns float32 [3, tile, tile] arrays, crops then overview, and the grid (x, y)."""
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # lazy: Pillow is optional (the vision extra)
     lanczos = PILImage.LANCZOS
     (rw, rh), gx, gy = idefics3_grid(int(rgb.shape[1]), int(rgb.shape[0]), tile, longest_edge)
     refined = _resize(_resize(rgb, rw, rh, lanczos), gx * tile, gy * tile, lanczos)
@@ -175,7 +175,6 @@ def dynamic_size(width: int, height: int, align: int, min_pixels: int, max_pixel
                  ) -> tuple[int, int]:
     """libmtmd's calc_size_preserved_ratio (Pixtral): sides rounded to multiples of `align`,
     then scaled into [min_pixels, max_pixels] keeping the ratio (float32 arithmetic)."""
-    import math
     f = _f32(align)
 
     def rnd(x):     # std::round of a float32 quotient: half away from zero
@@ -199,7 +198,7 @@ def preprocess_dynamic(rgb: np.ndarray, align: int, min_pixels: int, max_pixels:
     """libmtmd's dynamic-size preprocessing (Pixtral): the size from dynamic_size, the image
     scaled to fit it (bicubic, horizontal pass first) and centered on black, normalized.
     float32 [3, H, W]."""
-    from PIL import Image as PILImage
+    from PIL import Image as PILImage  # lazy: Pillow is optional (the vision extra)
     h, w = int(rgb.shape[0]), int(rgb.shape[1])
     tw, th = dynamic_size(w, h, align, min_pixels, max_pixels)
     if (tw, th) == (w, h):

@@ -11,7 +11,7 @@ type is refused with one sentence.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile, read_gguf
 
@@ -150,9 +150,8 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
         image_std=tuple(float(x) for x in std[:3]), name=str(md.get("general.name", "")),
         longest_edge=int(longest), ffn_op="gelu" if gelu else "gelu_quick")
     if proj == "mlp":
-        from dataclasses import replace as _r
         n_layers = cfg.n_layers
-        cfg = _r(cfg, n_merge=1, class_embd="v.class_embd" in gf.tensors,
+        cfg = replace(cfg, n_merge=1, class_embd="v.class_embd" in gf.tensors,
                  pre_ln="v.pre_ln.weight" in gf.tensors, post_ln="v.post_ln.weight" in gf.tensors,
                  layers_run=n_layers - 1, pad_color=(122, 116, 104), resample="bicubic")
     if cfg.image_size % cfg.patch_size or cfg.patches_per_side % cfg.n_merge:
@@ -163,8 +162,7 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
     e, ff, p = cfg.n_embd, cfg.n_ff, cfg.patch_size
     down0 = gf.tensors.get("v.blk.0.ffn_down.weight")
     if down0 is not None and e != ff and int(down0.shape[0]) == e:
-        from dataclasses import replace as _replace
-        cfg = _replace(cfg, ffn_up_name="ffn_down", ffn_down_name="ffn_up")
+        cfg = replace(cfg, ffn_up_name="ffn_down", ffn_down_name="ffn_up")
 
     def need(name: str, *shape: int) -> None:
         t = gf.tensors.get(name)
@@ -199,7 +197,6 @@ def load_vision_config(gf: GGUFFile) -> VisionConfig:
     if cfg.post_ln:
         need("v.post_ln.weight", e)
         need("v.post_ln.bias", e)
-    from dataclasses import replace
     if proj == "mlp":
         t0, t2 = gf.tensors.get("mm.0.weight"), gf.tensors.get("mm.2.weight")
         if t0 is None or t2 is None or int(t0.shape[0]) != e or len(t2.shape) != 2 \
@@ -227,7 +224,6 @@ def _pixtral_config(gf: GGUFFile, md: dict) -> VisionConfig:
     """Pixtral / Mistral Small 3.1: RMSNorm blocks with SwiGLU and 2-D RoPE, no learned
     positions, an optional patch merger (spatial_merge_size), mm.1 -> GELU -> mm.2 and the
     [IMG_BREAK] embedding (v.token_embd.img_break)."""
-    from dataclasses import replace
     if not md.get("clip.use_silu", False):
         raise GGUFError("the pixtral projector's feed-forward is not SiLU (clip.use_silu)")
     mean, std = md.get("clip.vision.image_mean"), md.get("clip.vision.image_std")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from gguf import GGUFWriter
 
 # (name, kind, shape, scale) -> the tensor to write, and its raw GGML type (None: from dtype).
 # kind: "embd" (token embeddings), "mat" (a weight matrix [out, in]), "norm", "bias".
@@ -98,7 +99,6 @@ def write_tiny_gguf(path: Path, arch: str, shape: TinyShape, tensor: TensorFn, *
     llama and gemma3), with `extra_merges` and pre-tokenizer `bpe_pre`."""
     if bpe is None:
         bpe = arch not in ("llama", "gemma3")
-    from gguf import GGUFWriter
     w = GGUFWriter(str(path), arch)
     if name is not None:
         w.add_name(name)

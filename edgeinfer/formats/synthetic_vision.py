@@ -12,7 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
+from gguf import GGUFWriter
+from gguf.quants import quantize
+
+from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
 
 # Gemma 3's image tags (llama.cpp's mtmd wraps each image's embeddings in them)
 GEMMA3_IMAGE_TAGS = ("<start_of_image>", "<end_of_image>")
@@ -44,7 +49,6 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
     block_qtype ("Q8_0", "Q4_0", ...): the blocks' matrices in that ggml type, as quantized
     mmproj files keep them."""
     clip = projector == "mlp"
-    from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
     e, ff, p = shape.n_embd, shape.n_ff, shape.patch_size
     n_patches = (shape.image_size // p) ** 2
@@ -62,8 +66,6 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
         if block_qtype is None:
             w.add_tensor(name, m)
             return
-        import gguf
-        from gguf.quants import quantize
         qt = gguf.GGMLQuantizationType[block_qtype]
         w.add_tensor(name, quantize(m.astype(np.float32), qt), raw_dtype=qt)
     w.add_name("synthetic-gemma3-mmproj")
@@ -141,7 +143,6 @@ def write_tiny_mmproj(path: Path, n_embd_text: int, shape: TinyVisionShape = Tin
 def write_gemma3_vision_text(path: Path, seed: int = 0) -> Path:
     """tests/synth.py's Gemma 3 text model with <start_of_image> / <end_of_image> in its
     vocabulary (control tokens), as the vision-capable Gemma 3 models have."""
-    from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
     tensor = random_f32_tensors(np.random.default_rng(seed))
 
     shape = TinyShape(256, 512, 4, 2, 64, 7, 2048, 32)
@@ -160,7 +161,6 @@ IDEFICS3_SPECIALS = ("<fake_token_around_image>", "<global-img>") + tuple(
 def write_smolvlm_text(path: Path, seed: int = 0) -> Path:
     """A llama-architecture text model with a byte-level BPE vocabulary holding SmolVLM's
     image tokens and single "\n" / "\n\n" tokens (libmtmd looks them up by their text)."""
-    from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
     tensor = random_f32_tensors(np.random.default_rng(seed))
 
     shape = TinyShape(256, 512, 4, 2, 64, 4, 2048)
@@ -175,7 +175,6 @@ def write_tiny_pixtral(path: Path, n_embd_text: int, seed: int = 0, n_embd: int 
     """A Pixtral / Mistral Small 3.1 projector (pixtral): RMSNorm + SwiGLU blocks (no
     biases, no learned positions), a patch merger of merge x merge, mm.1 / mm.2 and the
     [IMG_BREAK] embedding."""
-    from gguf import GGUFWriter
     rng = np.random.default_rng(seed)
     e, ff = n_embd, n_ff
     dt = np.float16 if f16 else np.float32
@@ -233,7 +232,6 @@ def write_tiny_pixtral(path: Path, n_embd_text: int, seed: int = 0, n_embd: int 
 
 def write_pixtral_text(path: Path, seed: int = 0) -> Path:
     """A llama text model whose vocabulary has [IMG_END] (Pixtral's end-of-image tag)."""
-    from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
     tensor = random_f32_tensors(np.random.default_rng(seed))
 
     return write_tiny_gguf(path, "llama", TinyShape(256, 512, 4, 2, 64, 4, 2048), tensor,

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import numpy as np
 import regex
 
+from ..gguf_file import read_gguf
 from . import bpe, pretokenize, spm, wpm
 from .spm import TokenizerError
 
@@ -231,7 +232,6 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
         """Build from a GGUF file's metadata (raises GGUFError / TokenizerError)."""
-        from ..gguf_file import read_gguf
         f = read_gguf(path)
         try:
             return cls.from_gguf(f.metadata)
