@@ -76,7 +76,7 @@ def test_unload_ends_the_engine_process_and_returns_the_daemons_memory(daemon):
     first = _rss(d.proc.pid)
     ref = _generate(d, MODEL)["response"]
     figures = []
-    for cycle in range(3):
+    for cycle in range(2):
         out = _generate(d, MODEL)
         assert out["response"] == ref           # the same greedy text from each new process
         m = _loaded(d)[MODEL]
@@ -173,3 +173,33 @@ def test_killed_runner_ends_its_streams_and_the_daemon_keeps_serving(daemon):
     assert out["done"] and out["eval_count"] > 0
     assert _loaded(d)[MODEL]["engine_pid"] not in (victim, bystander)
     assert "died" in d.log_text()
+
+
+def test_a_load_that_fails_in_the_engine_process_leaves_nothing(daemon, tmp_path):
+    """A model whose file broke after it was stored: the engine process reports the load's
+    sentence and exits; nothing stays loaded, no process is left, the daemon serves on."""
+    from synth import write_model
+
+    from edgeinfer.store.model_store import Store
+    src = write_model(tmp_path / "tiny.gguf", "llama")
+    ref = Store(daemon.home).register_file(src, "tiny:broken")
+    blob = ref.path
+    size = blob.stat().st_size
+    with open(blob, "r+b") as f:             # the tensor data runs past the end of the file now
+        f.truncate(size // 2)
+    children = {p.pid for p in psutil.Process(daemon.proc.pid).children()}
+    r = daemon.post("/api/generate", {"model": "tiny:broken", "prompt": "Hi", "stream": False})
+    assert r.status_code == 500, r.text
+    msg = r.json()["error"]
+    assert msg.startswith("cannot load tiny:broken") and "Traceback" not in msg, msg
+    assert "tiny:broken" not in _loaded(daemon)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = {p.pid for p in psutil.Process(daemon.proc.pid).children()
+                if p.status() != psutil.STATUS_ZOMBIE       # multiprocessing's own helper:
+                and "resource_tracker" not in " ".join(p.cmdline())} - children
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes left after the failed load: {left}"
+    assert _generate(daemon, MODEL)["done"]

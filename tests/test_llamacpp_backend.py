@@ -72,6 +72,7 @@ def test_greedy_equals_llama_cpp_completion(engine, reference, text):
     assert out.text == reference(text)
 
 
+@pytest.mark.slow      # 17 s; the daemons' [llamacpp] tests run concurrent requests too
 def test_concurrent_sequences(engine, reference):
     a, b = (engine.encode_raw(t) for t in PROMPTS[:2])
     together = run_requests(engine, [a, b], 32)

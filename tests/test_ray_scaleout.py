@@ -469,6 +469,7 @@ def test_ray_replica_killed_mid_stream_ollama(ray_daemon):
 
 
 @needs_ray
+@pytest.mark.slow      # 23 s; a replica killed mid-stream stays in the default run
 def test_ray_replica_killed_before_answering_is_retried(ray_daemon):
     """A non-streaming request whose replica dies before it answered is sent again to
     another replica: the client sees a normal 200 from the survivor."""

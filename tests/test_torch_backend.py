@@ -211,6 +211,7 @@ def test_greedy_32_tokens_equal_numba(engines):
         assert a == b, text
 
 
+@pytest.mark.slow      # 22 s; the numba engine's batch invariance is in the default run
 def test_batch_invariance(engines):
     et, _ = engines
     prompts = [et.encode_raw(t) for t in PROMPTS + ["Photosynthesis converts light into"]]

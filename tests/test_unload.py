@@ -32,8 +32,10 @@ TOLERANCE = 50 * MB           # issue 12: "within 50 MB of its pre-load figure"
 KERNEL_CODE_ALLOWANCE = 150 * MB
 
 
-# the llama.cpp copy (~20 s) under -m slow: the default run keeps the native runner's
-@pytest.fixture(params=["cpu", pytest.param("llamacpp", marks=pytest.mark.slow)])
+# -m slow: engines in the daemon's process (EDGEINFER_ENGINE_PROCESS=0) are not the default;
+# the default run checks unloading engine processes (tests/test_engine_process.py)
+@pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.slow),
+                        pytest.param("llamacpp", marks=pytest.mark.slow)])
 def daemon(request, tmp_path, gemma3_path):
     """A fresh daemon (nothing loaded yet) on the native runner, and on llama.cpp's."""
     home = tmp_path / "home"
