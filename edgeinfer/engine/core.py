@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
+from edgeinfer.engine.images import load_vision
 from edgeinfer.engine.kv_manager import KVCacheManager
 from edgeinfer.engine.prompt_scoring import PromptScoring
 from edgeinfer.engine.prompts import Prompter, chat_format
@@ -165,7 +166,6 @@ class Engine:
                                     f"embeddings on the {self.runner.kind} backend yet (try "
                                     f"backend llamacpp)")
             elif mmproj:
-                from edgeinfer.engine.images import load_vision
                 self.vision = load_vision(self.runner, self.tokenizer, mmproj,
                                           config.backend)
             self.vision_note = self.vision_note or no_images_note(self.cfg.name)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.engine.constraint import ConstraintError
+from edgeinfer.formats.tokenizer.vocab import TokenType
 
 try:                                   # an optional dependency: the server says so if absent
     import llguidance as _llg
@@ -72,7 +73,6 @@ class _GGUFVocab:
     callable that tokenizes bytes (used for forced text and canonical-token checks)."""
 
     def __init__(self, tok, vocab_size: int):
-        from edgeinfer.formats.tokenizer.vocab import TokenType
         types = tok.types
         tokens: list[bytes] = list(tok.token_bytes)
         special = []

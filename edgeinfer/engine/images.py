@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
+from edgeinfer.formats.image import (idefics3_grid, preprocess_dynamic, preprocess_fixed,
+                                     preprocess_idefics3)
+from edgeinfer.formats.mmproj import check_pair, read_mmproj
 from edgeinfer.runners.base import ImageSpan
 
 __all__ = ["EncodedImage", "ImageSpan", "MEDIA_MARKER", "VisionEncoder", "VisionError",
@@ -78,7 +82,6 @@ class VisionEncoder:
         """`runner`: the text model's; where its own library encodes images (the llama.cpp
         runner: libmtmd, `runner.image_encoder(path)` not None), that encoder, else the
         native tower on `backend`'s ops."""
-        from edgeinfer.formats.mmproj import read_mmproj
         self.path = path
         self.gf, self.cfg = read_mmproj(path)
         self._external = None
@@ -88,13 +91,15 @@ class VisionEncoder:
             if self._external is not None:
                 self.model = None
             else:
+                # lazy: the native tower and its backend load in the engine process, never
+                # with the daemon's `import edgeinfer.engine`
                 from edgeinfer.models.siglip import SiglipVision
                 from edgeinfer.runners.native import make_ops
                 # the tower's own ops (its repack choice and per-step caches stay apart from
                 # the text model's); torch on the device the text model uses
                 ops = make_ops(backend if backend.startswith("torch") else "cpu")
                 if self.cfg.projector == "pixtral":
-                    from edgeinfer.models.pixtral_vision import PixtralVision
+                    from edgeinfer.models.pixtral_vision import PixtralVision  # lazy: as above
                     self.model = PixtralVision(self.cfg, ops, self.gf)
                 else:
                     self.model = SiglipVision(self.cfg, ops, self.gf)
@@ -124,15 +129,12 @@ class VisionEncoder:
 
     def encode(self, image) -> EncodedImage:
         """The embeddings of an edgeinfer.formats.image.Image (cached by its sha256)."""
-        from edgeinfer.formats.image import (idefics3_grid, preprocess_dynamic,
-                                             preprocess_fixed, preprocess_idefics3)
         with self._lock:
             hit = self._cache.get(image.digest)
             if hit is not None:
                 self._cache.move_to_end(image.digest)
                 self.cache_hits += 1
                 return hit
-            import time
             t0 = time.perf_counter()
             cfg = self.cfg
             grid = None
@@ -281,7 +283,6 @@ def load_vision(runner, tokenizer, mmproj: str, backend: str = "cpu") -> VisionE
     """The projector for a loaded runner, after the checks that it belongs to it: a backend
     that runs image spans, the image tags in the vocabulary, the text width. GGUFError or
     VisionError (one sentence) otherwise; nothing stays open then."""
-    from edgeinfer.formats.mmproj import check_pair, read_mmproj
     if not runner.supports_images:
         raise VisionError(f"the {runner.cfg.arch} architecture does not take image embeddings "
                           f"on the {runner.kind} backend yet (try backend llamacpp)")

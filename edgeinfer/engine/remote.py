@@ -28,12 +28,14 @@ import time
 from typing import Any, Callable
 
 from edgeinfer.engine.core import Engine, EngineConfig, RequestOutput
+from edgeinfer.engine.grammar import grammars_for
 from edgeinfer.engine.images import Layout
 from edgeinfer.engine.prompts import Prompter, chat_format
 from edgeinfer.engine.requests import EngineInfo, RequestError, check_embed, check_request
 from edgeinfer.runners.sampling_params import SamplingParams
-from edgeinfer.engine.warmup import Progress
+from edgeinfer.engine.warmup import Progress, prepare_for_load
 from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.mmproj import read_mmproj
 from edgeinfer.formats.tokenizer import Tokenizer
 
 log = logging.getLogger("edgeinfer.engine.remote")
@@ -60,8 +62,7 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[runner "
                         f"{os.getpid()}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
-    from edgeinfer.engine.warmup import prepare_for_load
-    from edgeinfer.runners.choice import estimate_memory
+    from edgeinfer.runners.choice import estimate_memory  # lazy: the engine process's only
     try:    # the backend's own figures, for the daemon's memory budget, before any weight
         est = estimate_memory(config.backend, path, config.kv_cache_type, config.repack,
                               config.torch_dtype)
@@ -81,7 +82,7 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
         conn.send(("progress", p.done, p.total, p.label))
     prepare_for_load(path, config.backend, config.kv_cache_type, config.repack, progress, name)
     if config.backend == "cpu" or config.backend == "llamacpp":
-        from edgeinfer.backends.cpu.threads import ThreadGovernor
+        from edgeinfer.backends.cpu.threads import ThreadGovernor  # lazy: not in the daemon
         # this process's own budget: it measures the other engine processes as busy cores
         config = dataclasses.replace(config, governor=ThreadGovernor(fixed=config.threads))
     try:
@@ -152,7 +153,6 @@ class _EngineServer:
             try:
                 constraint = None
                 if spec is not None:    # compiled again here, cached per model
-                    from edgeinfer.engine.grammar import grammars_for
                     constraint = grammars_for(engine.tokenizer,
                                               int(engine.cfg.vocab_size)).constraint(spec)
                 kw = {"constraint": constraint, "prompt_logprobs": prompt_logprobs,
@@ -281,7 +281,6 @@ class RemoteEngine:
             self.tokenizer = tokenizer
             layout = None
             if self.info.vision:
-                from edgeinfer.formats.mmproj import read_mmproj
                 gf, pcfg = read_mmproj(mmproj)
                 gf.close()
                 layout = Layout(tokenizer, pcfg)

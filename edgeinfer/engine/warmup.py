@@ -26,6 +26,7 @@ install can use two processes at once. Each child prints one JSON line per finis
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import json
@@ -39,6 +40,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from edgeinfer.engine.core import Engine, EngineConfig
+from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
+from edgeinfer.runners.sampling_params import SamplingParams, with_vocabulary
 
 MODEL_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 KV_TYPES = ("f16", "q8_0")
@@ -71,13 +80,13 @@ def label(key: str) -> str:
     if key.startswith("model:"):
         _, arch, kv = key.split(":")
         return f"{arch} forward, {kv} KV cache"
-    from edgeinfer.backends.cpu import warmup as cpu
+    from edgeinfer.backends.cpu import warmup as cpu  # lazy: numba, not in the daemon
     return cpu.label(key)
 
 
 def install_keys() -> list[str]:
     """Every step: what install.sh warms."""
-    from edgeinfer.backends.cpu import warmup as cpu
+    from edgeinfer.backends.cpu import warmup as cpu  # lazy: numba, not in the daemon
     # the q8_0 KV cache (an opt-in setting) is left to the first load or pull that asks for
     # it: its attention kernels would add a quarter to the install's warm-up
     return cpu.all_keys() + [f"model:{a}:f16" for a in MODEL_ARCHS]
@@ -96,9 +105,9 @@ def model_family(arch: str | None) -> str | None:
 def keys_for_model(path: str, kv_cache_type: str | None = None, repack: bool | None = None,
                    numerics: str = "ggml") -> list[str]:
     """The steps the native CPU backend needs for this model file with these settings."""
+     # lazy: numba kernels load in the engine process and warm-up children, not the daemon
     from edgeinfer.backends.cpu import warmup as cpu
     from edgeinfer.backends.cpu.ops import CpuOps
-    from edgeinfer.formats.gguf_file import read_gguf
     gf = read_gguf(str(path))
     try:
         ops = CpuOps(numerics=numerics, repack=repack, kv_cache_type=kv_cache_type)
@@ -122,6 +131,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 def sources_hash() -> str:
     """Hash of what the compiled kernels depend on: the kernel and model sources, this
     file, numba's and Python's versions, and the CPU's vector instruction set."""
+     # lazy: numba kernels load in the engine process and warm-up children, not the daemon
     import numba
 
     from edgeinfer.backends.cpu import _int8
@@ -147,7 +157,7 @@ def marker_dir() -> Path:
     sources_hash(); EDGEINFER_WARM_MARKERS (tests, benchmarks) names another base."""
     base = os.environ.get("EDGEINFER_WARM_MARKERS")
     if not base:
-        from numba.core.config import CACHE_DIR
+        from numba.core.config import CACHE_DIR  # lazy: numba, not in the daemon
         base = os.path.join(CACHE_DIR or os.environ.get("NUMBA_CACHE_DIR")
                             or tempfile.gettempdir(), "edgeinfer-warm")
     return Path(base) / sources_hash()
@@ -189,7 +199,7 @@ def run_step(key: str) -> None:
         _, arch, kv = key.split(":")
         _model_step(arch, kv)
     else:
-        from edgeinfer.backends.cpu import warmup as cpu
+        from edgeinfer.backends.cpu import warmup as cpu  # lazy: in the warm-up child only
         cpu.run(key)
 
 
@@ -315,11 +325,7 @@ N_EMBD, N_FF, N_HEAD, N_KV, HEAD_DIM = 128, 256, 4, 2, 64
 def write_tiny_model(path: Path, arch: str) -> Path:
     """A random-weight model of `arch` (llama, qwen2, qwen3, gemma3): Q8_0 matrices, F32
     norms, the shared synthetic vocabulary (edgeinfer/formats/synthetic.py)."""
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-
-    from edgeinfer.backends.cpu.quants import random_quant_rows
-    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
+    from edgeinfer.backends.cpu.quants import random_quant_rows  # lazy: numba, warm-up child only
     rng = np.random.default_rng(0)
 
     def tensor(name: str, kind: str, dims: tuple, scale: float):
@@ -338,8 +344,6 @@ def _model_step(arch: str, kv: str) -> None:
     """A tiny model of `arch` through the engine, as the daemon runs one: a prefill, greedy
     decode with prompt-lookup drafts (several rows a sequence), then sampled requests decoded
     together with every sampler that has a kernel, and a masked (grammar) sample."""
-    from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.runners.sampling_params import SamplingParams, with_vocabulary
     with tempfile.TemporaryDirectory(prefix="edgeinfer-warm-") as tmp:
         path = write_tiny_model(Path(tmp) / f"{arch}.gguf", arch)
         engine = Engine(str(path), EngineConfig(kv_budget_bytes=8 << 20, max_model_len=256,
@@ -369,11 +373,7 @@ def _model_step(arch: str, kv: str) -> None:
 
 def _masked_sampling() -> None:
     """Structured output samples masked rows through kernels of their own."""
-    import numpy as np
-
-    from edgeinfer.runners.sampling_params import SamplingParams
-
-    from edgeinfer.runners.sampling import Sampler, SeqSamplingState
+    from edgeinfer.runners.sampling import Sampler, SeqSamplingState  # lazy: warm-up child only
     logits = np.random.default_rng(0).standard_normal((1, 4096)).astype(np.float32)
     mask = np.zeros(4096, bool)
     mask[::7] = True
@@ -396,7 +396,6 @@ def _child(keys: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
     ap = argparse.ArgumentParser(prog="python -m edgeinfer.engine.warmup",
                                  description="compile the CPU backend's kernels ahead of use")
     ap.add_argument("--steps", help="comma-separated step keys (run here, in this process)")
