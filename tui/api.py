@@ -19,6 +19,8 @@ from typing import Any, AsyncIterator
 
 import httpx
 
+from edgeinfer.settings import current
+
 DEFAULT_HOST = "127.0.0.1:11435"
 
 
@@ -36,7 +38,6 @@ class ApiError(Exception):
 
 def resolve_base_url(host: str | None = None) -> str:
     """`host:port`, `http(s)://host:port` or None (EDGEINFER_HOST, then the default)."""
-    from edgeinfer.settings import current
     host = host or current().host or DEFAULT_HOST
     host = host.strip().rstrip("/")
     if not host.startswith(("http://", "https://")):
@@ -296,7 +297,6 @@ class DaemonClient:
                  transport: httpx.AsyncBaseTransport | None = None,
                  timeout: float = 10.0) -> None:
         self.base_url = resolve_base_url(base_url)
-        from edgeinfer.settings import current
         key = current().api_key
         self._http = httpx.AsyncClient(
             base_url=self.base_url, transport=transport,

@@ -21,5 +21,5 @@ def add_commands(subparsers: Any) -> None:
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
-    from .app import run
+    from .app import run  # lazy: Textual loads only when the TUI runs, not with the CLI
     return run(args.host, autostart=not args.no_start, model=args.model)

@@ -3,6 +3,8 @@ the daemon's memory (RSS, KV blocks in use) on the status line."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 import time
 
 from textual import on, work
@@ -163,8 +165,6 @@ class ChatScreen(Screen):
 
     def _add_image(self, path: str) -> None:
         """/image PATH: read the file now (the daemon checks it is an image it takes)."""
-        import base64
-        import os
         if not path:
             self.notify("Usage: /image PATH (the picture goes with your next message)",
                         severity="warning")
