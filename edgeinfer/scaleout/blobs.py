@@ -13,6 +13,9 @@ import hashlib
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from edgeinfer.store.model_store import ModelNotFound, Store, StoreError
 
 NAME = "edgeinfer-blobs"
 NAMESPACE = "edgeinfer"
@@ -22,11 +25,9 @@ CHUNK = 8 << 20
 @ray.remote(num_cpus=0, max_restarts=-1)
 class BlobServer:
     def __init__(self, home: str):
-        from edgeinfer.store.model_store import Store
         self.store = Store(home)
 
     def manifest(self, model: str) -> dict[str, Any] | None:
-        from edgeinfer.store.model_store import StoreError
         try:
             ref = self.store.resolve(model, allow_path=False)
         except StoreError:
@@ -44,7 +45,6 @@ class BlobServer:
 
 def start_on_this_node(home: str):
     """The BlobServer, on the node this process (the head's `serve --ray`) runs on."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     here = ray.get_runtime_context().get_node_id()
     return BlobServer.options(
         name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
@@ -63,7 +63,6 @@ def ensure_local(store, model: str, server=None) -> str:
     what happened: "present", "fetched", "tagged" (blob already here under another name)
     or "unknown" (the head does not have it either: the app answers its 404). Blocking: run
     it in a worker thread."""
-    from edgeinfer.store.model_store import ModelNotFound, StoreError
     try:
         store.resolve(model, allow_path=False)
         return "present"

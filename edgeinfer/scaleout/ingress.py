@@ -25,6 +25,10 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from edgeinfer.store.model_store import Store
+
+from .keys import Keyer
+
 log = logging.getLogger("edgeinfer.scaleout")
 
 STREAM_TYPES = ("text/event-stream", "application/x-ndjson")
@@ -53,8 +57,6 @@ def stream_error(path: str, message: str, code: str = "replica_failed") -> bytes
 
 class Ingress:
     def __init__(self, engine_handle, config=None, api_key: str | None = None):
-        from edgeinfer.store.model_store import Store
-        from .keys import Keyer
         self.engine = engine_handle.options(stream=True, method_name="handle")
         self.api_key = api_key
         self.keyer = Keyer(Store(getattr(config, "home", None)))
@@ -181,7 +183,7 @@ class Ingress:
 
     # ----- all replicas --------------------------------------------------------------------
     async def _reports(self) -> list[dict]:
-        from .registry import lookup
+        from .registry import lookup  # lazy: ray (optional); merge_* here are used without it
         try:
             return await lookup().all.remote()
         except Exception as e:

@@ -19,6 +19,11 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from edgeinfer.formats.chat_template import ChatFormat
+from edgeinfer.formats.gguf_file import read_gguf
+from edgeinfer.formats.tokenizer import Tokenizer
+from edgeinfer.store.model_store import Store
+
 BLOCK_SIZE = 16
 MAX_ROUTING_BLOCKS = 512          # 8k tokens: longer prompts are routed on their head
 
@@ -87,9 +92,6 @@ class PromptEncoder:
     """Tokenizer + chat template of one model file, without its weights."""
 
     def __init__(self, path: str):
-        from edgeinfer.formats.chat_template import ChatFormat
-        from edgeinfer.formats.gguf_file import read_gguf
-        from edgeinfer.formats.tokenizer import Tokenizer
         f = read_gguf(path)
         try:
             md = dict(f.metadata)
@@ -122,7 +124,6 @@ class Keyer:
         enc = None
         try:
             if self._store is None:
-                from edgeinfer.store.model_store import Store
                 self._store = Store()
             ref = self._store.resolve(model, allow_path=False)
             enc = PromptEncoder(str(ref.path))

@@ -7,6 +7,9 @@ import os
 import signal
 import threading
 
+from edgeinfer.server.daemon import prepare_serve
+from edgeinfer.store.model_store import Store
+
 log = logging.getLogger("edgeinfer.scaleout")
 
 APP_NAME = "edgeinfer"
@@ -20,6 +23,7 @@ def build_app(config, api_key: str | None, replicas: int, max_replicas: int | No
               routing: str = "affinity", imbalance: int = 0,
               replica_home: str | None = None):
     """The Serve application: Ingress in front of the EngineReplica deployment."""
+    # lazy: Ray is optional (the ray extra); these modules import it
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -61,15 +65,13 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
               ray_address: str | None = None, routing: str = "affinity",
               kv_cache_type: str | None = None,
               replica_home: str | None = None) -> int:
-    try:
+    try:   # lazy: Ray is optional (the ray extra)
         import ray
         from ray import serve
     except ImportError:
         raise ScaleOutError("--ray needs Ray Serve: pip install 'edgeinfer[ray]' "
                             "(or ./install.sh --dev)") from None
-    from edgeinfer.server.daemon import prepare_serve
-
-    from . import registry
+    from . import registry  # lazy: imports ray
 
     if replicas < 1 or (max_replicas is not None and max_replicas < replicas):
         raise ScaleOutError("--replicas must be at least 1 and --max-replicas at least "
@@ -93,8 +95,7 @@ def serve_ray(host: str | None = None, port: int | None = None, api_key: str | N
         signal.signal(sig, lambda *_: stop.set())
     try:
         registry.get_or_create()
-        from edgeinfer.store.model_store import Store
-        from . import blobs
+        from . import blobs  # lazy: imports ray
         blobs.start_on_this_node(str(Store(config.home).home))   # this node's store
         serve.start(http_options={"host": host, "port": port},
                     proxy_location="HeadOnly")

@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
+from starlette.requests import Request
+
+from edgeinfer import settings
+from edgeinfer.server import ollama_api
+from edgeinfer.server.app import create_app
+
+from . import blobs
+from .ingress import error_body
+from .registry import lookup
 
 log = logging.getLogger("edgeinfer.scaleout")
 
@@ -89,10 +101,6 @@ class EngineReplica:
     async def __init__(self, config, api_key: str | None = None, report: bool = True,
                        home: str | None = None):
         """`home`: the model store this replica uses on its node (default: config's)."""
-        import dataclasses
-        from pathlib import Path
-        from edgeinfer import settings
-        from edgeinfer.server.app import create_app
         if home:
             config = dataclasses.replace(config, home=Path(home))
         settings.install(config)
@@ -135,7 +143,6 @@ class EngineReplica:
         if model and model not in self._present:
             problem = await self._ensure_model(model)
             if problem:
-                from .ingress import error_body
                 yield {"status": 502, "headers": [("content-type", "application/json"),
                                                   ("x-edgeinfer-replica", self.short_id)]}
                 yield json.dumps(error_body(req["path"], 502, problem,
@@ -157,7 +164,6 @@ class EngineReplica:
         """Fetch `model` from the head's store when this node's store lacks it. None when
         the request can go on (also for a model nobody has: the app says 404), else the
         reason the copy failed."""
-        from . import blobs
         lock = self._fetching.setdefault(model, asyncio.Lock())
         async with lock:
             if model in self._present:
@@ -178,8 +184,6 @@ class EngineReplica:
     async def info(self) -> dict[str, Any]:
         """This replica's /api/ps, /api/stats and /metrics, read from the app's own state
         (not through its HTTP routes, which would count these reads as API requests)."""
-        from starlette.requests import Request
-        from edgeinfer.server import ollama_api
         st = self.app.state
         ps = await ollama_api.ps(Request({"type": "http", "app": self.app, "headers": []}))
         return {"replica": self.replica_id, "id": self.short_id, "node": self.node,
@@ -188,7 +192,6 @@ class EngineReplica:
                 "metrics": st.metrics.prometheus(st.manager)}
 
     async def _report_forever(self) -> None:
-        from .registry import lookup
         registry = None
         while True:
             try:
@@ -209,7 +212,6 @@ class EngineReplica:
 def _node_ip() -> str:
     """The Ray node's address (127.0.0.1 on a local instance), else the host name."""
     try:
-        import ray
         me = ray.get_runtime_context().get_node_id()
         for n in ray.nodes():
             if n.get("NodeID") == me:
