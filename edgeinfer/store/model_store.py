@@ -27,7 +27,6 @@ from typing import Any, Iterator
 import gguf
 
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
-from edgeinfer.formats.mmproj import check_pair, read_mmproj
 from edgeinfer.formats.model_config import load_model_config
 from edgeinfer.settings import current
 from .bundled import BUNDLED, DEFAULT_MODEL, bundled
@@ -444,6 +443,8 @@ class Store:
         """Store a vision projector (mmproj GGUF) with the registered model `name[:tag]`:
         checked (a projector, of the model's width), linked or copied into blobs/, named in
         the model's manifest. `show`, /api/show and the loads find it there."""
+        # lazy: the CLI imports the store, and `edgeinfer --help` stays fast without this
+        from edgeinfer.formats.mmproj import check_pair, read_mmproj
         path = Path(path).expanduser()
         ref = self.resolve(model, allow_path=False)
         try:
