@@ -6,6 +6,8 @@ import os
 
 from edgeinfer.formats.gguf_file import GGUFError
 from edgeinfer.formats.kv_cache_types import KV_CACHE_TYPES
+from edgeinfer.runners.choice import DEVICES, BackendChoiceError, check
+from edgeinfer.store.model_store import Store
 
 
 def resolve_model_file(model: str) -> str:
@@ -14,7 +16,6 @@ def resolve_model_file(model: str) -> str:
         if not os.path.exists(model):
             raise GGUFError(f"{model}: file not found")
         return model
-    from edgeinfer.store.model_store import Store   # lazy: only for store names
     return str(Store().resolve(model).path)
 
 
@@ -23,7 +24,6 @@ def add_kv_cache_type_arg(p: argparse.ArgumentParser, help_: str) -> None:
 
 
 def add_device_arg(p: argparse.ArgumentParser, help_: str) -> None:
-    from edgeinfer.runners.choice import DEVICES     # lazy: keeps `edgeinfer --help` light
     p.add_argument("--device", choices=DEVICES, default=None, help=help_)
 
 
@@ -32,7 +32,6 @@ def check_device_args(p: argparse.ArgumentParser, backend: str | None,
     """A bad --backend name, or a --device that cannot go with it, is a usage error (exit 2)."""
     if backend is None:
         return
-    from edgeinfer.runners.choice import BackendChoiceError, check   # lazy: as above
     try:
         check(backend, device)
     except BackendChoiceError as e:

@@ -17,6 +17,9 @@ from typing import Any, Callable, Iterator
 import httpx
 
 from edgeinfer.server import daemon
+from edgeinfer.settings import current
+from edgeinfer.store.model_store import StoreError
+from edgeinfer.store.pull import PullProgress
 
 __all__ = ["Client", "ClientError", "GenerationStats", "connect", "daemon_pull",
            "stream_generate"]
@@ -77,7 +80,6 @@ class Client:
     def __init__(self, base_url: str | None = None, api_key: str | None = None,
                  timeout: float | None = None):
         self.base_url = base_url or daemon.url_for(*daemon.env_address())
-        from edgeinfer.settings import current
         key = api_key if api_key is not None else current().api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # generations can run for minutes: no read timeout, a short connect timeout
@@ -149,8 +151,6 @@ def daemon_pull(source: str, name: str | None, sha256: str | None,
                 progress: Callable[[Any], None]) -> bool:
     """Pull through a running daemon (never starts one). False when none answers; the
     store's own errors come back as StoreError so the CLI prints them as usual."""
-    from edgeinfer.store.pull import PullProgress
-    from edgeinfer.store.model_store import StoreError
     with Client() as c:
         if c.health() is None:
             return False

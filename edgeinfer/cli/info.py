@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import os
 
+from edgeinfer.runners.choice import resolve
+
 
 def gather() -> dict:
     """Plain facts for printing (and for tests): devices, memory, threads, auto's choice."""
-    from edgeinfer.backends.torch.device import detect
-    from edgeinfer.runners.choice import resolve
+    from edgeinfer.backends.torch.device import detect  # lazy: a backend, for `info` only
     facts: dict = {"cpu": detect("cpu"), "accelerator": None, "torch": None, "llama_cpp": None}
     try:
-        import torch
+        import torch  # lazy: torch is optional
         facts["torch"] = torch.__version__
         best = detect()
         if best.kind != "cpu":
@@ -18,7 +19,7 @@ def gather() -> dict:
     except ImportError:
         pass
     try:
-        import llama_cpp
+        import llama_cpp  # lazy: heavy, and optional here
         facts["llama_cpp"] = llama_cpp.__version__
     except ImportError:
         pass
@@ -31,7 +32,7 @@ def _line(label: str, value: str) -> str:
 
 
 def cmd_info(args) -> int:
-    from edgeinfer.backends.torch.device import compute_dtype, gib
+    from edgeinfer.backends.torch.device import compute_dtype, gib  # lazy: as in gather()
     f = gather()
     cpu = f["cpu"]
     print(_line("cpu", f"{cpu.name} ({os.cpu_count()} logical cores, torch uses {cpu.threads} threads)"))

@@ -14,6 +14,12 @@ import threading
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn)
+
+from edgeinfer.cli.client import Client, ClientError
+
 
 class KernelBar:
     """A callable taking warmup.Progress events: one bar, steps done of total."""
@@ -32,9 +38,6 @@ class KernelBar:
 
     def __call__(self, p) -> None:
         if self.progress is None:
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn)
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(),
                                      TextColumn("{task.fields[step]}"),
@@ -92,7 +95,6 @@ class LoadWatcher:
         self.out.flush()
 
     def _run(self) -> None:
-        from edgeinfer.cli.client import Client, ClientError
         t0 = time.monotonic()
         with Client(self.base_url, timeout=5.0) as c:
             while not self._stop.wait(self.interval):

@@ -8,6 +8,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -15,7 +16,9 @@ from edgeinfer import __version__
 from edgeinfer.settings import Settings, SettingsError, current, install
 
 
+from edgeinfer.cli import info, manage, run, show, store_cmds
 from edgeinfer.cli.errors import UserError  # noqa: F401  (re-exported for the commands)
+from edgeinfer.tui import command as tui_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    from edgeinfer.cli import info, manage, run, show, store_cmds
-    from edgeinfer.tui import command as tui_cmd
     show.add_commands(subparsers)
     store_cmds.add_commands(subparsers)     # pull list rm cp
     run.add_commands(subparsers)            # run
@@ -48,7 +49,6 @@ _USER_FACING = (
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    import importlib
     errors: list[type[BaseException]] = [UserError]
     for module, name in _USER_FACING:
         try:

@@ -8,7 +8,9 @@ import time
 from datetime import datetime
 from typing import Any
 
+from edgeinfer.cli.args import add_device_arg, add_kv_cache_type_arg, check_device_args
 from edgeinfer.cli.client import Client, ClientError, connect
+from edgeinfer.cli.errors import UserError
 from edgeinfer.server import DEFAULT_PORT, daemon
 
 
@@ -53,7 +55,6 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", help="default backend for the models it loads: cpu, torch, "
                                      "torch:DEVICE, llamacpp or auto (default EDGEINFER_BACKEND, "
                                      "else cpu)")
-    from edgeinfer.cli.args import add_device_arg, add_kv_cache_type_arg
     add_kv_cache_type_arg(p, "KV cache type of the models it loads (default "
                              "EDGEINFER_KV_CACHE_TYPE, else f16); a request's kv_cache_type "
                              "load option overrides it per model")
@@ -85,27 +86,24 @@ def _ray_args(p: argparse.ArgumentParser) -> None:
 
 def _validate_placement(p: argparse.ArgumentParser):
     def validate(args: argparse.Namespace) -> None:
-        from edgeinfer.cli.args import check_device_args
         check_device_args(p, args.backend, args.device)
     return validate
 
 
 def _user_error(msg: str) -> Exception:
-    from edgeinfer.cli.errors import UserError
     return UserError(msg)
 
 
 def _image_urls_flag(args: argparse.Namespace) -> None:
     """--allow-image-urls reaches the daemon (this process or its child) as the setting."""
     if getattr(args, "allow_image_urls", False):
-        import os
         os.environ["EDGEINFER_ALLOW_IMAGE_URLS"] = "1"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _image_urls_flag(args)
     if args.ray or args.ray_address:
-        from edgeinfer.scaleout.launch import ScaleOutError, serve_ray
+        from edgeinfer.scaleout.launch import ScaleOutError, serve_ray  # lazy: `serve --ray` only
         try:
             return serve_ray(args.host, args.port, args.api_key, args.backend, args.device,
                              args.log_level, replicas=args.replicas,

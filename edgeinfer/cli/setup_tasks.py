@@ -1,12 +1,15 @@
 """Steps install.sh runs inside the environment: register the bundled models, warm the JIT cache."""
 from __future__ import annotations
 
+import os
 import sys
+import time
+
+from edgeinfer.store.bundled import BUNDLED
+from edgeinfer.store.model_store import Store
 
 
 def register_bundled() -> None:
-    from edgeinfer.store.bundled import BUNDLED
-    from edgeinfer.store.model_store import Store
     store = Store()
     for b in BUNDLED.values():
         if b.available():
@@ -19,10 +22,7 @@ def register_bundled() -> None:
 def warm_kernels() -> None:
     """Compile every CPU kernel into numba's disk cache (edgeinfer.engine.warmup), in two
     processes: a model pulled later then compiles nothing (or only its new weight types)."""
-    import os
-    import time
-
-    from edgeinfer.engine import warmup
+    from edgeinfer.engine import warmup  # lazy: the engine and numba, for warm-kernels only
     t = time.monotonic()
     keys = warmup.install_keys()
     todo = warmup.pending(keys)

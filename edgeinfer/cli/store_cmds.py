@@ -7,7 +7,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from edgeinfer.store.pull import PullProgress, pull
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+
+from edgeinfer.cli import client
+from edgeinfer.cli.run import prepare_kernels
+from edgeinfer.runners.choice import resolve_for_file
+from edgeinfer.settings import current
+from edgeinfer.store.bundled_listing import list_models
+from edgeinfer.store.pull import PullProgress, pull, pull_projector, resolve_source
 from edgeinfer.store.model_store import ModelRef, Store
 
 
@@ -46,9 +55,6 @@ class _ProgressView:
     a plain line for the others. Everything goes to stderr so stdout stays scriptable."""
 
     def __init__(self) -> None:
-        from rich.console import Console
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                                   TimeRemainingColumn, TransferSpeedColumn)
         self.console = Console(stderr=True)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
                                  DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
@@ -79,14 +85,7 @@ def _daemon_pull(args: argparse.Namespace, progress: Callable[[PullProgress], No
     """Pull through a running daemon, so CLI and API share one download and its progress.
     Contract with edgeinfer.cli.client: `daemon_pull(source, name, sha256, progress) -> bool`,
     False when no daemon answers. Local files are always imported here, in-process."""
-    try:
-        from edgeinfer.cli import client
-    except ImportError:
-        return None
-    fn = getattr(client, "daemon_pull", None)
-    if fn is None:
-        return None
-    return bool(fn(args.source, args.name, args.sha256, progress))
+    return bool(client.daemon_pull(args.source, args.name, args.sha256, progress))
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -108,10 +107,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def _pull_projector(args: argparse.Namespace, ref: ModelRef | None) -> None:
     """--mmproj: the projector goes into the store with the model just pulled."""
-    from edgeinfer.store.pull import pull_projector
     store = Store()
     if ref is None:         # pulled through the daemon, into the same store
-        from edgeinfer.store.pull import resolve_source
         ref = store.resolve(str(resolve_source(args.source, args.name, args.sha256,
                                                store).name), allow_path=False)
     ref = pull_projector(store, ref.full_name, args.mmproj)
@@ -126,11 +123,8 @@ def _prepare_kernels(ref: ModelRef | None, args: argparse.Namespace) -> None:
     types, its architecture's forward; edgeinfer.engine.warmup), with a progress bar, so
     its first request does not wait for them. Nothing to do for a model whose kernels are
     compiled, or that the daemon's backend would not run on the native CPU engine."""
-    from edgeinfer.runners.choice import resolve_for_file
-    from edgeinfer.settings import current
     try:
         if ref is None:         # pulled through the daemon, into the same store
-            from edgeinfer.store.pull import resolve_source
             store = Store()
             ref = store.resolve(str(resolve_source(args.source, args.name, args.sha256,
                                                    store).name), allow_path=False)
@@ -139,7 +133,6 @@ def _prepare_kernels(ref: ModelRef | None, args: argparse.Namespace) -> None:
             return
     except Exception:           # noqa: BLE001 - the pull itself succeeded
         return
-    from edgeinfer.cli.run import prepare_kernels
     prepare_kernels(str(ref.path), "cpu")
 
 
@@ -172,7 +165,6 @@ def format_list(refs: list[ModelRef], now: float | None = None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from edgeinfer.store.bundled_listing import list_models
     print(format_list(list_models(Store())))
     return 0
 
