@@ -23,8 +23,8 @@ from ..widgets.stream_status import StreamStatus
 
 DEFAULT_TEMPERATURE = "0.8"
 # Text reaches the Markdown widget (a re-parse and a layout pass) and the status line at most
-# this often while a reply streams: per token, the app took ~2.4 s of CPU per 256-token reply
-# on a 2-core machine, CPU the engine in the daemon then lacks (README "The terminal app").
+# this often while a reply streams: flushing every token costs the app CPU that the engine in
+# the daemon then lacks on a small machine (figures: README "The terminal app").
 FLUSH_S = 0.15
 MAX_IMAGE_BYTES = 20 * 2**20      # the daemon's limit (edgeinfer.formats.image)
 
