@@ -22,7 +22,7 @@ from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
 from edgeinfer.engine.images import load_vision
 from edgeinfer.engine.kv_manager import KVCacheManager
 from edgeinfer.engine.prompt_scoring import PromptScoring
-from edgeinfer.engine.prompts import Prompter, chat_format
+from edgeinfer.engine.prompts import PromptMethods, Prompter, chat_format
 from edgeinfer.engine.requests import (EngineInfo, RequestError, check_embed, check_request,
                                        no_images_note)
 from edgeinfer.engine.repetition import RepetitionGuard
@@ -136,7 +136,7 @@ class _RequestState:
         self.images: tuple = ()             # the prompt's ImageSpans
 
 
-class Engine:
+class Engine(PromptMethods):
     def __init__(self, path: str, config: EngineConfig = EngineConfig(),
                  mmproj: str | None = None):
         """`mmproj`: a vision projector for the model (edgeinfer.engine.images); a file that
@@ -217,28 +217,6 @@ class Engine:
         self._snapshot: dict[str, float] = self._make_snapshot()
         # called with each new snapshot on the engine thread (the engine process forwards it)
         self.on_publish: Callable[[dict], None] | None = None
-
-    # -- prompts ---------------------------------------------------------------------------
-    @property
-    def chat_template(self) -> str:
-        return self.prompts.chat_template
-
-    @property
-    def has_own_template(self) -> bool:
-        return self.prompts.has_own_template
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        return self.prompts.render(messages, add_generation_prompt, **extra)
-
-    def encode_chat(self, messages: list[dict], **extra) -> list[int]:
-        return self.prompts.encode_chat(messages, **extra)
-
-    def encode_raw(self, text: str) -> list[int]:
-        return self.prompts.encode_raw(text)
-
-    def encode_chat_images(self, messages: list[dict], images: list, **extra):
-        """(token ids, ImageSpans): edgeinfer.engine.prompts.Prompter.encode_chat_images."""
-        return self.prompts.encode_chat_images(messages, images, **extra)
 
     @property
     def pid(self) -> int:

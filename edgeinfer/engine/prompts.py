@@ -25,6 +25,33 @@ def chat_format(metadata: dict[str, Any], arch: str | None) -> ChatFormat:
                       builtin=None if has_own else builtin_name_for(metadata, arch))
 
 
+class PromptMethods:
+    """An engine handle's prompt methods (the in-process Engine's and RemoteEngine's alike),
+    answered by its Prompter, `self.prompts`."""
+    prompts: "Prompter"
+
+    @property
+    def chat_template(self) -> str:
+        return self.prompts.chat_template
+
+    @property
+    def has_own_template(self) -> bool:
+        return self.prompts.has_own_template
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        return self.prompts.render(messages, add_generation_prompt, **extra)
+
+    def encode_chat(self, messages: list[dict], **extra) -> list[int]:
+        return self.prompts.encode_chat(messages, **extra)
+
+    def encode_raw(self, text: str) -> list[int]:
+        return self.prompts.encode_raw(text)
+
+    def encode_chat_images(self, messages: list[dict], images: list, **extra):
+        """(token ids, ImageSpans): Prompter.encode_chat_images."""
+        return self.prompts.encode_chat_images(messages, images, **extra)
+
+
 class Prompter:
     """Messages -> token ids for one model. `encode_image` turns an
     edgeinfer.formats.image.Image into its EncodedImage (the projector, wherever it runs);

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from edgeinfer.engine.core import Engine, EngineConfig, RequestOutput
 from edgeinfer.engine.grammar import grammars_for
 from edgeinfer.engine.images import Layout
-from edgeinfer.engine.prompts import Prompter, chat_format
+from edgeinfer.engine.prompts import PromptMethods, Prompter, chat_format
 from edgeinfer.engine.requests import EngineInfo, RequestError, check_embed, check_request
 from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.engine.warmup import Progress, prepare_for_load
@@ -229,7 +229,7 @@ class _RemoteTokenizer:
         return self.decode_bytes(ids, render_special).decode("utf-8", errors="replace")
 
 
-class RemoteEngine:
+class RemoteEngine(PromptMethods):
     """A model whose engine runs in its own process. Construction spawns the process and
     returns with `estimate`, the backend's memory figures (edgeinfer.runners.choice
     .MemoryEstimate), before any weight is read; `load()` then loads (or `close()` gives
@@ -358,26 +358,6 @@ class RemoteEngine:
     @property
     def pooling(self) -> str | None:
         return self.info.pooling
-
-    @property
-    def chat_template(self) -> str:
-        return self.prompts.chat_template
-
-    @property
-    def has_own_template(self) -> bool:
-        return self.prompts.has_own_template
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        return self.prompts.render(messages, add_generation_prompt, **extra)
-
-    def encode_chat(self, messages: list[dict], **extra) -> list[int]:
-        return self.prompts.encode_chat(messages, **extra)
-
-    def encode_raw(self, text: str) -> list[int]:
-        return self.prompts.encode_raw(text)
-
-    def encode_chat_images(self, messages: list[dict], images: list, **extra):
-        return self.prompts.encode_chat_images(messages, images, **extra)
 
     def snapshot(self) -> dict[str, float]:
         return self._snapshot
