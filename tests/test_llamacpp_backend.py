@@ -94,6 +94,7 @@ def test_prefix_reuse_same_prompt(engine, reference):
     assert engine.runner.tokens_decoded - before == 1 + 15
 
 
+@pytest.mark.slow      # 9 s; the same prompt's reuse stays in the default run
 def test_prefix_reuse_shared_head_new_tail(engine, reference):
     """A prompt sharing its head with a finished one: llama.cpp copies those cells."""
     engine.generate(engine.encode_raw(LONG), greedy(4))
