@@ -26,6 +26,7 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_HF_ENDPOINT / HF_TOKEN | hf_endpoint / hf_token | huggingface.co / none        |
 | EDGEINFER_DEBUG               | debug               | off                                 |
 | EDGEINFER_ALLOW_IMAGE_URLS    | allow_image_urls    | off (images only inline, base64)    |
+| EDGEINFER_ENGINE_PROCESS      | engine_process      | on (each model's engine in its own process) |
 """
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ class Settings:
     debug: bool = False
     backend_set: bool = False               # backend came from the environment or a flag
     allow_image_urls: bool = False          # the daemon fetches http(s) image URLs
+    engine_process: bool = True             # each loaded model's engine in its own process
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Settings":
@@ -168,6 +170,7 @@ class Settings:
             hf_token=env.get("HF_TOKEN") or None,
             debug=bool(env.get("EDGEINFER_DEBUG")),
             allow_image_urls=bool(_flag(env, "EDGEINFER_ALLOW_IMAGE_URLS")),
+            engine_process=_flag(env, "EDGEINFER_ENGINE_PROCESS") is not False,
         )
         return s.with_overrides(**overrides)
 

@@ -69,9 +69,11 @@ def _daemon_allocator(argv: list[str] | None) -> None:
     if os.environ.get("PYTHONMALLOC") == "malloc" and os.environ.get("_EDGEINFER_REEXEC"):
         del os.environ["PYTHONMALLOC"], os.environ["_EDGEINFER_REEXEC"]  # not for children
         return
-    if os.environ.get("EDGEINFER_ENGINE_PROCESS", "").strip().lower() in ("0", "false", "no",
-                                                                          "off"):
-        return      # in-process engines: their hot Python glue wants Python's allocator
+    try:
+        if not Settings.from_env().engine_process:
+            return  # in-process engines: their hot Python glue wants Python's allocator
+    except SettingsError:
+        return      # main() reports it
     env = {**os.environ, "PYTHONMALLOC": "malloc", "_EDGEINFER_REEXEC": "1"}
     sys.stdout.flush()
     sys.stderr.flush()

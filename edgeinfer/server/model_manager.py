@@ -19,7 +19,6 @@ import ctypes
 import dataclasses
 import gc
 import logging
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from edgeinfer.engine.core import Engine, EngineConfig
 from edgeinfer.engine.remote import LoadFailed, RemoteEngine
 from edgeinfer.engine.warmup import prepare_for_load
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
-from edgeinfer.settings import Settings, SettingsError, check_kv_cache_type, parse_duration
+from edgeinfer.settings import Settings, check_kv_cache_type, parse_duration
 from edgeinfer.runners.choice import (BackendChoiceError, check, device_of, estimate_memory,
                                       native_for_file, require_device, resolve, with_defaults)
 from edgeinfer.store.model_store import ModelNotFound, Store, StoreError
@@ -55,10 +54,7 @@ def parse_keep_alive(value: float | int | str | None, default: float) -> float:
 @dataclass(frozen=True)
 class ServerConfig(Settings):
     """The daemon's settings: the process Settings with the default backend/device pair
-    filled and validated (a named cuda/mps device must be present). `engine_process`: each
-    loaded model's engine runs in a process of its own (edgeinfer.engine.remote);
-    EDGEINFER_ENGINE_PROCESS=0 keeps them in the daemon's."""
-    engine_process: bool = True
+    filled and validated (a named cuda/mps device must be present)."""
 
     @classmethod
     def from_env(cls, env=None, **overrides) -> "ServerConfig":
@@ -75,11 +71,6 @@ class ServerConfig(Settings):
             require_device(device)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Settings)}
         fields.update(backend=backend, device=device)
-        flag = (env if env is not None else os.environ).get("EDGEINFER_ENGINE_PROCESS", "")
-        if flag.strip():
-            if flag.strip().lower() not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise SettingsError(f"EDGEINFER_ENGINE_PROCESS={flag!r} is not 0 or 1")
-            fields["engine_process"] = flag.strip().lower() in ("1", "true", "yes", "on")
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**fields)
 
