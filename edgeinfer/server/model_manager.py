@@ -185,10 +185,9 @@ class LoadStatus:
                 "step": self.step, "elapsed_s": round(time.monotonic() - self.started, 1)}
 
 
-def _str_or_none(ref) -> str | None:
+def _projector(ref) -> str | None:
     """The store entry's vision projector file, if it has one."""
-    proj = getattr(ref, "projector_path", None)
-    return str(proj) if proj else None
+    return str(ref.projector_path) if ref.projector_path else None
 
 
 def _load_engine(path: str, ecfg: EngineConfig, mmproj: str | None,
@@ -386,7 +385,7 @@ class ModelManager:
         try:
             if cfg.engine_process:
                 remote = await asyncio.to_thread(
-                    RemoteEngine, str(ref.path), ecfg, _str_or_none(ref), self._death_notice(key),
+                    RemoteEngine, str(ref.path), ecfg, _projector(ref), self._death_notice(key),
                     None, ref.full_name)
                 est = remote.estimate
             else:
@@ -407,7 +406,7 @@ class ModelManager:
                                   remote: RemoteEngine | None) -> LoadedModel:
         cfg = self.config
         weights = est.weights_bytes
-        proj = getattr(ref, "projector_path", None)
+        proj = ref.projector_path
         if proj is not None:        # the vision projector loads with it (its GGUF's size)
             with contextlib.suppress(OSError):
                 weights += proj.stat().st_size
@@ -444,7 +443,7 @@ class ModelManager:
             status = self.loading[key] = LoadStatus(ref.full_name, key[1])
             try:
                 engine = await asyncio.to_thread(_load_engine, str(ref.path), ecfg,
-                                                 _str_or_none(ref), remote, status)
+                                                 _projector(ref), remote, status)
             except (APIError, MemoryError) as e:
                 failure = e
             except LoadFailed as e:     # the engine process's own sentence
