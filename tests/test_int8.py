@@ -58,6 +58,38 @@ def test_repacked_rows_are_exact(qtype, N):
         p.rows(np.array([N]))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_0, T.Q5_0, T.Q5_1],
+                         ids=lambda t: t.name)
+def test_straight_from_bytes_repacking_equals_unpacking(qtype):
+    """The one-pass kernels (tile_q4_k, tile_q6_k, tile_legacy, tile_q8_0) write the bytes
+    of the general path: codes unpacked with numpy, then tile_codes."""
+    from edgeinfer.backends.cpu import repack
+    w = make(qtype, 48, 768, seed=11)
+    direct = PackedMatrix.from_quant(w)
+    codes, zp, d, sc, dm, mn = repack.unpack_parts(w)
+    q = np.zeros_like(direct.q)
+    h = np.zeros_like(direct.h)
+    _int8.tile_codes(np.ascontiguousarray(codes), direct.bits, q, h)
+    np.testing.assert_array_equal(direct.q, q)
+    if direct.bits == 5:
+        np.testing.assert_array_equal(direct.h, h)
+    assert direct.zero_point == zp
+
+    def tiles(a):
+        return a.reshape(-1, 16, a.shape[1]).transpose(0, 2, 1)
+    if sc is None:          # legacy: half scales (and minimums)
+        np.testing.assert_array_equal(direct.s.view(np.float16).astype(np.float32), tiles(d))
+        if dm is not None:
+            np.testing.assert_array_equal(direct.o.view(np.float16).astype(np.float32), tiles(dm))
+    else:
+        np.testing.assert_array_equal(direct.s.astype(np.float32), tiles(sc))
+        np.testing.assert_array_equal(direct.d.view(np.float16).astype(np.float32), tiles(d))
+        assert direct.has_o == (dm is not None)
+        if dm is not None:
+            np.testing.assert_array_equal(direct.o.astype(np.float32), tiles(mn))
+            np.testing.assert_array_equal(direct.dm.view(np.float16).astype(np.float32), tiles(dm))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("M", [1, 3, 4, 8, 13])
 def test_product_matches_float64_reference(qtype, M):

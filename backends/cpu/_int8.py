@@ -828,3 +828,78 @@ def tile_q8_0(blocks, q, s):
                 for lane in range(LANES):
                     for k in range(4):
                         q[t, b, j, lane, k] = blocks[t * LANES + lane, b, 2 + 4 * j + k] ^ np.uint8(0x80)
+
+
+@njit(inline="always", nogil=True)
+def _put_code(q, h, t, b, lane, col, c, bits, B):
+    """Code c of column `col` of block b, row `lane` of tile t, into the tile layout: the
+    bytes tile_codes writes (q and h zero on entry)."""
+    nq = B // 4
+    half = nq // 2
+    j, k = col // 4, col % 4
+    if j < half:
+        q[t, b, j, lane, k] |= c & np.uint8(15)
+    else:
+        q[t, b, j - half, lane, k] |= (c & np.uint8(15)) << np.uint8(4)
+    if bits == 5:
+        i = lane * 4 + k
+        h[t, b, j, i >> 3] |= ((c >> np.uint8(4)) & np.uint8(1)) << np.uint8(i & 7)
+    elif bits == 6:
+        q[t, b, half + j // 4, lane, k] |= ((c >> np.uint8(4)) & np.uint8(3)) << np.uint8(2 * (j % 4))
+
+
+@njit(**_JIT)
+def tile_q4_k(blocks, q, s, o, d, dm):
+    """Q4_K super-blocks uint8[16 T, K/256, 144] -> the tile layout in one pass: the bytes
+    unpack_parts + tile_codes give (codes, 6-bit scales and minimums as int8, the two halves
+    d and dmin copied as they are). In a super-block, qs byte 32 c + i holds column 64 c + i
+    in its low nibble and 64 c + 32 + i in its high one."""
+    T, nsb = d.shape[0], d.shape[1]
+    for t in range(T):
+        for sb in range(nsb):
+            for lane in range(LANES):
+                r = t * LANES + lane
+                d[t, sb, lane] = _half_bits(blocks, r, sb, 0)
+                dm[t, sb, lane] = _half_bits(blocks, r, sb, 2)
+                for j in range(8):          # llama.cpp's get_scale_min_k4
+                    if j < 4:
+                        sc = blocks[r, sb, 4 + j] & np.uint8(63)
+                        mn = blocks[r, sb, 8 + j] & np.uint8(63)
+                    else:
+                        sc = (blocks[r, sb, 12 + j - 4] & np.uint8(15)) | ((blocks[r, sb, 4 + j - 4] >> np.uint8(6)) << np.uint8(4))
+                        mn = (blocks[r, sb, 12 + j - 4] >> np.uint8(4)) | ((blocks[r, sb, 8 + j - 4] >> np.uint8(6)) << np.uint8(4))
+                    s[t, 8 * sb + j, lane] = np.int8(sc)
+                    o[t, 8 * sb + j, lane] = np.int8(mn)
+                for c in range(4):
+                    for i in range(32):
+                        byte = blocks[r, sb, 16 + 32 * c + i]
+                        _put_code(q, q, t, 8 * sb + 2 * c, lane, i, byte & np.uint8(15), 4, 32)
+                        _put_code(q, q, t, 8 * sb + 2 * c + 1, lane, i, byte >> np.uint8(4), 4, 32)
+
+
+@njit(**_JIT)
+def tile_q6_k(blocks, q, s, d):
+    """Q6_K super-blocks uint8[16 T, K/256, 210] -> the tile layout in one pass, the bytes
+    unpack_parts + tile_codes give (6-bit codes q + 32 in 16-column blocks, int8 scales, the
+    half d). Per 128-column half n: ql byte l (l < 64) holds columns 128 n + l (low nibble)
+    and 128 n + 64 + l (high), the bits of qh byte l (l < 32) columns l, l + 32, l + 64,
+    l + 96 of that half, two each."""
+    T, nsb = d.shape[0], d.shape[1]
+    for t in range(T):
+        for sb in range(nsb):
+            for lane in range(LANES):
+                r = t * LANES + lane
+                d[t, sb, lane] = _half_bits(blocks, r, sb, 208)
+                for j in range(16):
+                    s[t, 16 * sb + j, lane] = np.int8(blocks[r, sb, 192 + j])
+                for n in range(2):
+                    for l in range(32):
+                        hb = blocks[r, sb, 128 + 32 * n + l]
+                        lo = blocks[r, sb, 64 * n + l]
+                        hi = blocks[r, sb, 64 * n + 32 + l]
+                        for m in range(4):
+                            nib = (lo if m % 2 == 0 else hi)
+                            nib = (nib & np.uint8(15)) if m < 2 else (nib >> np.uint8(4))
+                            c = nib | (((hb >> np.uint8(2 * m)) & np.uint8(3)) << np.uint8(4))
+                            col = 128 * n + 32 * m + l       # column in the super-block
+                            _put_code(q, q, t, 16 * sb + col // 16, lane, col % 16, c, 6, 16)
