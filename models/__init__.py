@@ -31,5 +31,8 @@ def build_model(cfg: ModelConfig, ops, gguf_file) -> Model:
     if cfg.arch == "qwen3moe":
         from edgeinfer.models.qwen3moe import Qwen3MoeModel
         return Qwen3MoeModel(cfg, ops, gguf_file)
+    if cfg.arch == "gpt-oss":
+        from edgeinfer.models.gpt_oss import GptOssModel
+        return GptOssModel(cfg, ops, gguf_file)
     from edgeinfer.models.llama import LlamaModel
     return LlamaModel(cfg, ops, gguf_file)

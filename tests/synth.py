@@ -12,7 +12,10 @@ import numpy as np
 
 from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
 
-FTYPES = {"F32": 0, "Q8_0": 7, "Q5_0": 8, "Q4_K_M": 15, "Q6_K": 18}
+# MXFP4_MOE (llama.cpp's LLAMA_FTYPE_MOSTLY_MXFP4_MOE): expert tensors MXFP4, the rest Q8_0;
+# IQ4_NL: a type the native kernels lack (tests of the fallback)
+FTYPES = {"F32": 0, "Q8_0": 7, "Q5_0": 8, "Q4_K_M": 15, "Q6_K": 18, "IQ4_NL": 25,
+          "MXFP4_MOE": 38}
 
 N_EMBD, N_FF, N_HEAD, N_KV, HEAD_DIM, N_LAYERS = 256, 512, 4, 2, 64, 7
 SLIDING_WINDOW = 32

@@ -1,9 +1,10 @@
-"""Tiny random GGUF files of phi3, smollm3, mistral3 and qwen3moe in llama.cpp's layout.
+"""Tiny random GGUF files of phi3, smollm3, mistral3, qwen3moe and gpt-oss in llama.cpp's layout.
 
 Metadata keys and tensor names/shapes as llama.cpp's converter writes them (ggml shapes:
 `attn_qkv` [E, q + 2 kv], phi3's `ffn_up` [E, 2 n_ff] gate rows first, `rope_factors_long` /
 `rope_factors_short` [n_rot / 2], qwen3moe's `ffn_gate_inp` [E, X] and `ffn_{gate,up}_exps`
-[E, F, X], `ffn_down_exps` [F, E, X]). Written in F32 (numpy arrays in row-major order: the
+[E, F, X], `ffn_down_exps` [F, E, X]; gpt-oss's q/k/v/o biases, `attn_sinks` [H], router
+bias [X] and expert biases [F, X] / [E, X], `post_attention_norm` in place of `ffn_norm`). Written in F32 (numpy arrays in row-major order: the
 last axis is ggml's first), then quantized with llama.cpp's own quantizer (synth.quantize).
 Vocabularies come from edgeinfer/formats/synthetic.py. Dimensions are multiples of 256.
 """
@@ -43,6 +44,8 @@ class Variant:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # gpt-oss: sliding window on alternate layers (attention.sliding_window)
+    sliding_window: int = 0
 
 
 VARIANTS = {
@@ -70,6 +73,12 @@ VARIANTS = {
                             n_expert_used=8, n_ff_exp=64, context=4096),
     # benchmarks/moe.py: Qwen3-30B-A3B's routing (128 experts, 8 used, GQA 8:1 with QK-norm)
     # at a width this machine holds (1.6 GB in F32, ~0.3 GB at Q4_K_M)
+    # gpt-oss-20b's structure scaled down: GQA with q wider than the hidden size, sinks,
+    # biases, a 24-token window on even layers (the test's 40-token prefill crosses it), YaRN
+    # x32 from an original context of 64 (crossed too), 16 experts of which 4 are used
+    "gpt-oss": Variant("gpt-oss", n_head=8, n_kv=2, n_ff=256, rope_base=150000.0,
+                       yarn_factor=32.0, orig_ctx=64, n_expert=16, n_expert_used=4,
+                       n_ff_exp=256, sliding_window=24, context=2048),
     "qwen3moe-bench": Variant("qwen3moe", layers=8, n_embd=512, n_ff=768, n_head=8, n_kv=1,
                               rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=256,
                               context=4096),
@@ -119,6 +128,8 @@ def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None =
             w.add_rope_scaling_yarn_log_mul(v.yarn_log_mul)
     if v.temp_scale:
         w.add_attn_temperature_scale(v.temp_scale)
+    if v.sliding_window:
+        w.add_sliding_window(v.sliding_window)
     if v.n_expert:
         w.add_expert_count(v.n_expert)
         w.add_expert_used_count(v.n_expert_used)
@@ -175,17 +186,32 @@ def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None =
             w.add_tensor(p + "attn_k.weight", mat(kv, e, 0.7))
             w.add_tensor(p + "attn_v.weight", mat(kv, e))
         w.add_tensor(p + "attn_output.weight", mat(e, q, 0.3))
+        if arch == "gpt-oss":
+            for n, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", e)):
+                w.add_tensor(p + n + ".bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
+            # sink logits of the size of the scores: they take a real share of the softmax
+            w.add_tensor(p + "attn_sinks.weight", (2.0 * rng.standard_normal(v.n_head)).astype(np.float32))
         if arch == "qwen3moe":
             w.add_tensor(p + "attn_q_norm.weight", norm(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm(hd))
-        w.add_tensor(p + "ffn_norm.weight", norm(e))
+        # gpt-oss's pre-FFN norm is named post_attention_norm (llama.cpp's attn_post_norm)
+        w.add_tensor(p + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"),
+                     norm(e))
         if v.n_expert:
             X, F = v.n_expert, v.n_ff_exp
             # router logits a few units apart: routing decided by the weights, not by rounding
             w.add_tensor(p + "ffn_gate_inp.weight", mat(X, e, 6.0))
-            w.add_tensor(p + "ffn_gate_exps.weight", np.stack([mat(F, e) for _ in range(X)]))
-            w.add_tensor(p + "ffn_up_exps.weight", np.stack([mat(F, e) for _ in range(X)]))
+            # gpt-oss: gate and up a few units wide, so its SwiGLU's clamp at 7 is reached
+            gu = 2.0 if arch == "gpt-oss" else 1.0
+            w.add_tensor(p + "ffn_gate_exps.weight", np.stack([mat(F, e, gu) for _ in range(X)]))
+            w.add_tensor(p + "ffn_up_exps.weight", np.stack([mat(F, e, gu) for _ in range(X)]))
             w.add_tensor(p + "ffn_down_exps.weight", np.stack([mat(e, F, 0.3) for _ in range(X)]))
+            if arch == "gpt-oss":
+                bias = lambda *shape: (0.2 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+                w.add_tensor(p + "ffn_gate_inp.bias", bias(X))
+                w.add_tensor(p + "ffn_gate_exps.bias", bias(X, F))
+                w.add_tensor(p + "ffn_up_exps.bias", bias(X, F))
+                w.add_tensor(p + "ffn_down_exps.bias", bias(X, e))
         elif arch == "phi3":
             w.add_tensor(p + "ffn_up.weight", np.concatenate([mat(ff, e), mat(ff, e)]))
             w.add_tensor(p + "ffn_down.weight", mat(e, ff, 0.3))

@@ -22,6 +22,10 @@ any length or in a mixed batch:
   ggml_rounding (llama.cpp's f16-cache matmul rounds them so);
 - output: per column, 0 + w0 * v0 + w1 * v1 + ... in key order (a multiply and an add,
   two roundings).
+With attention sinks (gpt-oss: one logit per query head that joins the softmax denominator,
+ggml_soft_max_add_sinks), the max also covers the sink and exp(sink - max) (float32 expf) is
+added to the float64 sum after the keys; without them (an empty `sinks` array) those two
+steps are skipped, so the other models' numbers and work are unchanged.
 These are the operations of the per-token kernel this replaces (kept below as
 `_attend_heads`, for head sizes that are not a multiple of 16 and as the reference in tests),
 so the result is also the same bits as before.
@@ -166,12 +170,19 @@ def _kv_row_prefetch(arr, i, n):
 
 
 @njit(inline="always", nogil=True)
-def _softmax_row(sc, r, jlo, jhi, ggml_rounding):
+def _sink(sinks, h):
+    """Head h's sink logit, -inf when there are none (sinks empty)."""
+    return sinks[h] if sinks.shape[0] else np.float32(-np.inf)
+
+
+@njit(inline="always", nogil=True)
+def _softmax_row(sc, r, jlo, jhi, ggml_rounding, sink):
     """Softmax of sc[r, jlo..jhi] in place. The lanes are keys jlo + 16c + l, counted from
     the row's own first key; the row's storage must extend 15 floats past jhi (they are
     overwritten). max over the keys; e = exp(s - max) in float32 (vexp); sum: each 16-key
     chunk's lanes in vhsum's tree, the chunks added in float64 in key order; weights
-    e * float32(1 / sum), rounded to f16 with ggml_rounding."""
+    e * float32(1 / sum), rounded to f16 with ggml_rounding. A finite `sink` (the head's
+    sink logit) joins the max, and exp(sink - max) the sum after the keys."""
     W = sc.shape[1]
     for j in range(jhi + 1, jhi + 16):
         sc[r, j] = -np.inf
@@ -180,12 +191,18 @@ def _softmax_row(sc, r, jlo, jhi, ggml_rounding):
     mv = vsplat(-np.inf)
     for c in range(nc):
         mv = vmax(mv, vload(sc, base + 16 * c))
-    m = vsplat(vhmax(mv))
+    ms = vhmax(mv)
+    has_sink = sink > -np.inf
+    if has_sink and sink > ms:
+        ms = sink
+    m = vsplat(ms)
     total = 0.0             # float64
     for c in range(nc):
         e = vexp(vsub(vload(sc, base + 16 * c), m))
         vstore(sc, base + 16 * c, e)
         total += vhsum(e)
+    if has_sink:
+        total += np.exp(np.float32(sink - ms))
     inv = vsplat(np.float32(1.0 / total))
     for c in range(nc):
         w = vmul(vload(sc, base + 16 * c), inv)
@@ -203,7 +220,7 @@ def _window_start(pos, window):
 
 @njit(inline="always", nogil=True)
 def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                  ggml_rounding, out, t, h0, nh):
+                  ggml_rounding, out, t, h0, nh, sinks):
     """Attention of query token t for heads h0..h0+nh-1, which share one KV head: each K and
     V row is read once for all of them (grouped-query attention). The operations per head
     are those listed in the module docstring."""
@@ -237,7 +254,7 @@ def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, windo
             acc *= scale
             scores[i, j] = acc
     for i in range(nh):
-        _softmax_row(scores, i, 0, n - 1, ggml_rounding)
+        _softmax_row(scores, i, 0, n - 1, ggml_rounding, _sink(sinks, h0 + i))
         o = out[t, h0 + i]
         for d in range(D):
             o[d] = 0.0
@@ -260,22 +277,40 @@ def _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, windo
                     o[d] += w * kv_scalar(v_cache, (blk, p % bs, kvh, d))
 
 
-@njit(**_PJIT)
+_NO_SINKS = np.empty(0, np.float32)
+
+
+def _sinks(sinks) -> np.ndarray:
+    """float32[H] sink logits, or the empty array that stands for none."""
+    if sinks is None:
+        return _NO_SINKS
+    return np.ascontiguousarray(sinks, dtype=np.float32)
+
+
 def paged_attention_ref(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                        ggml_rounding, out, par, heads_per_item=1):
+                        ggml_rounding, out, par, heads_per_item=1, sinks=None):
     """The per-token kernel (one token x nh heads per work item): the reference the tiled
     kernel must equal bit for bit, and a baseline for benchmarks/kernels.py."""
+    return _ref_kernel(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                       ggml_rounding, out, par, heads_per_item, _sinks(sinks))
+
+
+@njit(**_PJIT)
+def _ref_kernel(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                ggml_rounding, out, par, heads_per_item, sinks):
     T, H = q.shape[0], q.shape[1]
     nh = heads_per_item
     items = T * (H // nh)
     if par:
         for it in prange(items):
             _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
-                          scale, ggml_rounding, out, it // (H // nh), (it % (H // nh)) * nh, nh)
+                          scale, ggml_rounding, out, it // (H // nh), (it % (H // nh)) * nh, nh,
+                          sinks)
     else:
         for it in range(items):
             _attend_heads(q, k_cache, v_cache, block_tables, token_seq, positions, window,
-                          scale, ggml_rounding, out, it // (H // nh), (it % (H // nh)) * nh, nh)
+                          scale, ggml_rounding, out, it // (H // nh), (it % (H // nh)) * nh, nh,
+                          sinks)
     return out
 
 
@@ -582,7 +617,7 @@ def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D):
 
 @njit(nogil=True, cache=_CACHE, fastmath=False)
 def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding, out,
-          t0, nt, h0, nh, qv, sc, kb):
+          t0, nt, h0, nh, qv, sc, kb, sinks):
     """Tokens t0..t0+nt-1 (consecutive positions of one sequence) x heads h0..h0+nh-1 (one
     KV head). qv, sc, kb: scratch of at least nt*nh x D, nt*nh x (keys + 16), keys."""
     T, H, D = q.shape
@@ -597,7 +632,8 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
     # 2. softmax of each row over its own keys
     for r in range(R):
         pos = positions[t0 + r // nh]
-        _softmax_row(sc, r, _window_start(pos, window) - lo, pos - lo, ggml_rounding)
+        _softmax_row(sc, r, _window_start(pos, window) - lo, pos - lo, ggml_rounding,
+                     _sink(sinks, h0 + r % nh))
     # 3. weighted V sums, per token (its heads share the keys)
     for ti in range(nt):
         t = t0 + ti
@@ -606,9 +642,15 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
                (t * H + h0) * D, D)
 
 
-@njit(**_PJIT)
 def _run_split(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding,
-               out, parts):
+               out, parts, sinks=None):
+    return _split_kernel(q, kc, vc, block_tables, token_seq, positions, window, scale,
+                         ggml_rounding, out, parts, _sinks(sinks))
+
+
+@njit(**_PJIT)
+def _split_kernel(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding,
+                  out, parts, sinks):
     """A few tokens on many threads (a lone decode token): each token x KV head is one tile
     of all the head's query heads, and the threads split its work instead of taking whole
     tiles: the scores by ranges of keys, the V sums by 64-column groups (the softmax between
@@ -637,7 +679,7 @@ def _run_split(q, kc, vc, block_tables, token_seq, positions, window, scale, ggm
                 _scores(qv, G, G, t, positions, window, lo, kc, kb, D, sc, scale, p * step,
                         min(n, (p + 1) * step) - 1)
             for r in range(G):          # on the calling thread: one region fewer to wait for
-                _softmax_row(sc, r, 0, n - 1, ggml_rounding)
+                _softmax_row(sc, r, 0, n - 1, ggml_rounding, _sink(sinks, g * G + r))
             for c in prange(groups):
                 _vsums(sc, 0, G, vc, kb, 0, n - 1, c * 64, min(D, c * 64 + 64), out,
                        (t * H + g * G) * D, D)
@@ -706,7 +748,7 @@ def _plan(token_seq, positions, window, H, nh, tile, parts):
 
 @njit(**_PJIT)
 def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-         ggml_rounding, out, par, nh, tile, parts):
+         ggml_rounding, out, par, nh, tile, parts, sinks):
     T, H, D = q.shape
     it_t0, it_nt, it_h0, first, max_rows, max_keys = _plan(token_seq, positions, window, H, nh,
                                                            tile, parts)
@@ -717,19 +759,20 @@ def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
             kb = np.empty(max_keys, np.int64)
             for k in range(first[p], first[p + 1]):
                 _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                      ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb)
+                      ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks)
     else:
         qv = np.empty((max_rows, D), np.float32)
         sc = np.empty((max_rows, max_keys + 16), np.float32)
         kb = np.empty(max_keys, np.int64)
         for k in range(first[0], first[parts]):
             _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                  ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb)
+                  ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                    ggml_rounding, out, par, heads_per_item=1, threads=None, tile=TILE):
+                    ggml_rounding, out, par, heads_per_item=1, threads=None, tile=TILE,
+                    sinks=None):
     """Causal attention for a flat batch of query tokens, reading K/V through block tables.
 
     q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
@@ -741,14 +784,16 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
     heads_per_item: query heads of one KV head handled together (a divisor of H / KVH): more
     reads each K/V row once for more heads, fewer leaves more work items for the threads.
     threads: how many lists of work the parallel loop deals (numba's thread count by
-    default); tile: query tokens per tile. Neither changes the result. With fewer (token,
+    default); tile: query tokens per tile. Neither changes the result.
+    sinks: float32[H], per query head a logit that joins its softmax's denominator (gpt-oss's
+    attention sinks); None: no sinks. With fewer (token,
     KV head) pairs than threads (a lone decode token) and at least SPLIT_MIN_KEYS keys, the
     threads share each pair's work instead (_run_split), whatever heads_per_item says.
     """
     D = q.shape[2]
     if D % 16:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_seq, positions,
-                                   window, scale, ggml_rounding, out, par, heads_per_item)
+                                   window, scale, ggml_rounding, out, par, heads_per_item, sinks)
     if threads is None:
         import numba
         threads = numba.get_num_threads()
@@ -758,9 +803,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
         if (min(top, window) if window > 0 else top) >= SPLIT_MIN_KEYS:
             # fewer (token, KV head) tiles than threads, and long: split each over the threads
             return _run_split(q, k_cache, v_cache, block_tables, token_seq, positions,
-                              window, scale, ggml_rounding, out, parts)
+                              window, scale, ggml_rounding, out, parts, sinks)
     return _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                ggml_rounding, out, par, heads_per_item, tile, parts)
+                ggml_rounding, out, par, heads_per_item, tile, parts, _sinks(sinks))
 
 
 def heads_per_item(T: int, H: int, KVH: int, threads: int) -> int:

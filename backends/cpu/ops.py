@@ -16,6 +16,7 @@ from edgeinfer.backends.cpu import _geglu, _norm
 from edgeinfer.backends.cpu import _rotate as _rot
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu import _int8
+from edgeinfer.backends.cpu import mxfp4 as _mx
 from edgeinfer.backends.cpu._int8 import HAVE_SIMD
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows, row_bytes
@@ -231,9 +232,12 @@ class CpuOps:
         """The weights_format a model from this file would report."""
         return _weights_format(self.would_repack(gguf_file))
 
-    def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix:
+    def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix | _mx.Mxfp4Matrix:
         if self.repack is None:
             self.repack = self.would_repack(gguf_file)
+        if int(gguf_file.tensors[name].ggml_type) == _mx.MXFP4:
+            # read in place by its own kernel, every row the same bits in any batch
+            return _mx.Mxfp4Matrix.from_gguf(gguf_file, name)
         w = QuantMatrix.from_gguf(gguf_file, name)
         if self.repack and int(w.qtype) in REPACKABLE:
             packed = PackedMatrix.from_quant(w)
@@ -261,7 +265,9 @@ class CpuOps:
             return table.rows(ids)
         return get_rows(table, ids)
 
-    def matmul(self, x: np.ndarray, w: QuantMatrix | PackedMatrix) -> np.ndarray:
+    def matmul(self, x: np.ndarray, w: QuantMatrix | PackedMatrix | _mx.Mxfp4Matrix) -> np.ndarray:
+        if isinstance(w, _mx.Mxfp4Matrix):     # Q8_0 activations, as ggml (mxfp4.py)
+            return _mx.matmul(x, w, q8=self.numerics == "ggml")
         if isinstance(w, PackedMatrix):
             if self.numerics != "ggml":
                 raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
@@ -389,8 +395,9 @@ class CpuOps:
                           [np.zeros((b, *row), dtype) for b in blocks], block_size)
 
     def attention(self, q, k, v, cache: CpuKVCache, layer: int, batch: ForwardBatch,
-                  scale: float, window: int) -> np.ndarray:
-        """Write this step's K/V into the cache, then attend through the block tables."""
+                  scale: float, window: int, sinks: np.ndarray | None = None) -> np.ndarray:
+        """Write this step's K/V into the cache, then attend through the block tables.
+        sinks: float32[H] attention-sink logits (gpt-oss), None for none."""
         rotated = self.kv_cache_type == "q8_0" and q.shape[-1] % _rot.ROT == 0
         if rotated:     # llama.cpp's rotation around a quantized cache (_rotate.py)
             par = _par(q.size + k.size + v.size)
@@ -414,7 +421,7 @@ class CpuOps:
             ggml_rounding = False
         out = A.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
                                 batch.token_seq, batch.positions, window, np.float32(scale),
-                                ggml_rounding, out, par, nh)
+                                ggml_rounding, out, par, nh, sinks=sinks)
         if batch.attn_until is not None:       # image rows see their whole image
             from edgeinfer.backends.cpu.image_attention import image_rows
             image_rows(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),

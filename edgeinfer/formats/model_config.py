@@ -10,11 +10,16 @@ from gguf import LlamaFileType
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding",
-                "phi3", "smollm3", "mistral3", "qwen3moe")
+                "phi3", "smollm3", "mistral3", "qwen3moe", "gpt-oss")
 # encoders: they embed (and rerank) but have no language-model head to generate with
 EMBEDDING_ARCHS = ("bert", "nomic-bert", "gemma-embedding")
 # mixture of experts: the native model runs on the numba CPU backend only (auto picks it)
-CPU_ONLY_ARCHS = ("qwen3moe",)
+CPU_ONLY_ARCHS = ("qwen3moe", "gpt-oss")
+# the tensor types the native CPU kernels read (backends/cpu: quants.SUPPORTED_TYPES and
+# mxfp4.py; tests/test_gpt_oss.py holds the two lists equal): a gpt-oss file with another
+# is run by llama.cpp under auto
+NATIVE_TENSOR_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"})
 
 
 class UnsupportedArchitecture(GGUFError):
@@ -153,7 +158,8 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
     rope_scale = 1.0
     if scaling == "linear":
         rope_scale = _meta(f, arch, "rope.scaling.factor", 1.0, float)
-    elif scaling not in ("none", None) and not (arch == "mistral3" and scaling == "yarn"):
+    elif scaling not in ("none", None) and not (arch in ("mistral3", "gpt-oss")
+                                                and scaling == "yarn"):
         raise UnsupportedFeature(f"uses rope scaling {scaling!r} ('{arch}.rope.scaling.type'), which "
                                  f"the native engine does not support for {arch}; "
                         f"run it with --backend llamacpp")
@@ -191,6 +197,8 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
         cfg = _llama_variant(f, arch, common)
     elif arch == "qwen2":
         cfg = ModelConfig(**common, rope_neox=True, qkv_bias="blk.0.attn_q.bias" in f.tensors)
+    elif arch == "gpt-oss":
+        cfg = _gpt_oss_config(f, common)
     else:
         cfg = ModelConfig(**common, rope_neox=False, has_rope_freqs="rope_freqs.weight" in f.tensors)
     check_tensors(f, cfg)
@@ -237,17 +245,52 @@ def _llama_variant(f: GGUFFile, arch: str, common: dict) -> ModelConfig:
     return ModelConfig(**common, n_rot=n_rot if n_rot != head_dim else 0, **extra)
 
 
+def _gpt_oss_config(f: GGUFFile, common: dict) -> ModelConfig:
+    """gpt-oss as llama.cpp's LLM_ARCH_OPENAI_MOE: NeoX rope with YaRN, every other layer
+    (0, 2, ...) sliding-window (set_swa_pattern(2)), biases on q/k/v/o, attention sinks,
+    routed experts with softmax over the top-k router logits (gating hard-coded there)."""
+    arch = "gpt-oss"
+    for name, t in f.tensors.items():
+        if t.type_name not in NATIVE_TENSOR_TYPES:
+            raise UnsupportedFeature(f"tensor {name!r} is of type {t.type_name}, which the native "
+                                     f"{arch} does not implement; run it with --backend llamacpp")
+    pattern = f.metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is not None and not (isinstance(pattern, int) and pattern == 2):
+        raise UnsupportedFeature(f"metadata '{arch}.attention.sliding_window_pattern' = {pattern!r} "
+                                 "is not the alternate-layer pattern the native gpt-oss "
+                                 "implements; run it with --backend llamacpp")
+    window = _positive("sliding window", _meta(f, arch, "attention.sliding_window"), 1 << 24)
+    extra: dict = {}
+    if f.metadata.get(f"{arch}.rope.scaling.type") == "yarn":
+        factor = _meta(f, arch, "rope.scaling.factor", 1.0, float)
+        if factor > 1.0:
+            extra = dict(yarn_factor=factor, yarn_orig_ctx=_meta(
+                             f, arch, "rope.scaling.original_context_length", 4096),
+                         yarn_log_mul=_meta(f, arch, "rope.scaling.yarn_log_multiplier", 0.0, float),
+                         yarn_beta_fast=_meta(f, arch, "rope.scaling.yarn_beta_fast", 32.0, float),
+                         yarn_beta_slow=_meta(f, arch, "rope.scaling.yarn_beta_slow", 1.0, float))
+    n_rot = _meta(f, arch, "rope.dimension_count", common["head_dim"])
+    if n_rot != common["head_dim"]:
+        raise UnsupportedFeature(f"metadata '{arch}.rope.dimension_count' = {n_rot} is not the "
+                                 f"head size {common['head_dim']}, which the native {arch} "
+                                 "implements; run it with --backend llamacpp")
+    return ModelConfig(**common, rope_neox=True, sliding_window=window, swa_pattern=2,
+                       qkv_bias=True, **extra, **_moe_config(f, arch, common["n_ff"]))
+
+
 def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
     """Routed-expert hyper-parameters (qwen3moe); a key we do not implement is an error
     naming it, never silently different numbers."""
-    if arch != "qwen3moe":
+    if arch not in ("qwen3moe", "gpt-oss"):
         return {}
     n_expert = _positive("expert count", _meta(f, arch, "expert_count"), 4096)
     used = _meta(f, arch, "expert_used_count")
     if not 0 < used <= n_expert:
         raise GGUFError(f"metadata '{arch}.expert_used_count' = {used} is not in 1..{n_expert}")
     gating = f.metadata.get(f"{arch}.expert_gating_func")
-    if gating is not None and int(gating) != 1:         # 1 = softmax (llama.cpp's enum)
+    # 1 = softmax (llama.cpp's enum); gpt-oss: llama.cpp's graph hard-codes softmax over the
+    # top-k logits (SOFTMAX_WEIGHT, 3) and reads no key
+    if gating is not None and int(gating) != (3 if arch == "gpt-oss" else 1):
         raise UnsupportedFeature(f"metadata '{arch}.expert_gating_func' = {int(gating)} is not softmax "
                         f"gating, which is all the native {arch} implements; run it with "
                         "--backend llamacpp")
@@ -307,6 +350,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "ffn_gate_inp.weight": (e, x), p + "ffn_gate_exps.weight": (e, fe, x),
                            p + "ffn_up_exps.weight": (e, fe, x),
                            p + "ffn_down_exps.weight": (fe, e, x)})
+            if cfg.arch == "gpt-oss":
+                # router and expert biases, sinks, the output bias; its pre-FFN norm is
+                # post_attention_norm (llama.cpp's attn_post_norm), there is no ffn_norm
+                shapes.update({p + "ffn_gate_inp.bias": (x,), p + "ffn_gate_exps.bias": (fe, x),
+                               p + "ffn_up_exps.bias": (fe, x), p + "ffn_down_exps.bias": (e, x),
+                               p + "attn_sinks.weight": (cfg.n_head,), p + "attn_output.bias": (e,),
+                               p + "post_attention_norm.weight": (e,)})
+                del shapes[p + "ffn_norm.weight"]
         elif cfg.fused_up:
             shapes.update({p + "ffn_up.weight": (e, 2 * ff), p + "ffn_down.weight": (ff, e)})
         else:

@@ -1,0 +1,195 @@
+"""MXFP4 weights (GGML type 39, gpt-oss's expert matrices) on the CPU, read in place.
+
+A block of 32 values is 17 bytes: one e8m0 exponent byte e, then 16 bytes of e2m1 nibbles;
+byte j holds value j in its low nibble and value j + 16 in its high one. A nibble indexes
+KVALUES, the e2m1 values doubled so they are integers, and the block scale is half of
+2^(e - 127) (ggml's GGML_E8M0_TO_FP32_HALF), so value = KVALUES[nibble] * E8M0_HALF[e].
+
+The matmul does what ggml's CPU backend does for MXFP4 (vec_dot_type Q8_0): the activations
+are quantized to Q8_0 blocks (int8 codes, an f16 scale d, as for any Q8_0 weight), each block
+dot is an exact int32 sum of int8 codes x int8 KVALUES, and the row sum adds
+(d * E8M0_HALF[e]) * sum block by block from 0.0 in float32 (ggml_vec_dot_mxfp4_q8_0's
+reference order). Every (row, output) pair is computed that way whatever the batch, so a
+token's result does not depend on what it is batched with. The weight bytes stay in the
+GGUF's memory map; a thread decodes one weight row's nibbles to int8 at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from ._actquant import quantize_rows
+
+MXFP4 = 39
+BLOCK = 32              # values per block
+BLOCK_BYTES = 17        # 1 exponent byte + 16 bytes of nibbles
+KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _e8m0_half() -> np.ndarray:
+    """float32[256]: 2^(e - 128) for every e8m0 byte, subnormal below e = 2 (ggml's bits)."""
+    e = np.arange(256, dtype=np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+E8M0_HALF = _e8m0_half()
+
+
+def row_bytes(k: int) -> int:
+    if k % BLOCK:
+        raise ValueError(f"row length {k} is not a multiple of the MXFP4 block size {BLOCK}")
+    return k // BLOCK * BLOCK_BYTES
+
+
+@dataclass(frozen=True)
+class Mxfp4Matrix:
+    """A GGUF MXFP4 weight of ggml shape (K, N): N rows of K values as uint8[N, row_bytes],
+    read-only, normally a view of the model's memory map."""
+    data: np.ndarray
+    K: int
+    N: int
+
+    def __post_init__(self):
+        if self.data.dtype != np.uint8 or self.data.shape != (self.N, row_bytes(self.K)):
+            raise ValueError(f"MXFP4 data of shape {self.data.shape} does not match "
+                             f"K={self.K} N={self.N}")
+        if self.data.flags.writeable:   # one compiled signature: read-only, as the mmap
+            d = self.data.view()
+            d.flags.writeable = False
+            object.__setattr__(self, "data", d)
+
+    @classmethod
+    def from_gguf(cls, gguf_file, name: str) -> "Mxfp4Matrix":
+        """The named 2-D MXFP4 tensor of a GGUF file (or an expert view of one), zero copy."""
+        t = gguf_file.tensors[name]
+        if len(t.shape) != 2 or int(t.ggml_type) != MXFP4:
+            raise ValueError(f"tensor {name} is not a 2-D MXFP4 matrix")
+        K, N = int(t.shape[0]), int(t.shape[1])
+        raw = np.asarray(gguf_file.raw(name)).view(np.uint8).reshape(-1)
+        if raw.size != N * row_bytes(K):
+            raise ValueError(f"MXFP4 tensor {name} of {K}x{N} needs {N * row_bytes(K)} bytes, "
+                             f"got {raw.size}")
+        return cls(raw.reshape(N, row_bytes(K)), K, N)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def rows(self, ids) -> np.ndarray:
+        """float32[len(ids), K]: the decoded rows (an MXFP4 embedding table); exact."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.N):
+            raise IndexError(f"row id out of range [0, {self.N})")
+        return dequantize(self.data[ids], self.K)
+
+
+def dequantize(data: np.ndarray, k: int) -> np.ndarray:
+    """float32[rows, k] of uint8[rows, row_bytes] MXFP4 rows (bit-exact with gguf.quants)."""
+    blocks = np.asarray(data, np.uint8).reshape(-1, BLOCK_BYTES)
+    scale = E8M0_HALF[blocks[:, 0]][:, None]
+    qs = blocks[:, 1:]
+    codes = np.concatenate([KVALUES[qs & 0x0F], KVALUES[qs >> 4]], axis=1)
+    return (scale * codes.astype(np.float32)).reshape(-1, k)
+
+
+@njit(inline="always", nogil=True)
+def _decode_codes(w, n, codes):
+    """Row n's nibbles -> int8 KVALUES codes in value order (codes[K])."""
+    nb = w.shape[1] // 17
+    for b in range(nb):
+        o = b * 17 + 1
+        c = b * 32
+        for j in range(16):
+            q = w[n, o + j]
+            codes[c + j] = KVALUES[q & 0x0F]
+            codes[c + j + 16] = KVALUES[q >> 4]
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=False)
+def _matmul_q8(w, qa, da, e_half, out, par):
+    """out[m, n] = sum over blocks b of (da[b, m] * e_half[e_nb]) * int32 dot of the codes,
+    added in block order from 0.0. qa int8[M, K] / da float32[K/32, M]: the Q8_0 activation
+    codes and scales (_actquant.quantize_rows)."""
+    M, K = qa.shape
+    N = w.shape[0]
+    nb = K // 32
+    if par:
+        for n in prange(N):
+            _row_q8(w, n, qa, da, e_half, out, M, nb)
+    else:
+        for n in range(N):
+            _row_q8(w, n, qa, da, e_half, out, M, nb)
+    return out
+
+
+@njit(inline="always", nogil=True)
+def _row_q8(w, n, qa, da, e_half, out, M, nb):
+    codes = np.empty(nb * 32, np.int8)
+    _decode_codes(w, n, codes)
+    for m in range(M):
+        acc = np.float32(0.0)
+        for b in range(nb):
+            s = np.int32(0)
+            for j in range(32):
+                s += np.int32(qa[m, b * 32 + j]) * np.int32(codes[b * 32 + j])
+            acc += (da[b, m] * e_half[w[n, b * 17]]) * np.float32(s)
+        out[m, n] = acc
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=False)
+def _matmul_f32(w, x, e_half, out, par):
+    """out[m, n] with float32 activations (numerics="f32"): per block, the float sum of
+    x * code, times the block scale, added in block order."""
+    M, K = x.shape
+    N = w.shape[0]
+    nb = K // 32
+    if par:
+        for n in prange(N):
+            _row_f32(w, n, x, e_half, out, M, nb)
+    else:
+        for n in range(N):
+            _row_f32(w, n, x, e_half, out, M, nb)
+    return out
+
+
+@njit(inline="always", nogil=True)
+def _row_f32(w, n, x, e_half, out, M, nb):
+    codes = np.empty(nb * 32, np.int8)
+    _decode_codes(w, n, codes)
+    for m in range(M):
+        acc = np.float32(0.0)
+        for b in range(nb):
+            s = np.float32(0.0)
+            for j in range(32):
+                s += x[m, b * 32 + j] * np.float32(codes[b * 32 + j])
+            acc += e_half[w[n, b * 17]] * s
+        out[m, n] = acc
+
+
+def matmul(x: np.ndarray, w: Mxfp4Matrix, q8: bool = True) -> np.ndarray:
+    """float32[M, N] = x @ W^T for x float32[M, K] (a 1-D x gives a 1-D result); q8: the
+    activations in Q8_0 blocks as ggml's CPU backend multiplies them (else float32)."""
+    vec = x.ndim == 1
+    x2 = np.ascontiguousarray(x.reshape(1, -1) if vec else x, dtype=np.float32)
+    M, K = x2.shape
+    if K != w.K:
+        raise ValueError(f"matmul: x has {K} columns but the MXFP4 rows have {w.K}")
+    out = np.empty((M, w.N), np.float32)
+    par = M * w.N * K >= (1 << 16) and numba.get_num_threads() > 1
+    if q8:
+        nb = K // BLOCK
+        qa = np.empty((M, K), np.int8)
+        da = np.empty((nb, M), np.float32)
+        bsf = np.empty((nb, M), np.float32)
+        zb = np.empty((nb, M), np.int32)
+        if not x2.flags.writeable:
+            x2 = x2.copy()
+        quantize_rows(x2, BLOCK, BLOCK, 0, qa, da, bsf, zb, M * K >= (1 << 15))
+        _matmul_q8(w.data, qa, da, E8M0_HALF, out, par)
+    else:
+        _matmul_f32(w.data, x2, E8M0_HALF, out, par)
+    return out.reshape(w.N) if vec else out
