@@ -79,6 +79,48 @@ def test_mxfp4_matmul_is_ggml_q8_0_dot_and_batch_invariant():
     assert np.abs(yf - y).max() > 1e-4      # the Q8_0 rounding is really applied
 
 
+def _ggml_avx2_dot(codes: np.ndarray, scales: np.ndarray, qa: np.ndarray, da: np.ndarray):
+    """ggml_vec_dot_mxfp4_q8_0's AVX2 order in numpy, one row x one activation row: per block
+    8 int32 lanes of 4 products, block pairs into two 8-lane float accumulators by FMA (exact
+    in float64, then rounded), accumulators added, hsum_float_8, an odd block in scalar."""
+    nb = len(scales)
+    acc = np.zeros((2, 8), np.float32)
+    for b in range(nb - nb % 2):
+        lanes = (codes[b].astype(np.int32) * qa[b]).reshape(8, 4).sum(1)
+        d = np.float32(da[b] * scales[b])
+        acc[b % 2] = (np.float64(d) * lanes + acc[b % 2]).astype(np.float32)
+    s = acc[0] + acc[1]
+    r = s[4:] + s[:4]
+    total = (r[0] + r[2]) + (r[1] + r[3])
+    if nb % 2:
+        total += np.float32(da[-1] * scales[-1]) * np.float32((codes[-1].astype(np.int32) * qa[-1]).sum())
+    return np.float32(total)
+
+
+@pytest.mark.parametrize("k", [256, 224])           # an even and an odd number of blocks
+def test_mxfp4_dot_is_ggml_avx2_order_bit_for_bit(k):
+    from edgeinfer.backends.cpu._actquant import quantize_rows
+    rng = np.random.default_rng(k)
+    m, _ = _mxfp4(rng, 6, k)
+    x = (rng.standard_normal((3, k)) * 4).astype(np.float32)
+    nb = k // 32
+    qa, da = np.empty((3, k), np.int8), np.empty((nb, 3), np.float32)
+    quantize_rows(x, 32, 32, 0, qa, da, np.empty((nb, 3), np.float32),
+                  np.empty((nb, 3), np.int32), False)
+    blocks = m.data.reshape(6, nb, 17)
+    codes = np.concatenate([MX.KVALUES[blocks[..., 1:] & 15], MX.KVALUES[blocks[..., 1:] >> 4]],
+                           axis=2)
+    want = np.array([[_ggml_avx2_dot(codes[n], MX.E8M0_HALF[blocks[n, :, 0]],
+                                     qa[i].reshape(nb, 32), da[:, i]) for n in range(6)]
+                     for i in range(3)])
+    np.testing.assert_array_equal(MX.matmul(x, m), want)
+
+
+def test_mxfp4_cache_stamp_is_current():
+    from edgeinfer.backends.cpu import _stamp
+    assert MX._DEPS_HASH == _stamp.deps_hash(MX._DEPS), _stamp.deps_hash(MX._DEPS)
+
+
 def test_native_tensor_types_are_the_cpu_kernels():
     from edgeinfer.backends.cpu.quants import SUPPORTED_TYPES
     from edgeinfer.formats.model_config import NATIVE_TENSOR_TYPES

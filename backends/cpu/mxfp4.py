@@ -6,12 +6,13 @@ KVALUES, the e2m1 values doubled so they are integers, and the block scale is ha
 2^(e - 127) (ggml's GGML_E8M0_TO_FP32_HALF), so value = KVALUES[nibble] * E8M0_HALF[e].
 
 The matmul does what ggml's CPU backend does for MXFP4 (vec_dot_type Q8_0): the activations
-are quantized to Q8_0 blocks (int8 codes, an f16 scale d, as for any Q8_0 weight), each block
-dot is an exact int32 sum of int8 codes x int8 KVALUES, and the row sum adds
-(d * E8M0_HALF[e]) * sum block by block from 0.0 in float32 (ggml_vec_dot_mxfp4_q8_0's
-reference order). Every (row, output) pair is computed that way whatever the batch, so a
-token's result does not depend on what it is batched with. The weight bytes stay in the
-GGUF's memory map; a thread decodes one weight row's nibbles to int8 at a time.
+are quantized to Q8_0 blocks (int8 codes, an f16 scale d, as for any Q8_0 weight), products
+of int8 codes x int8 KVALUES are summed exactly in int32 lanes, and the lanes are scaled by
+d * E8M0_HALF[e] and added in float32 in the order of ggml's AVX2 ggml_vec_dot_mxfp4_q8_0
+(_mxfp4dot.py), so a row gets llama.cpp's bits for the same activations. Every (row, output)
+pair is computed that way whatever the batch, so a token's result does not depend on what
+it is batched with. The weight bytes stay in the GGUF's memory map and are decoded in
+registers.
 """
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from . import _stamp
 from ._actquant import quantize_rows
+from ._mxfp4dot import dsplat2, hsum_ggml, quad_sums2
+from ._simd import itof, vfma, vzero
+
+_DEPS = ("_mxfp4dot.py", "_simd.py")      # inlined here: see _stamp.py
+_DEPS_HASH = "2569c127ee63dc3f"
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 
 MXFP4 = 39
 BLOCK = 32              # values per block
@@ -109,11 +117,11 @@ def _decode_codes(w, n, codes):
             codes[c + j + 16] = KVALUES[q >> 4]
 
 
-@njit(nogil=True, cache=True, parallel=True, fastmath=False)
+@njit(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 def _matmul_q8(w, qa, da, e_half, out, par):
-    """out[m, n] = sum over blocks b of (da[b, m] * e_half[e_nb]) * int32 dot of the codes,
-    added in block order from 0.0. qa int8[M, K] / da float32[K/32, M]: the Q8_0 activation
-    codes and scales (_actquant.quantize_rows)."""
+    """out[m, n] = the dot of weight row n with activation row m, as _mxfp4dot.py sums it.
+    qa int8[M, K] / da float32[K/32, M]: the Q8_0 activation codes and scales
+    (_actquant.quantize_rows)."""
     M, K = qa.shape
     N = w.shape[0]
     nb = K // 32
@@ -128,19 +136,28 @@ def _matmul_q8(w, qa, da, e_half, out, par):
 
 @njit(inline="always", nogil=True)
 def _row_q8(w, n, qa, da, e_half, out, M, nb):
-    codes = np.empty(nb * 32, np.int8)
-    _decode_codes(w, n, codes)
+    K = nb * 32
+    r = n * w.shape[1]
     for m in range(M):
-        acc = np.float32(0.0)
-        for b in range(nb):
+        acc = vzero()
+        b = 0
+        while b + 1 < nb:           # two blocks a step: accumulator lanes 0-7 and 8-15
+            d0 = da[b, m] * e_half[w[n, b * 17]]
+            d1 = da[b + 1, m] * e_half[w[n, b * 17 + 17]]
+            acc = vfma(dsplat2(d0, d1), itof(quad_sums2(w, r + b * 17, qa, m * K + b * 32)), acc)
+            b += 2
+        total = hsum_ggml(acc)
+        if b < nb:                  # an odd last block: ggml's scalar tail
             s = np.int32(0)
-            for j in range(32):
-                s += np.int32(qa[m, b * 32 + j]) * np.int32(codes[b * 32 + j])
-            acc += (da[b, m] * e_half[w[n, b * 17]]) * np.float32(s)
-        out[m, n] = acc
+            for j in range(16):
+                q = w[n, b * 17 + 1 + j]
+                s += np.int32(qa[m, b * 32 + j]) * np.int32(KVALUES[q & 0x0F])
+                s += np.int32(qa[m, b * 32 + j + 16]) * np.int32(KVALUES[q >> 4])
+            total += (da[b, m] * e_half[w[n, b * 17]]) * np.float32(s)
+        out[m, n] = total
 
 
-@njit(nogil=True, cache=True, parallel=True, fastmath=False)
+@njit(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 def _matmul_f32(w, x, e_half, out, par):
     """out[m, n] with float32 activations (numerics="f32"): per block, the float sum of
     x * code, times the block scale, added in block order."""

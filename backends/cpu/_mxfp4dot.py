@@ -1,0 +1,99 @@
+"""16-lane pieces of the MXFP4 x Q8_0 dot (mxfp4.py): ggml's AVX2 ggml_vec_dot_mxfp4_q8_0
+written as portable LLVM vector IR, so a row's sum is formed exactly as llama.cpp forms it.
+
+ggml takes two blocks per step. A block's 32 codes (LUT of the low nibbles, then of the
+high nibbles) times its 32 activation codes give 8 int32 lanes, lane i the exact sum of
+products 4i..4i+3; each lane goes to float32 and into an 8-lane accumulator with one FMA by
+d = act_scale * e8m0_half (even blocks into one accumulator, odd into another). At the end
+the two accumulators are added lane by lane and hsum_float_8 adds lanes (i, i + 4), then
+(0, 2) and (1, 3), then those two. Here the two accumulators are lanes 0-7 and 8-15 of one
+16-lane vector. An odd last block is added in scalar, d * sum, as ggml's tail loop.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+
+from ._simd import f16x, i16x
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_F = ir.FloatType()
+_VF = ir.VectorType(_F, 16)
+_VI = ir.VectorType(_I32, 16)
+
+
+def _const(ty, n, x):
+    return ir.Constant(ir.VectorType(ty, n), [x] * n)
+
+
+def _shuf(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), idx))
+
+
+def _load(context, builder, arrty, arr, off, n):
+    ary = context.make_array(arrty)(context, builder, arr)
+    p = builder.gep(builder.bitcast(ary.data, _I8.as_pointer()), [off])
+    return builder.load(builder.bitcast(p, ir.VectorType(_I8, n).as_pointer()), align=1)
+
+
+def _codes(builder, n):
+    """<32 x i8> nibbles -> the doubled e2m1 values (0 1 2 3 4 6 8 12, negated when bit 3 is
+    set): m < 4 is m itself, else (2 | m & 1) << ((m >> 1) - 1)."""
+    c = lambda x: _const(_I8, 32, x)       # noqa: E731
+    m = builder.and_(n, c(7))
+    shift = builder.and_(builder.sub(builder.lshr(m, c(1)), c(1)), c(3))
+    big = builder.shl(builder.or_(builder.and_(m, c(1)), c(2)), shift)
+    mag = builder.select(builder.icmp_unsigned("<", m, c(4)), m, big)
+    return builder.select(builder.icmp_unsigned(">=", n, c(8)), builder.sub(c(0), mag), mag)
+
+
+@intrinsic
+def quad_sums2(typingctx, w, wo, qa, qo):
+    """int32 lanes: 0-7 the sums of products 4i..4i+3 of the MXFP4 block at byte offset wo of
+    w (its nibbles from wo + 1) with the 32 int8 activation codes at qa[qo:], 8-15 the same
+    for the next block (wo + 17, qo + 32). Exact: |product| <= 12 * 128."""
+    def codegen(context, builder, sig, args):
+        quads = []
+        for b in range(2):
+            off = builder.add(args[1], ir.Constant(args[1].type, 1 + 17 * b))
+            nib = _load(context, builder, sig.args[0], args[0], off, 16)
+            lo = builder.and_(nib, _const(_I8, 16, 15))
+            hi = builder.lshr(nib, _const(_I8, 16, 4))
+            code = _codes(builder, _shuf(builder, lo, hi, list(range(32))))
+            qoff = builder.add(args[3], ir.Constant(args[3].type, 32 * b))
+            act = _load(context, builder, sig.args[2], args[2], qoff, 32)
+            prod = builder.mul(builder.sext(code, ir.VectorType(_I16, 32)),
+                               builder.sext(act, ir.VectorType(_I16, 32)))
+            p = builder.sext(prod, ir.VectorType(_I32, 32))
+            pairs = builder.add(_shuf(builder, p, p, list(range(0, 32, 2))),
+                                _shuf(builder, p, p, list(range(1, 32, 2))))
+            quads.append(builder.add(_shuf(builder, pairs, pairs, list(range(0, 16, 2))),
+                                     _shuf(builder, pairs, pairs, list(range(1, 16, 2)))))
+        return _shuf(builder, quads[0], quads[1], list(range(16)))
+    return i16x(w, wo, qa, qo), codegen
+
+
+@intrinsic
+def dsplat2(typingctx, a, b):
+    """float32 lanes 0-7 = a, 8-15 = b."""
+    def codegen(context, builder, sig, args):
+        v = ir.Constant(_VF, ir.Undefined)
+        for lane in range(16):
+            x = context.cast(builder, args[lane // 8], sig.args[lane // 8], types.float32)
+            v = builder.insert_element(v, x, ir.Constant(_I32, lane))
+        return v
+    return f16x(a, b), codegen
+
+
+@intrinsic
+def hsum_ggml(typingctx, v):
+    """(lanes 0-7 + lanes 8-15), then hsum_float_8's order: s[i + 4] + s[i], then lanes
+    (0 + 2) + (1 + 3). float32."""
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        s = builder.fadd(_shuf(builder, x, x, list(range(8))), _shuf(builder, x, x, list(range(8, 16))))
+        r = builder.fadd(_shuf(builder, s, s, [4, 5, 6, 7]), _shuf(builder, s, s, [0, 1, 2, 3]))
+        e = lambda i: builder.extract_element(r, ir.Constant(_I32, i))   # noqa: E731
+        return builder.fadd(builder.fadd(e(0), e(2)), builder.fadd(e(1), e(3)))
+    return types.float32(v), codegen
