@@ -5,17 +5,16 @@ Routing as llama.cpp's build_moe_ffn for qwen3moe: router logits from `ffn_gate_
 [E, X], softmax over all X experts, the top `expert_used_count` by probability (ties: the
 lower expert index), their probabilities renormalized to sum to 1. Each chosen expert is a
 SwiGLU FFN whose matrices are slices of the 3-D `ffn_{gate,up}_exps` [E, F, X] and
-`ffn_down_exps` [F, E, X] tensors (one expert = one contiguous run of rows, so a slice of the
-file's bytes: nothing is copied unless the backend repacks, as for any matrix). Decode reads
-only the chosen experts; a prefill groups its tokens by expert, so each expert's weights
-stream once per step for all the tokens routed to it.
+`ffn_down_exps` [F, E, X] tensors. The backend holds them (ops.expert_bank): repacked, as one
+grouped bank per tensor whose whole FFN step is one ops.moe_ffn call (decode reads only the
+chosen experts' weights; a prefill's tokens are grouped by expert, so each expert's weights
+stream once per step for all the tokens routed to it); otherwise one matrix per expert over
+its slice of the file's bytes (nothing copied), run expert by expert here. Either way a
+token's output is the same whether it was decoded alone or in a prefill.
 
-Runs on the numba CPU backend (routing and the weighted sum are numpy); other backends are
-refused with a clear error.
+Runs on the numba CPU backend; other backends are refused with a clear error.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
@@ -23,50 +22,24 @@ from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.models.variants import VariantModel
 
 
-class _ExpertSlices:
-    """A GGUF file seen through one 3-D expert tensor: `name[e]` is expert e's 2-D matrix,
-    a view of its bytes, so any backend's ops.matrix() takes it like a real tensor."""
-
-    def __init__(self, gf, name: str):
-        t = gf.tensors[name]
-        K, N, X = (int(d) for d in t.shape)
-        self.gf, self.base, self.per = gf, name, t.nbytes // X
-        self.path, self.metadata = gf.path, gf.metadata
-        self.tensors = {f"{name}[{e}]": dataclasses.replace(
-            t, name=f"{name}[{e}]", shape=(K, N), offset=t.offset + e * self.per,
-            nbytes=self.per) for e in range(X)}
-        self.names = list(self.tensors)
-
-    def raw(self, name: str) -> np.ndarray:
-        e = self.names.index(name)
-        return self.gf.raw(self.base)[e * self.per:(e + 1) * self.per]
-
-    def release_pages(self, name: str | None = None) -> None:
-        if name is None or name == self.names[-1]:      # after the last expert's copy
-            self.gf.release_pages(self.base)
-
-
 class ExpertFFN:
+    """A layer's routed experts. The backend holds them (ops.expert_bank): grouped, the whole
+    FFN of a step is one ops.moe_ffn call over the chosen experts' weights; otherwise one
+    matrix per expert (slices of the file's bytes), run here expert by expert. A subclass
+    whose experts compute something else (overriding `expert`) always gets the latter."""
+
     def __init__(self, cfg: ModelConfig, ops, gf, prefix: str):
         self.k = cfg.n_expert_used
-        self.router = ops.matrix(gf, prefix + "ffn_gate_inp.weight")
-
-        def experts(n: str) -> list:
-            view = _ExpertSlices(gf, prefix + n + ".weight")
-            return [ops.matrix(view, name) for name in view.names]
-        self.gate, self.up, self.down = experts("ffn_gate_exps"), experts("ffn_up_exps"), \
-            experts("ffn_down_exps")
+        self.bank = ops.expert_bank(gf, prefix, grouped=type(self).expert is ExpertFFN.expert)
+        # a subclass routing its own way multiplies the router with ops.matmul: an ordinary
+        # matrix then (ops.moe_route reads the bank's, each row the bits it gets alone)
+        self.router = (self.bank.router if type(self).route is ExpertFFN.route
+                       else ops.matrix(gf, prefix + "ffn_gate_inp.weight"))
+        self.gate, self.up, self.down = self.bank.gate, self.bank.up, self.bank.down
 
     def route(self, ops, h) -> tuple[np.ndarray, np.ndarray]:
-        """(experts [T, k] int64, weights [T, k] float32) per token."""
-        logits = np.asarray(ops.to_numpy(ops.matmul(h, self.router)), np.float32)
-        logits = logits.reshape(-1, logits.shape[-1])
-        p = np.exp(logits - logits.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        top = np.argsort(-p, axis=1, kind="stable")[:, :self.k]
-        w = np.take_along_axis(p, top, axis=1)
-        w /= np.maximum(w.sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
-        return top, w.astype(np.float32)
+        """(experts [T, k] int64, weights [T, k] float32) per token, all tokens in one call."""
+        return ops.moe_route(self.bank, h, self.k)
 
     def __call__(self, ops, h):
         """Tokens grouped by expert (a decode token: its k experts), each chosen expert run
@@ -74,6 +47,8 @@ class ExpertFFN:
         applied as llama.cpp does (expert output x weight, added slot by slot), so a token's
         sum is the same whether it was decoded alone or in a prefill."""
         top, w = self.route(ops, h)
+        if self.bank.grouped is not None:
+            return ops.moe_ffn(self.bank, h, top, w)
         T, k = top.shape
         ys = np.empty((T, k, h.shape[-1]), np.float32)
         order = np.argsort(top, axis=None, kind="stable")   # (token, slot) pairs by expert

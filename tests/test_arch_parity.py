@@ -148,10 +148,50 @@ def _count_expert_calls(r) -> list:
     return calls
 
 
-def test_moe_decode_reads_only_the_chosen_experts():
+def _chosen(r, tokens_seen: list) -> list:
+    """Per layer, the experts each step routed its tokens to (recorded by wrapping route)."""
+    for i, w in enumerate(r.model.layers):
+        real = w.moe.route
+
+        def route(ops, h, real=real, i=i):
+            ids, wts = real(ops, h)
+            tokens_seen.append((i, ids.copy()))
+            return ids, wts
+        w.moe.route = route
+    return tokens_seen
+
+
+def test_moe_grouped_reads_only_the_chosen_experts_once():
+    """Repacked, a layer's experts are one grouped bank: a decode step reads the tiles of
+    the token's k experts only, a prefill each chosen expert's tiles once for all its rows."""
+    from edgeinfer.backends.cpu._moe import TILES
+    from edgeinfer.runners.native import ModelRunner
+    r = ModelRunner.load(str(variant_model(CACHE, "qwen3moe", "Q8_0")), kv_budget_bytes=16 << 20,
+                         repack=True)
+    banks = [w.moe.bank.grouped for w in r.model.layers]
+    assert all(b is not None for b in banks)
+    seen = _chosen(r, [])
+    table = list(range(8))
+    for start, toks in ((0, TOKENS[:20]), (20, [TOKENS[20]])):
+        seen.clear()
+        for b in banks:
+            b.tiles_read[:] = 0
+        r.forward([_Chunk(start, toks, table)])
+        for (layer, ids), b in zip(seen, banks):
+            chosen = np.zeros(b.E, bool)
+            chosen[np.unique(ids)] = True
+            assert ids.shape == (len(toks), VARIANTS["qwen3moe"].n_expert_used)
+            tiles = b.P[:, TILES]              # tiles per expert, of gate, up and down
+            assert np.array_equal(b.tiles_read, tiles[:, None] * chosen[None, :]), layer
+
+
+def test_moe_per_expert_path_runs_only_the_chosen_experts():
+    """Not repacked (experts stay mapped), each chosen expert runs once for all its rows."""
     from edgeinfer.runners.native import ModelRunner
     cfg_k = VARIANTS["qwen3moe"].n_expert_used
-    r = ModelRunner.load(str(variant_model(CACHE, "qwen3moe", "Q8_0")), kv_budget_bytes=16 << 20)
+    r = ModelRunner.load(str(variant_model(CACHE, "qwen3moe", "Q8_0")), kv_budget_bytes=16 << 20,
+                         repack=False)
+    assert all(w.moe.bank.grouped is None for w in r.model.layers)
     calls = _count_expert_calls(r)
     table = list(range(8))
     r.forward([_Chunk(0, TOKENS[:20], table)])
@@ -175,13 +215,17 @@ def test_moe_128_experts_q8_0():
     assert stats["top1"] >= 0.85 and stats["top5"] >= 0.85, stats
 
 
-def test_moe_batch_gives_each_sequence_its_solo_logits():
-    """Two sequences in one step (their tokens grouped by expert together) get the logits
-    each gets alone; a prefill's last row equals the same token decoded after the rest."""
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
+def test_moe_batch_gives_each_sequence_its_solo_logits(ftype):
+    """Two sequences in one step (their tokens grouped by expert together) get exactly the
+    logits each gets alone; a prefill's last row equals the same token decoded after the
+    rest (repacked: every row of the model, router and grouped experts included, is
+    computed alike for any batch, so the ops report rows_exact)."""
     from edgeinfer.runners.native import ModelRunner
     from edgeinfer.runners.base import ScheduledSpan
-    path = str(variant_model(CACHE, "qwen3moe", "Q8_0"))
-    r = ModelRunner.load(path, kv_budget_bytes=16 << 20)
+    path = str(variant_model(CACHE, "qwen3moe", ftype))
+    r = ModelRunner.load(path, kv_budget_bytes=16 << 20, repack=True)
+    assert r.ops.rows_exact
     a, b = TOKENS[:24], TOKENS[30:50]
 
     def span(sid, start, toks, table):
@@ -189,29 +233,37 @@ def test_moe_batch_gives_each_sequence_its_solo_logits():
     solo_a = r.forward([span(0, 0, a, (0, 1))])
     solo_b = r.forward([span(1, 0, b, (2, 3))])
     both = r.forward([span(0, 0, a, (4, 5)), span(1, 0, b, (6, 7))])
-    scale = np.abs(solo_a).max()
-    assert np.abs(both[0] - solo_a[0]).max() < 1e-4 * scale
-    assert np.abs(both[1] - solo_b[0]).max() < 1e-4 * scale
+    assert np.array_equal(both[0], solo_a[0])
+    assert np.array_equal(both[1], solo_b[0])
     r.forward([span(0, 0, a[:-1], (8, 9), )])
     step = r.forward([span(0, len(a) - 1, a[-1:], (8, 9))])
-    assert np.abs(step[0] - solo_a[0]).max() < 1e-4 * scale
+    assert np.array_equal(step[0], solo_a[0])
 
 
 def test_moe_router_matches_llama_cpp_softmax_topk_norm():
+    """ExpertFFN.route: softmax over all experts' logits, the top k, renormalized (llama.cpp's
+    qwen3moe gating), against a float64 reference from the router's weights."""
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import load_model_config
     from edgeinfer.models.qwen3moe import ExpertFFN
     from edgeinfer.backends.cpu.ops import CpuOps
-
-    class Router:           # ExpertFFN.route on hand-made logits
-        k = 2
-        router = None
-    ops = CpuOps(numerics="f32", repack=False)
-    logits = np.array([[1.0, 3.0, 2.0, 0.0], [0.5, 0.5, 4.0, 0.5]], np.float32)
-    ops.matmul = lambda h, w: logits
-    top, w = ExpertFFN.route(Router, ops, None)
-    assert top.tolist() == [[1, 2], [2, 0]]              # a tie: the lower index, as stable sort
-    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
-    np.testing.assert_allclose(w[0], p[[1, 2]] / p[[1, 2]].sum(), rtol=1e-6)
-    np.testing.assert_allclose(w.sum(1), 1.0, rtol=1e-6)
+    gf = read_gguf(str(variant_model(CACHE, "qwen3moe", "Q8_0")))
+    try:
+        cfg = load_model_config(gf)
+        ops = CpuOps()
+        f = ExpertFFN(cfg, ops, gf, "blk.1.")
+        h = np.random.default_rng(2).standard_normal((50, cfg.n_embd)).astype(np.float32)
+        top, w = f.route(ops, h)
+        router = np.frombuffer(gf.raw("blk.1.ffn_gate_inp.weight"), np.float32)
+        logits = h.astype(np.float64) @ router.reshape(cfg.n_expert, -1).T
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        ref = np.argsort(-p, axis=1, kind="stable")[:, :cfg.n_expert_used]
+        assert np.array_equal(top, ref)
+        ref_w = np.take_along_axis(p, ref, 1)
+        np.testing.assert_allclose(w, ref_w / ref_w.sum(1, keepdims=True), rtol=1e-5)
+    finally:
+        gf.close()
 
 
 @pytest.mark.parametrize("key,value,kind", [

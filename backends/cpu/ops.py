@@ -18,6 +18,7 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu import _int8
 from edgeinfer.backends.cpu import mxfp4 as _mx
 from edgeinfer.backends.cpu._int8 import HAVE_SIMD
+from edgeinfer.backends.cpu.experts import ExpertBank, groupable
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows, row_bytes
 from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
@@ -287,6 +288,31 @@ class CpuOps:
             outs = packed_matmuls(x.reshape(-1, x.shape[-1]), ws)
             return tuple(o.reshape(o.shape[1]) for o in outs) if x.ndim == 1 else tuple(outs)
         return tuple(self.matmul(x, w) for w in ws)
+
+    # -- mixture of experts (models/qwen3moe.py) ------------------------------------------
+    def expert_bank(self, gguf_file, prefix: str, grouped: bool = True) -> ExpertBank:
+        """A layer's router and experts (experts.py): grouped int8 tiles run by moe_ffn
+        when asked for, this model's weights are repacked and the experts' type allows; else
+        one matrix per expert (bank.gate[e], ...), for the model to run expert by expert."""
+        if self.repack is None:
+            self.repack = self.would_repack(gguf_file)
+        grouped = grouped and bool(self.repack) and groupable(gguf_file, prefix)
+        return ExpertBank(self, gguf_file, prefix, grouped,
+                          _int8.BEST_ISA if HAVE_SIMD else _int8.PORTABLE)
+
+    def moe_route(self, bank: ExpertBank, h: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids int64[T, k], weights float32[T, k]) per token: softmax over the router
+        logits, the top k (ties: the lower index), renormalized; each row's bits as alone."""
+        rounder = _ACT_ROUNDING.get(int(bank.router.qtype)) if self.numerics == "ggml" else None
+        return bank.route(h, k, rounder)
+
+    def moe_ffn(self, bank: ExpertBank, h: np.ndarray, ids: np.ndarray,
+                weights: np.ndarray) -> np.ndarray:
+        """float32[T, X]: sum over slots j of weights[t, j] * (expert ids[t, j]'s SwiGLU FFN
+        of h[t]), added slot by slot, by a grouped bank (bank.grouped)."""
+        if bank.grouped is None:
+            raise ValueError("moe_ffn runs a grouped expert bank; this one is per expert")
+        return bank.grouped(h, ids, weights)
 
     def add_bias(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
         x += b

@@ -1,0 +1,322 @@
+"""Grouped expert matmuls of a mixture-of-experts FFN, one numba call per layer.
+
+The (token, slot) pairs a router chose are sorted by expert (a counting sort, stable: within
+an expert, pairs keep token-major order), so each chosen expert is one group of rows and its
+weight tiles stream once for all of them: in decode only the chosen experts' tiles are read,
+in a prefill every expert's tiles are read once for every token routed to it. Per layer:
+
+1. x is quantized once for the gate/up activation format (and once more only if up's format
+   differs), then each pair's codes are gathered into its group: qa rows [P, K], and da, bsf,
+   zb in the [nb, n] layout the tile kernels take, one block per group (group g of n rows at
+   p0 holds its [nb, n] at offset p0 * nb).
+2. gate and up of every group in one parallel region: work items (group, matrix, tiles) dealt
+   from a shared counter, each run by the format's tile kernel (_int8's cfuncs, by address).
+3. SwiGLU per row (silu(g) * u, the float ops of kernels.silu_mul), quantized for down's
+   format into the group layout.
+4. down of every group, one parallel region as 2.
+5. out[t] = y[t, slot 0] * w0, then += y[t, slot j] * wj slot by slot (llama.cpp's order).
+
+A row's codes and tile arithmetic are those of the per-expert path (packed_matmuls on the
+expert's rows: activation quantization is per row, and the tile kernels give a row the same
+bits for any row count), so every (token, expert) row gets the same bits grouped or not, and
+a token gets the same output alone or in any batch.
+
+A bank matrix is described by W tables int64[3, E, W_FIELDS] (the expert's tiles: _int8's W,
+its addresses offset to the expert) and P int64[3, N_PARAMS] (see below).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from . import _stamp
+from ._actquant import _quantize_block_vec
+
+# inlined here (quantize_act_block's vector form and its deps): see _stamp.py. _int8's tile
+# kernels are called by address, so their source is not compiled in.
+_DEPS = ("_actquant.py", "kernels.py", "_simd.py")
+_DEPS_HASH = "64b2b6893cffc58c"
+
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
+_PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
+
+_TILES_ARGS = 11     # _int8's tile kernel: t0, t1, w, qa, da, bsf, zb, out (addresses), M, K, N
+
+
+@intrinsic
+def _call_tiles(typingctx, fn, t0, t1, w, qa, da, bsf, zb, out, M, K, N):
+    """Call the tile kernel at address fn (_int8.kernel_address)."""
+    def codegen(context, builder, sig, args):
+        fty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * _TILES_ARGS)
+        builder.call(builder.inttoptr(args[0], fty.as_pointer()), args[1:])
+        return context.get_dummy_value()
+    return types.void(*([types.intp] * (_TILES_ARGS + 1))), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, addr, value):
+    """Atomically add value to the int64 at addr; returns the previous value."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
+    return types.int64(types.intp, types.int64), codegen
+
+
+# P[m] fields of matrix m (0 gate, 1 up, 2 down)
+FN, ACT_BLOCK, W_BLOCK, ZP, K_COLS, N_ROWS, TILES, TILE_BYTES = range(8)
+N_PARAMS = 8
+# a chunk of one expert's tiles is at least this many bytes of codes when a group has fewer
+# than 8 rows (decode: memory-bound, one long stream per thread; as _int8.SMALL_M_CHUNK_BYTES)
+SMALL_M_CHUNK_BYTES = 1 << 17
+
+
+@njit(inline="always", nogil=True)
+def _quantize(x, A, B, zp, qa, da, bsf, zb, r):
+    for ab in range(x.shape[1] // A):
+        _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb)
+
+
+@njit(inline="always", nogil=True)
+def _gather(qa, da, bsf, zp, order, k, gstart, glen, grp, qa_g, da_g, bsf_g, zb_g, p):
+    """Pair p of the sorted order: its token's codes and block entries into its group."""
+    t = order[p] // k
+    g = grp[p]
+    n = glen[g]
+    r = p - gstart[g]
+    nb = da.shape[0]
+    qa_g[p, :] = qa[t, :]
+    base = gstart[g] * nb
+    for b in range(nb):
+        i = base + b * n + r
+        da_g[i] = da[b, t]
+        bsf_g[i] = bsf[b, t]
+        zb_g[i] = np.int32(bsf[b, t]) * np.int32(zp)   # exact: |sum| < 2^24
+
+
+@njit(inline="always", nogil=True)
+def _run_item(c, items, P, Wt, acts, outs, gstart, glen, gexp, stats):
+    """Work item c: tiles items[c, 2] .. items[c, 3] of matrix items[c, 1] for group
+    items[c, 0]; acts[m] = (qa, da, bsf, zb) addresses of its gathered activations."""
+    g, m, t0, t1 = items[c, 0], items[c, 1], items[c, 2], items[c, 3]
+    e = gexp[g]
+    K, N = P[m, K_COLS], P[m, N_ROWS]
+    nb = K // P[m, W_BLOCK]
+    p0 = gstart[g]
+    wp = Wt.ctypes.data + (m * Wt.shape[1] + e) * Wt.shape[2] * 8
+    _call_tiles(P[m, FN], t0, t1, wp, acts[m, 0] + p0 * K, acts[m, 1] + p0 * nb * 4,
+                acts[m, 2] + p0 * nb * 4, acts[m, 3] + p0 * nb * 4, outs[m] + p0 * N * 4,
+                glen[g], K, N)
+    _fetch_add(stats.ctypes.data + (m * stats.shape[1] + e) * 8, t1 - t0)
+
+
+@njit(inline="always", nogil=True)
+def _items(P, ms, ng, glen, nw):
+    """Work items (group, matrix, t0, t1) of matrices ms for every group: each group's tiles
+    of a matrix in chunks (16 chunks per thread; with fewer than 8 rows at least
+    SMALL_M_CHUNK_BYTES of codes a chunk)."""
+    total = 0
+    for m in ms:
+        total += ng * P[m, TILES]
+    n = 0
+    per_m = np.empty(len(ms), np.int64)
+    for i, m in enumerate(ms):
+        per = max(1, total // (max(nw, 1) * 16))
+        per_m[i] = per
+        for g in range(ng):
+            p = per
+            if glen[g] < 8:
+                p = max(p, SMALL_M_CHUNK_BYTES // P[m, TILE_BYTES])
+            n += (P[m, TILES] + p - 1) // p
+    items = np.empty((n, 4), np.int64)
+    c = 0
+    for i, m in enumerate(ms):
+        T = P[m, TILES]
+        for g in range(ng):
+            p = per_m[i]
+            if glen[g] < 8:
+                p = max(p, SMALL_M_CHUNK_BYTES // P[m, TILE_BYTES])
+            for t0 in range(0, T, p):
+                items[c, 0] = g
+                items[c, 1] = m
+                items[c, 2] = t0
+                items[c, 3] = min(T, t0 + p)
+                c += 1
+    return items
+
+
+@njit(inline="always", nogil=True)
+def _run_items(items, P, Wt, acts, outs, gstart, glen, gexp, stats, nw, counter, slot):
+    """Every work item, dealt from a shared counter to nw threads (<= 1: this thread)."""
+    n = items.shape[0]
+    if nw <= 1:
+        for c in range(n):
+            _run_item(c, items, P, Wt, acts, outs, gstart, glen, gexp, stats)
+        return
+    addr = counter.ctypes.data + slot * 8
+    for _w in prange(nw):
+        while True:
+            c = _fetch_add(addr, np.int64(1))
+            if c >= n:
+                break
+            _run_item(c, items, P, Wt, acts, outs, gstart, glen, gexp, stats)
+
+
+@njit(inline="always", nogil=True)
+def _silu_quantize(g, u, A, B, zp, qd, dd, bd, zd, gstart, glen, grp, p):
+    """Row p: g = silu(g) * u (kernels.silu_mul's float ops), then its codes for down into
+    the group layout."""
+    for i in range(g.shape[1]):
+        v = g[p, i]
+        g[p, i] = v / (np.float32(1.0) + np.exp(-v)) * u[p, i]
+    q = grp[p]
+    s, n = gstart[q], glen[q]
+    nb = g.shape[1] // B
+    _quantize(g[s:s + n], A, B, zp, qd[s:s + n], dd[s * nb:(s + n) * nb].reshape((nb, n)),
+              bd[s * nb:(s + n) * nb].reshape((nb, n)), zd[s * nb:(s + n) * nb].reshape((nb, n)),
+              p - s)
+
+
+@njit(inline="always", nogil=True)
+def _weighted_row(y, pos, wts, out, k, t):
+    """out[t] = y[pair (t, 0)] * w0, then + y[pair (t, j)] * wj for j = 1 .. k-1."""
+    p0 = pos[t * k]
+    w0 = wts[t, 0]
+    for c in range(out.shape[1]):
+        out[t, c] = y[p0, c] * w0
+    for j in range(1, k):
+        pj = pos[t * k + j]
+        wj = wts[t, j]
+        for c in range(out.shape[1]):
+            out[t, c] += y[pj, c] * wj
+
+
+@njit(**_PJIT)
+def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter):
+    """out[T, X] = sum over slots j of wts[t, j] * FFN_{ids[t, j]}(x[t]) (see the module doc).
+
+    x float32[T, X] C-contiguous; ids int64[T, k] expert ids; wts float32[T, k]; Wt int64[3,
+    E, W_FIELDS]; P int64[3, N_PARAMS]; out float32[T, X]; nw threads for the tile regions
+    (<= 1: this thread); par_quant: quantize, SwiGLU and sum in parallel too (large T);
+    stats int64[3, E]: tiles read per matrix and expert are added to it; counter int64[2]
+    of zeros, owned by the caller.
+    """
+    T, X = x.shape
+    k = ids.shape[1]
+    E = Wt.shape[1]
+    npair = T * k
+    F = P[0, N_ROWS]
+    # -- pairs sorted by expert (counting sort, stable) -----------------------------------
+    cnt = np.zeros(E + 1, np.int64)
+    for p in range(npair):
+        e = ids[p // k, p % k]
+        if e < 0 or e >= E:
+            raise ValueError("expert id out of range")
+        cnt[e + 1] += 1
+    ng = 0
+    for e in range(E):
+        if cnt[e + 1]:
+            ng += 1
+        cnt[e + 1] += cnt[e]
+    gstart = np.empty(ng, np.int64)
+    glen = np.empty(ng, np.int64)
+    gexp = np.empty(ng, np.int64)
+    gid = np.empty(E, np.int64)
+    g = 0
+    for e in range(E):
+        n = cnt[e + 1] - cnt[e]
+        if n:
+            gstart[g], glen[g], gexp[g] = cnt[e], n, e
+            gid[e] = g
+            g += 1
+    order = np.empty(npair, np.int64)        # sorted position -> pair
+    pos = np.empty(npair, np.int64)          # pair -> sorted position
+    grp = np.empty(npair, np.int64)          # sorted position -> group
+    for p in range(npair):
+        e = ids[p // k, p % k]
+        i = cnt[e]
+        cnt[e] += 1
+        order[i] = p
+        pos[p] = i
+        grp[i] = gid[e]
+    # -- x quantized for gate (and up, if its format differs), gathered per group -----------
+    nbg, nbu = X // P[0, W_BLOCK], X // P[1, W_BLOCK]
+    same = P[0, ACT_BLOCK] == P[1, ACT_BLOCK] and P[0, W_BLOCK] == P[1, W_BLOCK]
+    qa = np.empty((T, X), np.int8)
+    da = np.empty((nbg, T), np.float32)
+    bsf = np.empty((nbg, T), np.float32)
+    zb = np.empty((nbg, T), np.int32)
+    qa2 = np.empty((0 if same else T, X), np.int8)
+    da2 = np.empty((0 if same else nbu, T), np.float32)
+    bsf2 = np.empty((0 if same else nbu, T), np.float32)
+    zb2 = np.empty((0 if same else nbu, T), np.int32)
+    if par_quant:
+        for r in prange(T):
+            _quantize(x, P[0, ACT_BLOCK], P[0, W_BLOCK], P[0, ZP], qa, da, bsf, zb, r)
+            if not same:
+                _quantize(x, P[1, ACT_BLOCK], P[1, W_BLOCK], P[1, ZP], qa2, da2, bsf2, zb2, r)
+    else:
+        for r in range(T):
+            _quantize(x, P[0, ACT_BLOCK], P[0, W_BLOCK], P[0, ZP], qa, da, bsf, zb, r)
+            if not same:
+                _quantize(x, P[1, ACT_BLOCK], P[1, W_BLOCK], P[1, ZP], qa2, da2, bsf2, zb2, r)
+    qg = np.empty((npair, X), np.int8)
+    dg = np.empty(npair * nbg, np.float32)
+    bg = np.empty(npair * nbg, np.float32)
+    zg = np.empty(npair * nbg, np.int32)
+    qu = qg if same else np.empty((npair, X), np.int8)
+    du = dg if same else np.empty(npair * nbu, np.float32)
+    bu = bg if same else np.empty(npair * nbu, np.float32)
+    zu = np.empty(npair * nbu, np.int32)
+    if par_quant:
+        for p in prange(npair):
+            _gather(qa, da, bsf, P[0, ZP], order, k, gstart, glen, grp, qg, dg, bg, zg, p)
+            if not same:
+                _gather(qa2, da2, bsf2, P[1, ZP], order, k, gstart, glen, grp, qu, du, bu, zu, p)
+    else:
+        for p in range(npair):
+            _gather(qa, da, bsf, P[0, ZP], order, k, gstart, glen, grp, qg, dg, bg, zg, p)
+            if not same:
+                _gather(qa2, da2, bsf2, P[1, ZP], order, k, gstart, glen, grp, qu, du, bu, zu, p)
+    if same:        # up's codes are gate's; only its zero point's zb differs
+        for i in range(npair * nbu):
+            zu[i] = np.int32(bg[i]) * np.int32(P[1, ZP])
+    # -- gate and up of every group: one parallel region ------------------------------------
+    gate = np.empty((npair, F), np.float32)
+    up = np.empty((npair, F), np.float32)
+    yd = np.empty((npair, X), np.float32)
+    nbd = F // P[2, W_BLOCK]
+    qd = np.empty((npair, F), np.int8)
+    dd = np.empty(npair * nbd, np.float32)
+    bd = np.empty(npair * nbd, np.float32)
+    zd = np.empty(npair * nbd, np.int32)
+    acts = np.empty((3, 4), np.int64)
+    acts[0, 0], acts[0, 1], acts[0, 2], acts[0, 3] = qg.ctypes.data, dg.ctypes.data, bg.ctypes.data, zg.ctypes.data
+    acts[1, 0], acts[1, 1], acts[1, 2], acts[1, 3] = qu.ctypes.data, du.ctypes.data, bu.ctypes.data, zu.ctypes.data
+    acts[2, 0], acts[2, 1], acts[2, 2], acts[2, 3] = qd.ctypes.data, dd.ctypes.data, bd.ctypes.data, zd.ctypes.data
+    outs = np.empty(3, np.int64)
+    outs[0], outs[1], outs[2] = gate.ctypes.data, up.ctypes.data, yd.ctypes.data
+    items = _items(P, (0, 1), ng, glen, nw)
+    _run_items(items, P, Wt, acts, outs, gstart, glen, gexp, stats, nw, counter, 0)
+    # -- SwiGLU, quantized for down ---------------------------------------------------------
+    A, B, zp = P[2, ACT_BLOCK], P[2, W_BLOCK], P[2, ZP]
+    if par_quant:
+        for p in prange(npair):
+            _silu_quantize(gate, up, A, B, zp, qd, dd, bd, zd, gstart, glen, grp, p)
+    else:
+        for p in range(npair):
+            _silu_quantize(gate, up, A, B, zp, qd, dd, bd, zd, gstart, glen, grp, p)
+    # -- down of every group, then the weighted sum per token -------------------------------
+    items = _items(P, (2,), ng, glen, nw)
+    _run_items(items, P, Wt, acts, outs, gstart, glen, gexp, stats, nw, counter, 1)
+    if par_quant:
+        for t in prange(T):
+            _weighted_row(yd, pos, wts, out, k, t)
+    else:
+        for t in range(T):
+            _weighted_row(yd, pos, wts, out, k, t)
+    # the scratch arrays are read through addresses above: keep them alive to here
+    return qg.shape[0] + qu.shape[0] + qd.shape[0] + dg.shape[0] + du.shape[0] + dd.shape[0] \
+        + bg.shape[0] + bu.shape[0] + bd.shape[0] + zg.shape[0] + zu.shape[0] + zd.shape[0] \
+        + gate.shape[0] + up.shape[0] + counter.shape[0]

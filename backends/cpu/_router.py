@@ -1,0 +1,96 @@
+"""A mixture-of-experts router on the CPU: F32 logits, softmax, top k, renormalized weights.
+
+One numba call for all the tokens of a step (parallel over tokens when there are many).
+Every row is computed by the same operations in the same order whatever the number of rows
+(16-lane fused multiply-adds over the columns in order, the lanes summed by a fixed tree), so
+a token is routed identically alone or in a prefill. Routing as llama.cpp's build_moe_ffn
+with softmax gating and normalized weights (qwen3moe): p = softmax(logits) over every expert,
+the k largest p (ties: the lower expert index, as a stable sort), each divided by their sum
+(at least 2^-14, ggml's clamp).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from . import _stamp
+from ._simd import vfma, vhsum, vload, vzero
+
+_DEPS = ("_simd.py",)        # inlined here: see _stamp.py
+_DEPS_HASH = "87956b1a768fad6f"
+
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
+_PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
+_JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
+
+MIN_WEIGHT_SUM = np.float32(6.103515625e-5)     # ggml_clamp of the weights' sum (2^-14)
+
+
+@njit(inline="always", nogil=True)
+def _dot(x, r, w, e, K):
+    """x[r] . w[e], 16 lanes in order then a fixed tree, the tail after."""
+    acc = vzero()
+    nv = K // 16 * 16
+    xo, wo = r * K, e * K
+    for i in range(0, nv, 16):
+        acc = vfma(vload(x, xo + i), vload(w, wo + i), acc)
+    s = vhsum(acc)
+    for i in range(nv, K):
+        s += x[r, i] * w[e, i]
+    return s
+
+
+@njit(inline="always", nogil=True)
+def _route_row(logits, t, k, ids, wts):
+    """Softmax over row t of logits, top k (ties: lower index), weights renormalized."""
+    E = logits.shape[1]
+    mx = logits[t, 0]
+    for e in range(1, E):
+        if logits[t, e] > mx:
+            mx = logits[t, e]
+    p = np.empty(E, np.float32)
+    s = np.float32(0.0)
+    for e in range(E):
+        p[e] = np.exp(logits[t, e] - mx)
+        s += p[e]
+    for e in range(E):
+        p[e] = p[e] / s
+    taken = np.zeros(E, np.bool_)
+    ws = np.float32(0.0)
+    for j in range(k):
+        best = -1
+        for e in range(E):
+            if not taken[e] and (best < 0 or p[e] > p[best]):
+                best = e
+        taken[best] = True
+        ids[t, j] = best
+        wts[t, j] = p[best]
+        ws += p[best]
+    ws = max(ws, MIN_WEIGHT_SUM)
+    for j in range(k):
+        wts[t, j] = wts[t, j] / ws
+
+
+@njit(**_PJIT)
+def route(x, w, k, logits, ids, wts, par):
+    """x float32[T, X], w float32[E, X] (C-contiguous) -> logits float32[T, E], ids
+    int64[T, k], wts float32[T, k]; par: in parallel over tokens."""
+    T, K = x.shape
+    E = w.shape[0]
+    if par:
+        for t in prange(T):
+            for e in range(E):
+                logits[t, e] = _dot(x, t, w, e, K)
+            _route_row(logits, t, k, ids, wts)
+    else:
+        for t in range(T):
+            for e in range(E):
+                logits[t, e] = _dot(x, t, w, e, K)
+            _route_row(logits, t, k, ids, wts)
+
+
+@njit(**_JIT)
+def route_logits(logits, k, ids, wts):
+    """The routing of given logits float32[T, E] (a router of another type; the tests)."""
+    for t in range(logits.shape[0]):
+        _route_row(logits, t, k, ids, wts)
