@@ -316,6 +316,110 @@ def _ref_kernel(q, k_cache, v_cache, block_tables, token_seq, positions, window,
 
 # -- the tiled kernel --------------------------------------------------------------------------
 
+def _tree_sums(builder, vs):
+    """16 <16 x float> -> one vector whose lane k is vhsum(vs[k]), each sum formed from
+    exactly vhsum's additions (lane i + lane i + w for w = 8, 4, 2, 1), but for all sixteen
+    at once: at each level two vectors' halves are shuffled side by side and added, so 16
+    sums take 30 shuffles and 15 adds instead of 16 x (4 shuffles, 4 adds, an extract)."""
+    width = 8
+    while len(vs) > 1:
+        G = 2 * width           # lanes per group: one source vector's partial sums
+        lo = [g * G + i for g in range(16 // G) for i in range(width)]
+        hi = [g * G + width + i for g in range(16 // G) for i in range(width)]
+        lo, hi = lo + [16 + x for x in lo], hi + [16 + x for x in hi]
+        vs = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_VI, lo)),
+                           builder.shuffle_vector(a, b, ir.Constant(_VI, hi)))
+              for a, b in zip(vs[0::2], vs[1::2])]
+        width //= 2
+    return vs[0]
+
+
+@intrinsic
+def vhsum16(typingctx, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    """Lane k: vhsum of the k-th argument, the same bits (see _tree_sums)."""
+    def codegen(context, builder, sig, args):
+        return _tree_sums(builder, list(args))
+    return f16x(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15), codegen
+
+
+def _store4(lane0: int):
+    @intrinsic
+    def store4(typingctx, arr, off, v):
+        """Lanes lane0..lane0+3 of v at flat offset off of a float32 array."""
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            v4 = ir.VectorType(_F, 4)
+            ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), v4.as_pointer())
+            lanes = builder.shuffle_vector(args[2], ir.Constant(_VF, ir.Undefined),
+                                           ir.Constant(ir.VectorType(_I32, 4),
+                                                       [lane0 + i for i in range(4)]))
+            builder.store(lanes, ptr, align=4)
+            return context.get_dummy_value()
+        return types.none(arr, off, v), codegen
+    return store4
+
+
+vstore4_0, vstore4_1, vstore4_2, vstore4_3 = (_store4(4 * i) for i in range(4))
+
+
+@njit(inline="always", nogil=True)
+def _qk_4x4(qv, r, kc, kb, j, D, sc, scale):
+    """Scores of rows r..r+3 against keys j..j+3: sixteen accumulators, each widened K chunk
+    feeding four rows and each q chunk four keys, then vhsum16 reduces all sixteen with
+    vhsum's tree. The bits of _qk_4x2 (the test compares them), about twice as fast."""
+    a00 = vzero()
+    a01 = vzero()
+    a02 = vzero()
+    a03 = vzero()
+    a10 = vzero()
+    a11 = vzero()
+    a12 = vzero()
+    a13 = vzero()
+    a20 = vzero()
+    a21 = vzero()
+    a22 = vzero()
+    a23 = vzero()
+    a30 = vzero()
+    a31 = vzero()
+    a32 = vzero()
+    a33 = vzero()
+    q0 = r * D
+    k0, k1, k2, k3 = kb[j], kb[j + 1], kb[j + 2], kb[j + 3]
+    for d in range(0, D, 16):
+        y0 = vload(qv, q0 + d)
+        y1 = vload(qv, q0 + D + d)
+        y2 = vload(qv, q0 + 2 * D + d)
+        y3 = vload(qv, q0 + 3 * D + d)
+        x = kv_vec(kc, k0 + d)
+        a00 = vfma(y0, x, a00)
+        a10 = vfma(y1, x, a10)
+        a20 = vfma(y2, x, a20)
+        a30 = vfma(y3, x, a30)
+        x = kv_vec(kc, k1 + d)
+        a01 = vfma(y0, x, a01)
+        a11 = vfma(y1, x, a11)
+        a21 = vfma(y2, x, a21)
+        a31 = vfma(y3, x, a31)
+        x = kv_vec(kc, k2 + d)
+        a02 = vfma(y0, x, a02)
+        a12 = vfma(y1, x, a12)
+        a22 = vfma(y2, x, a22)
+        a32 = vfma(y3, x, a32)
+        x = kv_vec(kc, k3 + d)
+        a03 = vfma(y0, x, a03)
+        a13 = vfma(y1, x, a13)
+        a23 = vfma(y2, x, a23)
+        a33 = vfma(y3, x, a33)
+    s = vmul(vhsum16(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23,
+                     a30, a31, a32, a33), vsplat(scale))
+    W = sc.shape[1]
+    o = r * W + j
+    vstore4_0(sc, o, s)
+    vstore4_1(sc, o + W, s)
+    vstore4_2(sc, o + 2 * W, s)
+    vstore4_3(sc, o + 3 * W, s)
+
+
 @njit(inline="always", nogil=True)
 def _qk_4x2(qv, r, kc, kb, j0, j1, D, sc, scale):
     """Scores of rows r..r+3 against keys j0 and j1 (j1 may equal j0)."""
@@ -396,8 +500,28 @@ def _qk_1x2(qv, r, kc, kb, j0, j1, D, sc, scale):
     sc[r, j1] = vhsum(b0) * scale
 
 
+def f16_pool(arr):
+    """Whether a K/V pool holds halves (compile-time: its dtype)."""
+
+
+@overload(f16_pool, inline="always")
+def _f16_pool(arr):
+    is_f16 = arr.dtype == types.uint16
+    return lambda arr: is_f16
+
+
 @njit(inline="always", nogil=True)
-def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
+def _wadd(a, w, x, exact):
+    """a + w * x. With `exact` (w and x both halves: f16-rounded weights, an f16 pool) the
+    product is exact in float32 (11 x 11 significand bits), so one FMA gives the bits of the
+    multiply and the add, at half the instructions. `exact` is a literal at every call."""
+    if exact:
+        return vfma(w, x, a)
+    return vadd(a, vmul(w, x))
+
+
+@njit(inline="always", nogil=True)
+def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
     """Output columns c..c+63 of rows r..r+3 (which share their keys jlo..jhi): the weighted
     sum of V in key order, held in 16 registers; stored at flat offsets o0 + row * D."""
     a0 = vzero() if first else vload(out, o0 + c)
@@ -423,25 +547,25 @@ def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
         x2 = kv_vec(vc, base + 32)
         x3 = kv_vec(vc, base + 48)
         w = vsplat(sc[r, j])
-        a0 = vadd(a0, vmul(w, x0))
-        a1 = vadd(a1, vmul(w, x1))
-        a2 = vadd(a2, vmul(w, x2))
-        a3 = vadd(a3, vmul(w, x3))
+        a0 = _wadd(a0, w, x0, exact)
+        a1 = _wadd(a1, w, x1, exact)
+        a2 = _wadd(a2, w, x2, exact)
+        a3 = _wadd(a3, w, x3, exact)
         w = vsplat(sc[r + 1, j])
-        b0 = vadd(b0, vmul(w, x0))
-        b1 = vadd(b1, vmul(w, x1))
-        b2 = vadd(b2, vmul(w, x2))
-        b3 = vadd(b3, vmul(w, x3))
+        b0 = _wadd(b0, w, x0, exact)
+        b1 = _wadd(b1, w, x1, exact)
+        b2 = _wadd(b2, w, x2, exact)
+        b3 = _wadd(b3, w, x3, exact)
         w = vsplat(sc[r + 2, j])
-        e0 = vadd(e0, vmul(w, x0))
-        e1 = vadd(e1, vmul(w, x1))
-        e2 = vadd(e2, vmul(w, x2))
-        e3 = vadd(e3, vmul(w, x3))
+        e0 = _wadd(e0, w, x0, exact)
+        e1 = _wadd(e1, w, x1, exact)
+        e2 = _wadd(e2, w, x2, exact)
+        e3 = _wadd(e3, w, x3, exact)
         w = vsplat(sc[r + 3, j])
-        f0 = vadd(f0, vmul(w, x0))
-        f1 = vadd(f1, vmul(w, x1))
-        f2 = vadd(f2, vmul(w, x2))
-        f3 = vadd(f3, vmul(w, x3))
+        f0 = _wadd(f0, w, x0, exact)
+        f1 = _wadd(f1, w, x1, exact)
+        f2 = _wadd(f2, w, x2, exact)
+        f3 = _wadd(f3, w, x3, exact)
     o = o0 + c
     vstore(out, o, a0)
     vstore(out, o + 16, a1)
@@ -465,7 +589,7 @@ def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
 
 
 @njit(inline="always", nogil=True)
-def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
+def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
     """Output columns c..c+63 of rows r, r+1 (see _pv_4x4)."""
     a0 = vzero() if first else vload(out, o0 + c)
     a1 = vzero() if first else vload(out, o0 + c + 16)
@@ -482,15 +606,15 @@ def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
         x2 = kv_vec(vc, base + 32)
         x3 = kv_vec(vc, base + 48)
         w = vsplat(sc[r, j])
-        a0 = vadd(a0, vmul(w, x0))
-        a1 = vadd(a1, vmul(w, x1))
-        a2 = vadd(a2, vmul(w, x2))
-        a3 = vadd(a3, vmul(w, x3))
+        a0 = _wadd(a0, w, x0, exact)
+        a1 = _wadd(a1, w, x1, exact)
+        a2 = _wadd(a2, w, x2, exact)
+        a3 = _wadd(a3, w, x3, exact)
         w = vsplat(sc[r + 1, j])
-        b0 = vadd(b0, vmul(w, x0))
-        b1 = vadd(b1, vmul(w, x1))
-        b2 = vadd(b2, vmul(w, x2))
-        b3 = vadd(b3, vmul(w, x3))
+        b0 = _wadd(b0, w, x0, exact)
+        b1 = _wadd(b1, w, x1, exact)
+        b2 = _wadd(b2, w, x2, exact)
+        b3 = _wadd(b3, w, x3, exact)
     o = o0 + c
     vstore(out, o, a0)
     vstore(out, o + 16, a1)
@@ -504,7 +628,7 @@ def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first):
 
 
 @njit(inline="always", nogil=True)
-def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first):
+def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
     """Output columns c..c+63 of row r (see _pv_4x4)."""
     a0 = vzero() if first else vload(out, o0 + c)
     a1 = vzero() if first else vload(out, o0 + c + 16)
@@ -513,10 +637,10 @@ def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first):
     for j in range(jlo, jhi + 1):
         base = kb[j] + c
         w = vsplat(sc[r, j])
-        a0 = vadd(a0, vmul(w, kv_vec(vc, base)))
-        a1 = vadd(a1, vmul(w, kv_vec(vc, base + 16)))
-        a2 = vadd(a2, vmul(w, kv_vec(vc, base + 32)))
-        a3 = vadd(a3, vmul(w, kv_vec(vc, base + 48)))
+        a0 = _wadd(a0, w, kv_vec(vc, base), exact)
+        a1 = _wadd(a1, w, kv_vec(vc, base + 16), exact)
+        a2 = _wadd(a2, w, kv_vec(vc, base + 32), exact)
+        a3 = _wadd(a3, w, kv_vec(vc, base + 48), exact)
     o = o0 + c
     vstore(out, o, a0)
     vstore(out, o + 16, a1)
@@ -525,11 +649,11 @@ def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first):
 
 
 @njit(inline="always", nogil=True)
-def _pv_1x1(sc, r, vc, kb, jlo, jhi, c, out, o0, first):
+def _pv_1x1(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
     """Output columns c..c+15 of row r (the last columns when D is not a multiple of 64)."""
     a0 = vzero() if first else vload(out, o0 + c)
     for j in range(jlo, jhi + 1):
-        a0 = vadd(a0, vmul(vsplat(sc[r, j]), kv_vec(vc, kb[j] + c)))
+        a0 = _wadd(a0, vsplat(sc[r, j]), kv_vec(vc, kb[j] + c), exact)
     vstore(out, o0 + c, a0)
 
 
@@ -569,7 +693,15 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
         rows = 4 if R - r >= 4 else (2 if R - r >= 2 else 1)
         jlo = max(jmin, _window_start(positions[t0 + r // nh], window) - lo)
         jhi = min(jmax, positions[t0 + (r + rows - 1) // nh] - lo)
-        for j in range(jlo, jhi + 1, 2):
+        j = jlo
+        if rows == 4 and D % 16 == 0:       # four keys at a time, the rest below
+            while j + 3 <= jhi:
+                if j + PREFETCH + 3 <= jhi:
+                    for i in range(4):
+                        kv_row_prefetch(kc, kb[j + PREFETCH + i], D)
+                _qk_4x4(qv, r, kc, kb, j, D, sc, scale)
+                j += 4
+        for j in range(j, jhi + 1, 2):
             j1 = j + 1 if j < jhi else j
             if j + PREFETCH + 1 <= jhi:
                 kv_row_prefetch(kc, kb[j + PREFETCH], D)
@@ -584,7 +716,16 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
 
 
 @njit(inline="always", nogil=True)
-def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D):
+def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, ggml_rounding):
+    """_vsums_of with `exact` as a literal, so each copy of the loops has one kind of add."""
+    if ggml_rounding and f16_pool(vc):
+        _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, True)
+    else:
+        _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, False)
+
+
+@njit(inline="always", nogil=True)
+def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact):
     """Output columns c0..c1-1 (c0 a multiple of 64) of rows r0..r0+n-1, which share the
     keys jlo..jhi; row r0 + i is stored at flat offset o0 + i * D. Keys go in blocks of
     VBLOCK (their V rows stay in L1 across the column groups); between blocks the partial
@@ -603,15 +744,15 @@ def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D):
             c = c0
             while c + 64 <= c1:
                 if rows == 4:
-                    _pv_4x4(sc, r, vc, kb, jb, je, c, out, o, D, first)
+                    _pv_4x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
                 elif rows == 2:
-                    _pv_2x4(sc, r, vc, kb, jb, je, c, out, o, D, first)
+                    _pv_2x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
                 else:
-                    _pv_1x4(sc, r, vc, kb, jb, je, c, out, o, first)
+                    _pv_1x4(sc, r, vc, kb, jb, je, c, out, o, first, exact)
                 c += 64
             for k in range(rows):
                 for cc in range(c, c1, 16):
-                    _pv_1x1(sc, r + k, vc, kb, jb, je, cc, out, o + k * D, first)
+                    _pv_1x1(sc, r + k, vc, kb, jb, je, cc, out, o + k * D, first, exact)
         i += rows
 
 
@@ -639,7 +780,7 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
         t = t0 + ti
         pos = positions[t]
         _vsums(sc, ti * nh, nh, vc, kb, _window_start(pos, window) - lo, pos - lo, 0, D, out,
-               (t * H + h0) * D, D)
+               (t * H + h0) * D, D, ggml_rounding)
 
 
 def _run_split(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding,
@@ -682,7 +823,7 @@ def _split_kernel(q, kc, vc, block_tables, token_seq, positions, window, scale, 
                 _softmax_row(sc, r, 0, n - 1, ggml_rounding, _sink(sinks, g * G + r))
             for c in prange(groups):
                 _vsums(sc, 0, G, vc, kb, 0, n - 1, c * 64, min(D, c * 64 + 64), out,
-                       (t * H + g * G) * D, D)
+                       (t * H + g * G) * D, D, ggml_rounding)
     return out
 
 
