@@ -12,10 +12,16 @@ the two accumulators are added lane by lane and hsum_float_8 adds lanes (i, i + 
 from __future__ import annotations
 
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from ._int8 import HAVE_SIMD
 from ._simd import f16x, i16x
+
+# x86 with AVX2 (so SSSE3): the nibble -> code table is one pshufb per 16 nibbles; else the
+# same values by arithmetic (_codes), which any LLVM target compiles
+_PSHUFB = HAVE_SIMD
+_KVALUES = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _F = ir.FloatType()
@@ -60,7 +66,15 @@ def quad_sums2(typingctx, w, wo, qa, qo):
             nib = _load(context, builder, sig.args[0], args[0], off, 16)
             lo = builder.and_(nib, _const(_I8, 16, 15))
             hi = builder.lshr(nib, _const(_I8, 16, 4))
-            code = _codes(builder, _shuf(builder, lo, hi, list(range(32))))
+            if _PSHUFB:
+                fn = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.VectorType(_I8, 16), [ir.VectorType(_I8, 16)] * 2),
+                    "llvm.x86.ssse3.pshuf.b.128")
+                table = ir.Constant(ir.VectorType(_I8, 16), _KVALUES)
+                code = _shuf(builder, builder.call(fn, [table, lo]), builder.call(fn, [table, hi]),
+                             list(range(32)))
+            else:
+                code = _codes(builder, _shuf(builder, lo, hi, list(range(32))))
             qoff = builder.add(args[3], ir.Constant(args[3].type, 32 * b))
             act = _load(context, builder, sig.args[2], args[2], qoff, 32)
             prod = builder.mul(builder.sext(code, ir.VectorType(_I16, 32)),

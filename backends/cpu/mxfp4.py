@@ -28,7 +28,7 @@ from ._mxfp4dot import dsplat2, hsum_ggml, quad_sums2
 from ._simd import itof, vfma, vzero
 
 _DEPS = ("_mxfp4dot.py", "_simd.py")      # inlined here: see _stamp.py
-_DEPS_HASH = "2569c127ee63dc3f"
+_DEPS_HASH = "58caae78adb488ab"
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 
 MXFP4 = 39
