@@ -228,6 +228,28 @@ def test_a_wrong_choice_is_caught(wrong, monkeypatch):
     assert err > 5e-3, err
 
 
+def test_batch_gives_each_sequence_its_solo_logits():
+    """Two sequences in one step (tokens grouped by expert together, MXFP4 rows, sinks, window
+    layers) get the logits each gets alone; a prefill's last row equals that token decoded
+    after the rest."""
+    from edgeinfer.runners.base import ScheduledSpan
+    from edgeinfer.runners.native import ModelRunner
+    r = ModelRunner.load(str(_path("MXFP4_MOE")), kv_budget_bytes=16 << 20)
+    a, b = TOKENS[:40], TOKENS[40:70]
+
+    def span(sid, start, toks, table, window):
+        return ScheduledSpan(sid, start, tuple(toks), tuple(table), True,
+                             window_table=tuple(window))
+    solo_a = r.forward([span(0, 0, a, (0, 1, 2), (0, 1, 2))])
+    solo_b = r.forward([span(1, 0, b, (3, 4), (3, 4))])
+    both = r.forward([span(0, 0, a, (5, 6, 7), (5, 6, 7)), span(1, 0, b, (8, 9), (8, 9))])
+    np.testing.assert_array_equal(both[0], solo_a[0])
+    np.testing.assert_array_equal(both[1], solo_b[0])
+    r.forward([span(0, 0, a[:-1], (10, 11, 12), (10, 11, 12))])
+    step = r.forward([span(0, len(a) - 1, a[-1:], (10, 11, 12), (10, 11, 12))])
+    np.testing.assert_array_equal(step[0], solo_a[0])
+
+
 def test_greedy_text_matches():
     from edgeinfer.engine.core import Engine, EngineConfig
     path = _path("MXFP4_MOE")
