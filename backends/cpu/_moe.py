@@ -192,21 +192,88 @@ def _weighted_row(y, pos, wts, out, k, t):
             out[t, c] += y[pj, c] * wj
 
 
+@njit(inline="always", nogil=True)
+def _al(nbytes):
+    return (nbytes + 63) // 64 * 64
+
+
 @njit(**_PJIT)
-def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter):
+def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter, work):
     """out[T, X] = sum over slots j of wts[t, j] * FFN_{ids[t, j]}(x[t]) (see the module doc).
 
     x float32[T, X] C-contiguous; ids int64[T, k] expert ids; wts float32[T, k]; Wt int64[3,
     E, W_FIELDS]; P int64[3, N_PARAMS]; out float32[T, X]; nw threads for the tile regions
     (<= 1: this thread); par_quant: quantize, SwiGLU and sum in parallel too (large T);
     stats int64[3, E]: tiles read per matrix and expert are added to it; counter int64[2]
-    of zeros, owned by the caller.
+    of zeros, owned by the caller; work: uint8 scratch, reused between calls (fresh arrays
+    of a prefill's size cost thousands of page faults a call). Returns 0, or the bytes work
+    must have when it is too small (then nothing is computed).
     """
     T, X = x.shape
     k = ids.shape[1]
     E = Wt.shape[1]
     npair = T * k
     F = P[0, N_ROWS]
+    nbg, nbu, nbd = X // P[0, W_BLOCK], X // P[1, W_BLOCK], F // P[2, W_BLOCK]
+    same = P[0, ACT_BLOCK] == P[1, ACT_BLOCK] and P[0, W_BLOCK] == P[1, W_BLOCK]
+    tu = 0 if same else T             # x's codes for up when its format differs from gate's
+    pu = 0 if same else npair
+    # -- the scratch layout --------------------------------------------------------------
+    o_order = 0
+    o_pos = o_order + _al(npair * 8)
+    o_grp = o_pos + _al(npair * 8)
+    o_qa = o_grp + _al(npair * 8)
+    o_da = o_qa + _al(T * X)
+    o_bsf = o_da + _al(nbg * T * 4)
+    o_zb = o_bsf + _al(nbg * T * 4)
+    o_qa2 = o_zb + _al(nbg * T * 4)
+    o_da2 = o_qa2 + _al(tu * X)
+    o_bsf2 = o_da2 + _al(nbu * tu * 4)
+    o_zb2 = o_bsf2 + _al(nbu * tu * 4)
+    o_qg = o_zb2 + _al(nbu * tu * 4)
+    o_dg = o_qg + _al(npair * X)
+    o_bg = o_dg + _al(npair * nbg * 4)
+    o_zg = o_bg + _al(npair * nbg * 4)
+    o_qu = o_zg + _al(npair * nbg * 4)
+    o_du = o_qu + _al(pu * X)
+    o_bu = o_du + _al(pu * nbu * 4)
+    o_zu = o_bu + _al(pu * nbu * 4)
+    o_gate = o_zu + _al(npair * nbu * 4)
+    o_up = o_gate + _al(npair * F * 4)
+    o_yd = o_up + _al(npair * F * 4)
+    o_qd = o_yd + _al(npair * X * 4)
+    o_dd = o_qd + _al(npair * F)
+    o_bd = o_dd + _al(npair * nbd * 4)
+    o_zd = o_bd + _al(npair * nbd * 4)
+    need = o_zd + _al(npair * nbd * 4)
+    if work.shape[0] < need:
+        return need
+    order = work[o_order:o_order + npair * 8].view(np.int64)    # sorted position -> pair
+    pos = work[o_pos:o_pos + npair * 8].view(np.int64)          # pair -> sorted position
+    grp = work[o_grp:o_grp + npair * 8].view(np.int64)          # sorted position -> group
+    qa = work[o_qa:o_qa + T * X].view(np.int8).reshape((T, X))
+    da = work[o_da:o_da + nbg * T * 4].view(np.float32).reshape((nbg, T))
+    bsf = work[o_bsf:o_bsf + nbg * T * 4].view(np.float32).reshape((nbg, T))
+    zb = work[o_zb:o_zb + nbg * T * 4].view(np.int32).reshape((nbg, T))
+    qa2 = work[o_qa2:o_qa2 + tu * X].view(np.int8).reshape((tu, X))
+    da2 = work[o_da2:o_da2 + nbu * tu * 4].view(np.float32).reshape((nbu, tu))
+    bsf2 = work[o_bsf2:o_bsf2 + nbu * tu * 4].view(np.float32).reshape((nbu, tu))
+    zb2 = work[o_zb2:o_zb2 + nbu * tu * 4].view(np.int32).reshape((nbu, tu))
+    qg = work[o_qg:o_qg + npair * X].view(np.int8).reshape((npair, X))
+    dg = work[o_dg:o_dg + npair * nbg * 4].view(np.float32)
+    bg = work[o_bg:o_bg + npair * nbg * 4].view(np.float32)
+    zg = work[o_zg:o_zg + npair * nbg * 4].view(np.int32)
+    qu = qg if same else work[o_qu:o_qu + pu * X].view(np.int8).reshape((pu, X))
+    du = dg if same else work[o_du:o_du + pu * nbu * 4].view(np.float32)
+    bu = bg if same else work[o_bu:o_bu + pu * nbu * 4].view(np.float32)
+    zu = work[o_zu:o_zu + npair * nbu * 4].view(np.int32)
+    gate = work[o_gate:o_gate + npair * F * 4].view(np.float32).reshape((npair, F))
+    up = work[o_up:o_up + npair * F * 4].view(np.float32).reshape((npair, F))
+    yd = work[o_yd:o_yd + npair * X * 4].view(np.float32).reshape((npair, X))
+    qd = work[o_qd:o_qd + npair * F].view(np.int8).reshape((npair, F))
+    dd = work[o_dd:o_dd + npair * nbd * 4].view(np.float32)
+    bd = work[o_bd:o_bd + npair * nbd * 4].view(np.float32)
+    zd = work[o_zd:o_zd + npair * nbd * 4].view(np.int32)
     # -- pairs sorted by expert (counting sort, stable) -----------------------------------
     cnt = np.zeros(E + 1, np.int64)
     for p in range(npair):
@@ -230,9 +297,6 @@ def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter):
             gstart[g], glen[g], gexp[g] = cnt[e], n, e
             gid[e] = g
             g += 1
-    order = np.empty(npair, np.int64)        # sorted position -> pair
-    pos = np.empty(npair, np.int64)          # pair -> sorted position
-    grp = np.empty(npair, np.int64)          # sorted position -> group
     for p in range(npair):
         e = ids[p // k, p % k]
         i = cnt[e]
@@ -241,16 +305,6 @@ def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter):
         pos[p] = i
         grp[i] = gid[e]
     # -- x quantized for gate (and up, if its format differs), gathered per group -----------
-    nbg, nbu = X // P[0, W_BLOCK], X // P[1, W_BLOCK]
-    same = P[0, ACT_BLOCK] == P[1, ACT_BLOCK] and P[0, W_BLOCK] == P[1, W_BLOCK]
-    qa = np.empty((T, X), np.int8)
-    da = np.empty((nbg, T), np.float32)
-    bsf = np.empty((nbg, T), np.float32)
-    zb = np.empty((nbg, T), np.int32)
-    qa2 = np.empty((0 if same else T, X), np.int8)
-    da2 = np.empty((0 if same else nbu, T), np.float32)
-    bsf2 = np.empty((0 if same else nbu, T), np.float32)
-    zb2 = np.empty((0 if same else nbu, T), np.int32)
     if par_quant:
         for r in prange(T):
             _quantize(x, P[0, ACT_BLOCK], P[0, W_BLOCK], P[0, ZP], qa, da, bsf, zb, r)
@@ -261,14 +315,6 @@ def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter):
             _quantize(x, P[0, ACT_BLOCK], P[0, W_BLOCK], P[0, ZP], qa, da, bsf, zb, r)
             if not same:
                 _quantize(x, P[1, ACT_BLOCK], P[1, W_BLOCK], P[1, ZP], qa2, da2, bsf2, zb2, r)
-    qg = np.empty((npair, X), np.int8)
-    dg = np.empty(npair * nbg, np.float32)
-    bg = np.empty(npair * nbg, np.float32)
-    zg = np.empty(npair * nbg, np.int32)
-    qu = qg if same else np.empty((npair, X), np.int8)
-    du = dg if same else np.empty(npair * nbu, np.float32)
-    bu = bg if same else np.empty(npair * nbu, np.float32)
-    zu = np.empty(npair * nbu, np.int32)
     if par_quant:
         for p in prange(npair):
             _gather(qa, da, bsf, P[0, ZP], order, k, gstart, glen, grp, qg, dg, bg, zg, p)
@@ -283,14 +329,6 @@ def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter):
         for i in range(npair * nbu):
             zu[i] = np.int32(bg[i]) * np.int32(P[1, ZP])
     # -- gate and up of every group: one parallel region ------------------------------------
-    gate = np.empty((npair, F), np.float32)
-    up = np.empty((npair, F), np.float32)
-    yd = np.empty((npair, X), np.float32)
-    nbd = F // P[2, W_BLOCK]
-    qd = np.empty((npair, F), np.int8)
-    dd = np.empty(npair * nbd, np.float32)
-    bd = np.empty(npair * nbd, np.float32)
-    zd = np.empty(npair * nbd, np.int32)
     acts = np.empty((3, 4), np.int64)
     acts[0, 0], acts[0, 1], acts[0, 2], acts[0, 3] = qg.ctypes.data, dg.ctypes.data, bg.ctypes.data, zg.ctypes.data
     acts[1, 0], acts[1, 1], acts[1, 2], acts[1, 3] = qu.ctypes.data, du.ctypes.data, bu.ctypes.data, zu.ctypes.data
@@ -316,7 +354,4 @@ def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter):
     else:
         for t in range(T):
             _weighted_row(yd, pos, wts, out, k, t)
-    # the scratch arrays are read through addresses above: keep them alive to here
-    return qg.shape[0] + qu.shape[0] + qd.shape[0] + dg.shape[0] + du.shape[0] + dd.shape[0] \
-        + bg.shape[0] + bu.shape[0] + bd.shape[0] + zg.shape[0] + zu.shape[0] + zd.shape[0] \
-        + gate.shape[0] + up.shape[0] + counter.shape[0]
+    return 0

@@ -19,6 +19,7 @@ token's FFN output does not depend on the tokens beside it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numba
 import numpy as np
@@ -78,10 +79,19 @@ def _expert_fields(p: PackedMatrix, E: int) -> np.ndarray:
     return W
 
 
+class Workspace(threading.local):
+    """Scratch for _moe.moe_ffn, shared by a model's layers and kept between steps (a
+    prefill's 20 MB made fresh each call cost thousands of page faults); one per thread."""
+
+    def __init__(self):
+        self.buf = np.empty(0, np.uint8)
+
+
 class GroupedExperts:
     """The expert tensors repacked, one tile array each, run by _moe.moe_ffn."""
 
-    def __init__(self, gf, prefix: str, isa: int):
+    def __init__(self, gf, prefix: str, isa: int, work: "Workspace"):
+        self.work = work
         mats = []
         for m in _MATS:
             name = prefix + m + ".weight"
@@ -113,8 +123,12 @@ class GroupedExperts:
         threads = numba.get_num_threads()
         nw = 1 if T * k * self.X * self.F < SERIAL_MACS else threads
         par = threads > 1 and T * self.X >= SERIAL_QUANT
-        _moe.moe_ffn(x, ids, w, self.Wt, self.P, out, nw, par, self.tiles_read,
-                     np.zeros(2, np.int64))
+        need = _moe.moe_ffn(x, ids, w, self.Wt, self.P, out, nw, par, self.tiles_read,
+                            np.zeros(2, np.int64), self.work.buf)
+        if need:
+            self.work.buf = np.empty(need + (need >> 2), np.uint8)     # with room to grow
+            _moe.moe_ffn(x, ids, w, self.Wt, self.P, out, nw, par, self.tiles_read,
+                         np.zeros(2, np.int64), self.work.buf)
         return out
 
 
@@ -122,12 +136,12 @@ class ExpertBank:
     """A layer's router and experts: `grouped` (a GroupedExperts, run by CpuOps.moe_ffn) or,
     when None, `gate`, `up`, `down`: one matrix per expert (ops.matrix of its slice)."""
 
-    def __init__(self, ops, gf, prefix: str, grouped: bool, isa: int):
+    def __init__(self, ops, gf, prefix: str, grouped: bool, isa: int, work: Workspace):
         # the router stays in the map (F32 in llama.cpp's files), one row per expert
         self.router = QuantMatrix.from_gguf(gf, prefix + "ffn_gate_inp.weight")
         self.router_f32 = (self.router.data.view(np.float32)
                            if self.router.qtype == GGMLQuantizationType.F32 else None)
-        self.grouped = GroupedExperts(gf, prefix, isa) if grouped else None
+        self.grouped = GroupedExperts(gf, prefix, isa, work) if grouped else None
         self.gate = self.up = self.down = None
         if not grouped:
             def experts(m: str) -> list:

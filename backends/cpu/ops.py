@@ -18,7 +18,7 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu import _int8
 from edgeinfer.backends.cpu import mxfp4 as _mx
 from edgeinfer.backends.cpu._int8 import HAVE_SIMD
-from edgeinfer.backends.cpu.experts import ExpertBank, groupable
+from edgeinfer.backends.cpu.experts import ExpertBank, Workspace, groupable
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows, row_bytes
 from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
@@ -179,6 +179,7 @@ class CpuOps:
         # every row those bits anyway; the others then take the per-row dot for any M.
         self.per_row = False
         self._unpacked = False          # some matrix was loaded without repacking
+        self._moe_work = None           # scratch of the grouped expert kernels (experts.py)
 
     # Drafts are verified exactly here: with rows_exact, any forward; otherwise the runner
     # runs the verified spans in a forward of their own with per_row set.
@@ -297,8 +298,10 @@ class CpuOps:
         if self.repack is None:
             self.repack = self.would_repack(gguf_file)
         grouped = grouped and bool(self.repack) and groupable(gguf_file, prefix)
+        if self._moe_work is None:          # one scratch for the model's layers
+            self._moe_work = Workspace()
         return ExpertBank(self, gguf_file, prefix, grouped,
-                          _int8.BEST_ISA if HAVE_SIMD else _int8.PORTABLE)
+                          _int8.BEST_ISA if HAVE_SIMD else _int8.PORTABLE, self._moe_work)
 
     def moe_route(self, bank: ExpertBank, h: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(expert ids int64[T, k], weights float32[T, k]) per token: softmax over the router
