@@ -79,6 +79,12 @@ VARIANTS = {
     "gpt-oss": Variant("gpt-oss", n_head=8, n_kv=2, n_ff=256, rope_base=150000.0,
                        yarn_factor=32.0, orig_ctx=64, n_expert=16, n_expert_used=4,
                        n_ff_exp=256, sliding_window=24, context=2048),
+    # a gpt-oss at a width this machine holds for timing against llama.cpp (0.9 GB in F32,
+    # ~0.13 GB as MXFP4_MOE): 8 layers of 768, 16 experts of 768, 4 used, a 128-token window
+    "gpt-oss-bench": Variant("gpt-oss", layers=8, n_embd=768, n_head=12, n_kv=2, n_ff=768,
+                             rope_base=150000.0, yarn_factor=32.0, orig_ctx=4096,
+                             n_expert=16, n_expert_used=4, n_ff_exp=768, sliding_window=128,
+                             context=8192),
     "qwen3moe-bench": Variant("qwen3moe", layers=8, n_embd=512, n_ff=768, n_head=8, n_kv=1,
                               rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=256,
                               context=4096),
