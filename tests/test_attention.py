@@ -89,6 +89,35 @@ def test_tiled_equals_per_token_kernel(T, H, KVH, D, window, f16):
             np.testing.assert_allclose(want, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("pool", ["f16", "f32", "q8_0"])
+def test_tiles_past_the_widened_key_chunks_equal_the_per_token_kernel(window, pool):
+    """Tiles of many rows widen K and V to float32 WIDE_KEYS keys at a time (and sum V by
+    FMA where the weights and the pool are halves): past several chunks, with a window that
+    starts inside one, every row still gets the per-token kernel's bits."""
+    rng = np.random.default_rng(7 + window)
+    bs, KVH, D, H = 16, 2, 64, 8
+    nblk = (3 * A.WIDE_KEYS + 64) // bs
+    kc, vc = _pools(rng, nblk, bs, KVH, D, pool == "f16")
+    if pool == "q8_0":          # ggml's q8_0 blocks, written by the cache's own store
+        from edgeinfer.backends.cpu import kernels as K
+        k, v = kc.reshape(-1, KVH, D), vc.reshape(-1, KVH, D)
+        width = K.kv_row_width("q8_0", D)
+        kc, vc = (np.zeros((nblk, bs, KVH, width), np.uint8) for _ in range(2))
+        K.kv_write(kc, vc, k, v, np.arange(nblk * bs, dtype=np.int64))
+    tables = rng.permutation(nblk).astype(np.int32).reshape(1, -1)
+    T = 21
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    seq = np.zeros(T, np.int32)
+    pos = np.arange(3 * A.WIDE_KEYS + 10, 3 * A.WIDE_KEYS + 10 + T).astype(np.int32)
+    for rounding in (True, False):
+        want = _ref(q, kc, vc, tables, seq, pos, window, rounding)
+        for nh in (4, 2):
+            assert A.TILE * nh >= A.WIDE_MIN_ROWS
+            got = _attend(q, kc, vc, tables, seq, pos, window, rounding, True, nh)
+            np.testing.assert_array_equal(got, want, err_msg=f"{nh=} {rounding=}")
+
+
 @pytest.mark.parametrize("window", [0, 40])
 def test_a_token_is_the_same_bits_in_any_chunk_split(window):
     """A 150-token prompt prefilled in one chunk, in uneven chunks, token by token (decode),

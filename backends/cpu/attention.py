@@ -56,6 +56,8 @@ TILE = 16           # query tokens per tile (consecutive positions of one sequen
 VBLOCK = 64         # keys per block of the V sums
 PREFETCH = 16       # K rows asked for this many keys ahead of the scores
 SPLIT_MIN_KEYS = 2048   # a lone token's keys from which its work is split over the threads
+WIDE_KEYS = 256         # keys widened to float32 at a time in a tile of many rows
+WIDE_MIN_ROWS = 16      # rows (tokens x heads) from which a tile widens its K and V first
 
 
 # -- softmax in 16 lanes ----------------------------------------------------------------------
@@ -716,20 +718,22 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
 
 
 @njit(inline="always", nogil=True)
-def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, ggml_rounding):
-    """_vsums_of with `exact` as a literal, so each copy of the loops has one kind of add."""
-    if ggml_rounding and f16_pool(vc):
-        _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, True)
+def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
+    """_vsums_of with `exact` (the weights and the pool's V are halves: _wadd) as a literal,
+    so each copy of the loops has one kind of add."""
+    if exact:
+        _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, True, fresh)
     else:
-        _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, False)
+        _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, False, fresh)
 
 
 @njit(inline="always", nogil=True)
-def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact):
+def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
     """Output columns c0..c1-1 (c0 a multiple of 64) of rows r0..r0+n-1, which share the
     keys jlo..jhi; row r0 + i is stored at flat offset o0 + i * D. Keys go in blocks of
     VBLOCK (their V rows stay in L1 across the column groups); between blocks the partial
-    sums wait in `out`, which changes no rounding: each column still adds its keys in order."""
+    sums wait in `out`, which changes no rounding: each column still adds its keys in order.
+    fresh: jlo is the rows' first key (else their sums so far are in `out`)."""
     i = 0
     while i < n:
         r = r0 + i
@@ -737,7 +741,7 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact):
         rows = 4 if n - i >= 4 else (2 if n - i >= 2 else 1)
         for jb in range(jlo, jhi + 1, VBLOCK):
             je = min(jhi, jb + VBLOCK - 1)
-            first = jb == jlo
+            first = fresh and jb == jlo
             if c0 == 0 and i == 0:
                 for j in range(je + 1, min(jhi, je + VBLOCK) + 1):
                     kv_row_prefetch(vc, kb[j], D)
@@ -756,11 +760,23 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact):
         i += rows
 
 
+@njit(inline="always", nogil=True)
+def _widen(cache, kb, j0, j1, D, wf, kw):
+    """Keys j0..j1's rows of a K or V pool into wf as float32, one after another (kw[j]: a
+    row's offset there). kv_vec's values are exact in float32, so the kernels compute the
+    same bits from wf, without widening each row again for every four query rows."""
+    for j in range(j0, j1 + 1):
+        kw[j] = (j - j0) * D
+        for d in range(0, D, 16):
+            vstore(wf, kw[j] + d, kv_vec(cache, kb[j] + d))
+
+
 @njit(nogil=True, cache=_CACHE, fastmath=False)
 def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding, out,
-          t0, nt, h0, nh, qv, sc, kb, sinks):
+          t0, nt, h0, nh, qv, sc, kb, sinks, wf, kw):
     """Tokens t0..t0+nt-1 (consecutive positions of one sequence) x heads h0..h0+nh-1 (one
-    KV head). qv, sc, kb: scratch of at least nt*nh x D, nt*nh x (keys + 16), keys."""
+    KV head). qv, sc, kb, kw: scratch of at least nt*nh x D, nt*nh x (keys + 16), keys,
+    keys; wf: WIDE_KEYS x D floats (or fewer: then K and V are read from the pool)."""
     T, H, D = q.shape
     KVH = kc.shape[2]
     lo = _window_start(positions[t0], window)
@@ -768,19 +784,43 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
     _key_bases(block_tables, token_seq[t0], lo, hi, kc.shape[1], KVH, h0 // (H // KVH), D, kb)
     R = nt * nh
     _load_q(q, t0, h0, nh, R, ggml_rounding, qv)
+    exact = ggml_rounding and f16_pool(vc)
+    # Many rows: K and V widened to float32 once, WIDE_KEYS keys at a time, instead of per
+    # four rows (a third of the vector work at 2K keys); a few rows read the pool directly.
+    wide = R >= WIDE_MIN_ROWS and wf.shape[0] >= WIDE_KEYS * D
+    nk = hi - lo + 1
     # 1. scores
-    _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, 0, hi - lo)
+    if wide:
+        for j0 in range(0, nk, WIDE_KEYS):
+            j1 = min(nk, j0 + WIDE_KEYS) - 1
+            _widen(kc, kb, j0, j1, D, wf, kw)
+            _scores(qv, R, nh, t0, positions, window, lo, wf, kw, D, sc, scale, j0, j1)
+    else:
+        _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, 0, hi - lo)
     # 2. softmax of each row over its own keys
     for r in range(R):
         pos = positions[t0 + r // nh]
         _softmax_row(sc, r, _window_start(pos, window) - lo, pos - lo, ggml_rounding,
                      _sink(sinks, h0 + r % nh))
     # 3. weighted V sums, per token (its heads share the keys)
-    for ti in range(nt):
-        t = t0 + ti
-        pos = positions[t]
-        _vsums(sc, ti * nh, nh, vc, kb, _window_start(pos, window) - lo, pos - lo, 0, D, out,
-               (t * H + h0) * D, D, ggml_rounding)
+    if wide:
+        for j0 in range(0, nk, WIDE_KEYS):
+            j1 = min(nk, j0 + WIDE_KEYS) - 1
+            _widen(vc, kb, j0, j1, D, wf, kw)
+            for ti in range(nt):
+                t = t0 + ti
+                pos = positions[t]
+                jlo = _window_start(pos, window) - lo
+                a, b = max(jlo, j0), min(pos - lo, j1)
+                if a <= b:
+                    _vsums(sc, ti * nh, nh, wf, kw, a, b, 0, D, out, (t * H + h0) * D, D,
+                           exact, a == jlo)
+    else:
+        for ti in range(nt):
+            t = t0 + ti
+            pos = positions[t]
+            _vsums(sc, ti * nh, nh, vc, kb, _window_start(pos, window) - lo, pos - lo, 0, D,
+                   out, (t * H + h0) * D, D, exact, True)
 
 
 def _run_split(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rounding,
@@ -823,7 +863,7 @@ def _split_kernel(q, kc, vc, block_tables, token_seq, positions, window, scale, 
                 _softmax_row(sc, r, 0, n - 1, ggml_rounding, _sink(sinks, g * G + r))
             for c in prange(groups):
                 _vsums(sc, 0, G, vc, kb, 0, n - 1, c * 64, min(D, c * 64 + 64), out,
-                       (t * H + g * G) * D, D, ggml_rounding)
+                       (t * H + g * G) * D, D, ggml_rounding and f16_pool(vc), True)
     return out
 
 
@@ -898,16 +938,22 @@ def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
             qv = np.empty((max_rows, D), np.float32)
             sc = np.empty((max_rows, max_keys + 16), np.float32)
             kb = np.empty(max_keys, np.int64)
+            kw = np.empty(max_keys, np.int64)
+            wf = np.empty(WIDE_KEYS * D if max_rows >= WIDE_MIN_ROWS else 16, np.float32)
             for k in range(first[p], first[p + 1]):
                 _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                      ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks)
+                      ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks,
+                      wf, kw)
     else:
         qv = np.empty((max_rows, D), np.float32)
         sc = np.empty((max_rows, max_keys + 16), np.float32)
         kb = np.empty(max_keys, np.int64)
+        kw = np.empty(max_keys, np.int64)
+        wf = np.empty(WIDE_KEYS * D if max_rows >= WIDE_MIN_ROWS else 16, np.float32)
         for k in range(first[0], first[parts]):
             _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                  ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks)
+                  ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks,
+                  wf, kw)
     return out
 
 
