@@ -46,9 +46,9 @@ class ExpertFFN:
         once for all its rows; the outputs then summed per token in routing order, weights
         applied as llama.cpp does (expert output x weight, added slot by slot), so a token's
         sum is the same whether it was decoded alone or in a prefill."""
+        if self.bank.grouped is not None:       # routing and experts in one call
+            return ops.moe(self.bank, h, self.k)
         top, w = self.route(ops, h)
-        if self.bank.grouped is not None:
-            return ops.moe_ffn(self.bank, h, top, w)
         T, k = top.shape
         ys = np.empty((T, k, h.shape[-1]), np.float32)
         order = np.argsort(top, axis=None, kind="stable")   # (token, slot) pairs by expert

@@ -100,8 +100,9 @@ def _check_bits(path: Path, k: int, T: int = 45) -> None:
         h = _h(T, grouped.bank.grouped.X)
         ids, w = grouped.route(ops, h)
         assert np.array_equal(per.route(ops, h)[0], ids)
-        a, b = grouped(ops, h), per(ops, h)
+        a, b = grouped(ops, h), per(ops, h)          # routed in the kernel, or apart
         assert np.array_equal(a, b), np.abs(a - b).max()
+        assert np.array_equal(ops.moe_ffn(grouped.bank, h, ids, w), a)
         # a token alone gets its row of the batch (routing included)
         for t in (0, 7, T - 1):
             assert np.array_equal(grouped(ops, h[t:t + 1]), a[t:t + 1])
@@ -191,15 +192,16 @@ def test_router_logits_and_choice_match_a_float64_reference():
     wr = rng.standard_normal((E, X)).astype(np.float32)
     logits = np.empty((T, E), np.float32)
     ids, w = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
-    _router.route(x, wr, k, logits, ids, w, True)
+    _router.route(x, wr, k, logits, ids, w, 2, True)          # rows split between threads
     ref = x.astype(np.float64) @ wr.T.astype(np.float64)
     np.testing.assert_allclose(logits, ref, atol=1e-3 * np.abs(ref).max())
     assert np.array_equal(ids, np.argsort(-logits, axis=1, kind="stable")[:, :k])
-    # each row the bits it gets alone, serially or not
+    # each row the bits it gets alone: serially, or its experts split between threads
     one = (np.empty((1, E), np.float32), np.empty((1, k), np.int64), np.empty((1, k), np.float32))
     for t in (0, 33):
-        _router.route(x[t:t + 1], wr, k, *one, False)
-        assert np.array_equal(one[0][0], logits[t]) and np.array_equal(one[2][0], w[t])
+        for nw in (1, 2):
+            _router.route(x[t:t + 1], wr, k, *one, nw, False)
+            assert np.array_equal(one[0][0], logits[t]) and np.array_equal(one[2][0], w[t])
 
 
 def test_unrepacked_experts_stay_mapped(tmp_path):

@@ -33,11 +33,12 @@ from numba.extending import intrinsic
 
 from . import _stamp
 from ._actquant import _quantize_block_vec
+from ._router import route_rows
 
 # inlined here (quantize_act_block's vector form and its deps): see _stamp.py. _int8's tile
 # kernels are called by address, so their source is not compiled in.
-_DEPS = ("_actquant.py", "kernels.py", "_simd.py")
-_DEPS_HASH = "64b2b6893cffc58c"
+_DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py")
+_DEPS_HASH = "06cfb84ed5032791"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
@@ -198,10 +199,12 @@ def _al(nbytes):
 
 
 @njit(**_PJIT)
-def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter, work):
+def moe_ffn(x, rw, route, ids, wts, Wt, P, out, nw, par_quant, stats, counter, work):
     """out[T, X] = sum over slots j of wts[t, j] * FFN_{ids[t, j]}(x[t]) (see the module doc).
 
-    x float32[T, X] C-contiguous; ids int64[T, k] expert ids; wts float32[T, k]; Wt int64[3,
+    x float32[T, X] C-contiguous; route: first fill ids and wts from the router rw
+    float32[E, X] (_router.route's routing, in this call: decode pays one call a layer);
+    ids int64[T, k] expert ids; wts float32[T, k]; Wt int64[3,
     E, W_FIELDS]; P int64[3, N_PARAMS]; out float32[T, X]; nw threads for the tile regions
     (<= 1: this thread); par_quant: quantize, SwiGLU and sum in parallel too (large T);
     stats int64[3, E]: tiles read per matrix and expert are added to it; counter int64[2]
@@ -245,9 +248,13 @@ def moe_ffn(x, ids, wts, Wt, P, out, nw, par_quant, stats, counter, work):
     o_dd = o_qd + _al(npair * F)
     o_bd = o_dd + _al(npair * nbd * 4)
     o_zd = o_bd + _al(npair * nbd * 4)
-    need = o_zd + _al(npair * nbd * 4)
+    o_logits = o_zd + _al(npair * nbd * 4)
+    need = o_logits + _al(T * E * 4)
     if work.shape[0] < need:
         return need
+    if route:
+        logits = work[o_logits:o_logits + T * E * 4].view(np.float32).reshape((T, E))
+        route_rows(x, rw, k, logits, ids, wts, nw, par_quant)
     order = work[o_order:o_order + npair * 8].view(np.int64)    # sorted position -> pair
     pos = work[o_pos:o_pos + npair * 8].view(np.int64)          # pair -> sorted position
     grp = work[o_grp:o_grp + npair * 8].view(np.int64)          # sorted position -> group

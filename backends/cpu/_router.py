@@ -48,15 +48,14 @@ def _tail(s, x, r, w, e, K):
 
 
 @njit(inline="always", nogil=True)
-def _logits(x, r, w, out):
-    """out[r, e] = _dot(x, r, w, e) for every e, four experts at a time (four independent
-    chains sharing the loads of x: each logit the same operations as _dot alone)."""
+def _logits(x, r, w, out, e0, e1):
+    """out[r, e] = _dot(x, r, w, e) for e0 <= e < e1, four experts at a time (four
+    independent chains sharing the loads of x: each logit the same operations as _dot's)."""
     K = x.shape[1]
-    E = w.shape[0]
     nv = K // 16 * 16
     xo = r * K
-    e = 0
-    while e + 4 <= E:
+    e = e0
+    while e + 4 <= e1:
         a0, a1, a2, a3 = vzero(), vzero(), vzero(), vzero()
         for i in range(0, nv, 16):
             xv = vload(x, xo + i)
@@ -69,9 +68,35 @@ def _logits(x, r, w, out):
         out[r, e + 2] = _tail(vhsum(a2), x, r, w, e + 2, K)
         out[r, e + 3] = _tail(vhsum(a3), x, r, w, e + 3, K)
         e += 4
-    while e < E:
+    while e < e1:
         out[r, e] = _dot(x, r, w, e, K)
         e += 1
+
+
+@njit(inline="always", nogil=True)
+def route_rows(x, w, k, logits, ids, wts, nw, par):
+    """route()'s body, to inline in a bigger kernel: with nw > 1 threads and few rows the
+    experts are split between the threads (decode: one token's 128 logits), with par and
+    many rows the rows are; the bits are the same either way."""
+    T = x.shape[0]
+    E = w.shape[0]
+    if nw > 1 and T < 4 * nw:
+        nc = 4 * nw
+        for c in prange(nc):
+            e0 = (c * E // nc) // 4 * 4
+            e1 = E if c == nc - 1 else ((c + 1) * E // nc) // 4 * 4
+            for t in range(T):
+                _logits(x, t, w, logits, e0, e1)
+        for t in range(T):
+            _route_row(logits, t, k, ids, wts)
+    elif par:
+        for t in prange(T):
+            _logits(x, t, w, logits, 0, E)
+            _route_row(logits, t, k, ids, wts)
+    else:
+        for t in range(T):
+            _logits(x, t, w, logits, 0, E)
+            _route_row(logits, t, k, ids, wts)
 
 
 @njit(inline="always", nogil=True)
@@ -106,18 +131,11 @@ def _route_row(logits, t, k, ids, wts):
 
 
 @njit(**_PJIT)
-def route(x, w, k, logits, ids, wts, par):
+def route(x, w, k, logits, ids, wts, nw, par):
     """x float32[T, X], w float32[E, X] (C-contiguous) -> logits float32[T, E], ids
-    int64[T, k], wts float32[T, k]; par: in parallel over tokens."""
-    T = x.shape[0]
-    if par:
-        for t in prange(T):
-            _logits(x, t, w, logits)
-            _route_row(logits, t, k, ids, wts)
-    else:
-        for t in range(T):
-            _logits(x, t, w, logits)
-            _route_row(logits, t, k, ids, wts)
+    int64[T, k], wts float32[T, k]; nw threads, par: in parallel over tokens (see
+    route_rows)."""
+    route_rows(x, w, k, logits, ids, wts, nw, par)
 
 
 @njit(**_JIT)

@@ -113,23 +113,29 @@ class GroupedExperts:
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
-    def __call__(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def __call__(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+                 router: np.ndarray | None = None) -> np.ndarray:
+        """The FFN of rows h routed to ids with weights; with router (float32[E, X]), ids
+        and weights are first filled by routing h (_router's, in the same kernel call)."""
         x = np.ascontiguousarray(h.reshape(-1, self.X), dtype=np.float32)
-        T = x.shape[0]
-        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(T, -1)
-        w = np.ascontiguousarray(weights, dtype=np.float32).reshape(T, -1)
-        k = ids.shape[1]
+        T, k = ids.shape
         out = np.empty((T, self.X), np.float32)
         threads = numba.get_num_threads()
         nw = 1 if T * k * self.X * self.F < SERIAL_MACS else threads
         par = threads > 1 and T * self.X >= SERIAL_QUANT
-        need = _moe.moe_ffn(x, ids, w, self.Wt, self.P, out, nw, par, self.tiles_read,
-                            np.zeros(2, np.int64), self.work.buf)
+        route = router is not None
+        rw = router if route else _NO_ROUTER
+        args = (x, rw, route, ids, weights, self.Wt, self.P, out, nw, par, self.tiles_read)
+        need = _moe.moe_ffn(*args, np.zeros(2, np.int64), self.work.buf)
         if need:
             self.work.buf = np.empty(need + (need >> 2), np.uint8)     # with room to grow
-            _moe.moe_ffn(x, ids, w, self.Wt, self.P, out, nw, par, self.tiles_read,
-                         np.zeros(2, np.int64), self.work.buf)
+            _moe.moe_ffn(*args, np.zeros(2, np.int64), self.work.buf)
         return out
+
+
+# the router argument when ids and weights are given (read-only, as a mapped router is)
+_NO_ROUTER = np.zeros((0, 0), np.float32)
+_NO_ROUTER.setflags(write=False)
 
 
 class ExpertBank:
@@ -158,10 +164,22 @@ class ExpertBank:
         ids, wts = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
         logits = np.empty((T, E), np.float32)
         if self.router_f32 is not None:
-            _router.route(x, self.router_f32, k, logits, ids, wts,
-                          numba.get_num_threads() > 1 and T * E * x.shape[1] >= SERIAL_MACS)
+            threads = numba.get_num_threads()
+            big = T * E * x.shape[1] >= SERIAL_MACS
+            _router.route(x, self.router_f32, k, logits, ids, wts, threads if big else 1,
+                          threads > 1 and big)
             return ids, wts
         if rounder is not None:
             x = rounder(x, np.empty_like(x))
         _router.route_logits(matmul(x, self.router, per_row=True), k, ids, wts)
         return ids, wts
+
+    def run(self, h: np.ndarray, k: int, rounder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(FFN output, ids, weights) of a grouped bank: routing and experts in one kernel
+        call when the router is F32 (llama.cpp's files), else route() then the experts."""
+        T = h.reshape(-1, h.shape[-1]).shape[0]
+        if self.router_f32 is None:
+            ids, wts = self.route(h, k, rounder)
+            return self.grouped(h, ids, wts), ids, wts
+        ids, wts = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+        return self.grouped(h, ids, wts, self.router_f32), ids, wts

@@ -315,7 +315,15 @@ class CpuOps:
         of h[t]), added slot by slot, by a grouped bank (bank.grouped)."""
         if bank.grouped is None:
             raise ValueError("moe_ffn runs a grouped expert bank; this one is per expert")
-        return bank.grouped(h, ids, weights)
+        return bank.grouped(h, np.ascontiguousarray(ids, dtype=np.int64),
+                            np.ascontiguousarray(weights, dtype=np.float32))
+
+    def moe(self, bank: ExpertBank, h: np.ndarray, k: int) -> np.ndarray:
+        """moe_ffn(bank, h, *moe_route(bank, h, k)), the same bits, in one kernel call."""
+        if bank.grouped is None:
+            raise ValueError("moe runs a grouped expert bank; this one is per expert")
+        rounder = _ACT_ROUNDING.get(int(bank.router.qtype)) if self.numerics == "ggml" else None
+        return bank.run(h, k, rounder)[0]
 
     def add_bias(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
         x += b
