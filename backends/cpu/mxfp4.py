@@ -24,11 +24,11 @@ from numba import njit, prange
 
 from . import _stamp
 from ._actquant import quantize_rows
-from ._mxfp4dot import dsplat2, hsum_ggml, quad_sums2
+from ._mxfp4dot import dsplat2, hsum_ggml, quad_sums2, quad_sums2_codes, store_codes2
 from ._simd import itof, vfma, vzero
 
 _DEPS = ("_mxfp4dot.py", "_simd.py")      # inlined here: see _stamp.py
-_DEPS_HASH = "58caae78adb488ab"
+_DEPS_HASH = "7c6140d195b50d21"
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 
 MXFP4 = 39
@@ -138,14 +138,22 @@ def _matmul_q8(w, qa, da, e_half, out, par):
 def _row_q8(w, n, qa, da, e_half, out, M, nb):
     K = nb * 32
     r = n * w.shape[1]
+    pairs = nb // 2 * 2
+    codes = np.empty(K if M > 1 else 0, np.int8)
+    if M > 1:                       # many activation rows: decode the weight row once
+        for b in range(0, pairs, 2):
+            store_codes2(w, r + b * 17, codes, b * 32)
     for m in range(M):
         acc = vzero()
-        b = 0
-        while b + 1 < nb:           # two blocks a step: accumulator lanes 0-7 and 8-15
+        for b in range(0, pairs, 2):    # two blocks a step: accumulator lanes 0-7 and 8-15
             d0 = da[b, m] * e_half[w[n, b * 17]]
             d1 = da[b + 1, m] * e_half[w[n, b * 17 + 17]]
-            acc = vfma(dsplat2(d0, d1), itof(quad_sums2(w, r + b * 17, qa, m * K + b * 32)), acc)
-            b += 2
+            if M > 1:
+                q = quad_sums2_codes(codes, b * 32, qa, m * K + b * 32)
+            else:
+                q = quad_sums2(w, r + b * 17, qa, m * K + b * 32)
+            acc = vfma(dsplat2(d0, d1), itof(q), acc)
+        b = pairs
         total = hsum_ggml(acc)
         if b < nb:                  # an odd last block: ggml's scalar tail
             s = np.int32(0)
