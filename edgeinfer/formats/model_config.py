@@ -251,7 +251,9 @@ def _gpt_oss_config(f: GGUFFile, common: dict) -> ModelConfig:
     routed experts with softmax over the top-k router logits (gating hard-coded there)."""
     arch = "gpt-oss"
     for name, t in f.tensors.items():
-        if t.type_name not in NATIVE_TENSOR_TYPES:
+        # MXFP4 is multiplied in place, never looked up by rows: not for the embedding table
+        if t.type_name not in NATIVE_TENSOR_TYPES or (
+                t.type_name == "MXFP4" and name == "token_embd.weight"):
             raise UnsupportedFeature(f"tensor {name!r} is of type {t.type_name}, which the native "
                                      f"{arch} does not implement; run it with --backend llamacpp")
     pattern = f.metadata.get(f"{arch}.attention.sliding_window_pattern")
