@@ -10,9 +10,9 @@ Per layer: x += attn(rms_norm(x)); x += moe(rms_norm(x, post_attention_norm)), w
   index) and their softmax as weights (llama.cpp's SOFTMAX_WEIGHT gating); each chosen
   expert adds its biases to gate, up and down, with the clamped SwiGLU of ggml_swiglu_oai
   between: x = min(gate, 7), y = clamp(up, -7, 7), x / (1 + exp(-1.702 x)) * (y + 1).
-Experts are qwen3moe's ExpertFFN (slices of the 3-D tensors, grouped by expert, weighted
-and summed per token in slot order) with those hooks. MXFP4 experts are multiplied in place
-by the CPU backend's MXFP4 kernel. CPU backend only, as qwen3moe.
+Experts are qwen3moe's ExpertFFN (routing and expert hooks, weighted and summed per token
+in slot order); MXFP4 experts run grouped, in place, one call per projection for all the
+step's (token, slot) rows (CpuOps.expert_matmuls). CPU backend only, as qwen3moe.
 """
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ class GptOssExperts(ExpertFFN):
                                           np.float32).reshape(X, rows)
         self.b_gate, self.b_up = bias("ffn_gate_exps", F), bias("ffn_up_exps", F)
         self.b_down = bias("ffn_down_exps", E)
+        # MXFP4 experts: one grouped call per projection over the chosen experts (the CPU
+        # backend's expert_tensor); None: expert by expert (ExpertFFN.__call__)
+        banks = [ops.expert_tensor(gf, prefix + n + ".weight")
+                 for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+        self.banks = banks if all(b is not None for b in banks) else None
 
     def route(self, ops, h) -> tuple[np.ndarray, np.ndarray]:
         """Top k of the biased router logits, weights the softmax of those k logits."""
@@ -64,6 +69,36 @@ class GptOssExperts(ExpertFFN):
         logits = logits.reshape(-1, logits.shape[-1]) + self.router_bias
         top = np.argsort(-logits, axis=1, kind="stable")[:, :self.k]
         return top, softmax_rows(np.take_along_axis(logits, top, axis=1))
+
+    def __call__(self, ops, h):
+        """Every (token, slot) pair a row, the rows grouped by expert: gate and up of all of
+        them in one grouped call (the activations quantized once), each group's biases and
+        clamped SwiGLU, down in one more call, then back in (token, slot) order for
+        ExpertFFN's slot-order weighted sum. Each row the bits of the expert-by-expert path
+        (tests/test_gpt_oss.py)."""
+        if self.banks is None:
+            return super().__call__(ops, h)
+        top, w = self.route(ops, h)
+        T, k = top.shape
+        pairs = np.argsort(top, axis=None, kind="stable")    # (token, slot) pairs by expert
+        ex = top.reshape(-1)[pairs]
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(ex)) + 1, [T * k]])
+        experts = ex[starts[:-1]]
+        # numpy gathers (take_rows keeps an input whose row count is unchanged)
+        g, u = ops.expert_matmuls(h[pairs // k], self.banks[:2], starts, experts)
+        groups = list(zip(starts[:-1], starts[1:], experts))
+        for lo, hi, e in groups:    # a group at a time: its temporaries stay in cache
+            swiglu_oai(ops.add_bias(g[lo:hi], self.b_gate[e]), ops.add_bias(u[lo:hi], self.b_up[e]))
+        (y,) = ops.expert_matmuls(g, self.banks[2:], starts, experts)
+        for lo, hi, e in groups:
+            ops.add_bias(y[lo:hi], self.b_down[e])
+        back = np.empty_like(pairs)
+        back[pairs] = np.arange(T * k)
+        y = y[back].reshape(T, k, -1)
+        out = y[:, 0] * w[:, :1]
+        for j in range(1, k):
+            out += y[:, j] * w[:, j:j + 1]
+        return out
 
     def expert(self, ops, x, e: int):
         g, u = ops.matmuls(x, (self.gate[e], self.up[e]))

@@ -250,6 +250,24 @@ def test_batch_gives_each_sequence_its_solo_logits():
     np.testing.assert_array_equal(step[0], solo_a[0])
 
 
+def test_grouped_mxfp4_experts_are_the_expert_by_expert_bits():
+    """The grouped MXFP4 path (one call per projection for all (token, slot) rows) gives the
+    bits of running the chosen experts one by one, for a prefill's rows and a lone token."""
+    from edgeinfer.runners.native import ModelRunner
+    r = ModelRunner.load(str(_path("MXFP4_MOE")), kv_budget_bytes=16 << 20)
+    moe = r.model.layers[1].moe
+    assert moe.banks is not None
+    h = np.random.default_rng(5).standard_normal((37, 256)).astype(np.float32)
+    for rows in (h, h[3:4]):
+        grouped = moe(r.ops, rows)
+        banks, moe.banks = moe.banks, None
+        try:
+            one_by_one = moe(r.ops, rows)
+        finally:
+            moe.banks = banks
+        np.testing.assert_array_equal(grouped, one_by_one)
+
+
 def test_greedy_text_matches():
     from edgeinfer.engine.core import Engine, EngineConfig
     path = _path("MXFP4_MOE")

@@ -123,32 +123,63 @@ def _matmul_q8(w, qa, da, e_half, out, par):
     qa int8[M, K] / da float32[K/32, M]: the Q8_0 activation codes and scales
     (_actquant.quantize_rows)."""
     M, K = qa.shape
-    N = w.shape[0]
-    nb = K // 32
+    N, rb = w.shape
+    wf = w.reshape(-1)
+    rows = np.arange(M)
     if par:
         for n in prange(N):
-            _row_q8(w, n, qa, da, e_half, out, M, nb)
+            _rows_q8(wf, n * rb, n, qa, da, e_half, out, rows, rows, 0, M)
     else:
         for n in range(N):
-            _row_q8(w, n, qa, da, e_half, out, M, nb)
+            _rows_q8(wf, n * rb, n, qa, da, e_half, out, rows, rows, 0, M)
+    return out
+
+
+@njit(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
+def _grouped_q8(w3, qa, da, e_half, out, src, order, starts, experts, par):
+    """Experts' rows: out[r, n] = row n of expert experts[g] dotted with activation row
+    src[r], for the output rows r = order[starts[g]:starts[g + 1]] of group g; each (group,
+    weight row) item decodes the row once for its rows. w3 uint8[X, N, row_bytes]."""
+    G = experts.shape[0]
+    N, rb = w3.shape[1], w3.shape[2]
+    wf = w3.reshape(-1)
+    if par:
+        for it in prange(G * N):
+            g = it // N
+            n = it % N
+            _rows_q8(wf, (experts[g] * N + n) * rb, n, qa, da, e_half, out, order, src,
+                     starts[g], starts[g + 1])
+    else:
+        for it in range(G * N):
+            g = it // N
+            n = it % N
+            _rows_q8(wf, (experts[g] * N + n) * rb, n, qa, da, e_half, out, order, src,
+                     starts[g], starts[g + 1])
     return out
 
 
 @njit(inline="always", nogil=True)
-def _row_q8(w, n, qa, da, e_half, out, M, nb):
-    K = nb * 32
-    r = n * w.shape[1]
+def _rows_q8(w, r, n, qa, da, e_half, out, rows, src, lo, hi):
+    """out[rows[i], n] for i in lo..hi-1: the weight row at flat byte offset r of w (1-D)
+    dotted with activation row src[rows[i]]. The same operations for a row whatever the
+    others (a weight row decoded once for several rows gives the same codes, so the same
+    exact integer sums)."""
+    K = qa.shape[1]
+    nb = K // 32
     pairs = nb // 2 * 2
-    codes = np.empty(K if M > 1 else 0, np.int8)
-    if M > 1:                       # many activation rows: decode the weight row once
+    many = hi - lo > 1
+    codes = np.empty(K if many else 0, np.int8)
+    if many:                        # several activation rows: decode the weight row once
         for b in range(0, pairs, 2):
             store_codes2(w, r + b * 17, codes, b * 32)
-    for m in range(M):
+    for i in range(lo, hi):
+        o = rows[i]
+        m = src[o]
         acc = vzero()
         for b in range(0, pairs, 2):    # two blocks a step: accumulator lanes 0-7 and 8-15
-            d0 = da[b, m] * e_half[w[n, b * 17]]
-            d1 = da[b + 1, m] * e_half[w[n, b * 17 + 17]]
-            if M > 1:
+            d0 = da[b, m] * e_half[w[r + b * 17]]
+            d1 = da[b + 1, m] * e_half[w[r + b * 17 + 17]]
+            if many:
                 q = quad_sums2_codes(codes, b * 32, qa, m * K + b * 32)
             else:
                 q = quad_sums2(w, r + b * 17, qa, m * K + b * 32)
@@ -158,11 +189,11 @@ def _row_q8(w, n, qa, da, e_half, out, M, nb):
         if b < nb:                  # an odd last block: ggml's scalar tail
             s = np.int32(0)
             for j in range(16):
-                q = w[n, b * 17 + 1 + j]
+                q = w[r + b * 17 + 1 + j]
                 s += np.int32(qa[m, b * 32 + j]) * np.int32(KVALUES[q & 0x0F])
                 s += np.int32(qa[m, b * 32 + j + 16]) * np.int32(KVALUES[q >> 4])
-            total += (da[b, m] * e_half[w[n, b * 17]]) * np.float32(s)
-        out[m, n] = total
+            total += (da[b, m] * e_half[w[r + b * 17]]) * np.float32(s)
+        out[o, n] = total
 
 
 @njit(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
@@ -195,6 +226,71 @@ def _row_f32(w, n, x, e_half, out, M, nb):
         out[m, n] = acc
 
 
+def _quantize(x2: np.ndarray):
+    """Q8_0 codes int8[M, K] and scales float32[K/32, M] of activation rows x2 float32[M, K]."""
+    M, K = x2.shape
+    nb = K // BLOCK
+    qa = np.empty((M, K), np.int8)
+    da = np.empty((nb, M), np.float32)
+    if not x2.flags.writeable:
+        x2 = x2.copy()
+    quantize_rows(x2, BLOCK, BLOCK, 0, qa, da, np.empty((nb, M), np.float32),
+                  np.empty((nb, M), np.int32), M * K >= (1 << 15))
+    return qa, da
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """A 3-D MXFP4 expert tensor of ggml shape (K, N, X) as one read-only uint8[X, N,
+    row_bytes] view of the file: expert e's matrix is data[e]."""
+    data: np.ndarray
+    K: int
+    N: int
+    X: int
+
+    @classmethod
+    def from_gguf(cls, gguf_file, name: str) -> "Mxfp4Experts":
+        t = gguf_file.tensors[name]
+        if len(t.shape) != 3 or int(t.ggml_type) != MXFP4:
+            raise ValueError(f"tensor {name} is not a 3-D MXFP4 expert tensor")
+        K, N, X = (int(d) for d in t.shape)
+        raw = np.asarray(gguf_file.raw(name)).view(np.uint8).reshape(-1)
+        if raw.size != X * N * row_bytes(K):
+            raise ValueError(f"MXFP4 tensor {name} of {K}x{N}x{X} needs "
+                             f"{X * N * row_bytes(K)} bytes, got {raw.size}")
+        data = raw.reshape(X, N, row_bytes(K))
+        if data.flags.writeable:
+            data = data.view()
+            data.flags.writeable = False
+        return cls(data, K, N, X)
+
+
+def grouped_matmuls(x: np.ndarray, banks, starts: np.ndarray, experts: np.ndarray) -> list:
+    """For each bank: float32[R, N] whose rows starts[g]..starts[g + 1]-1 are those rows of x
+    times expert experts[g]'s matrix (x's rows already grouped by expert, as a per-expert
+    matmul has them: each chosen expert row is decoded once for its group, an expert no row
+    chose is never read). The activations are quantized once for all banks; every row gets
+    the bits a matmul of its own gives."""
+    x2 = np.ascontiguousarray(x.reshape(-1, x.shape[-1]), dtype=np.float32)
+    qa, da = _quantize(x2)
+    ident = np.arange(len(x2), dtype=np.int64)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    experts = np.ascontiguousarray(experts, dtype=np.int64)
+    if starts[-1] != len(x2) or len(starts) != len(experts) + 1:
+        raise ValueError("grouped matmul: the groups do not cover the rows")
+    outs = []
+    for bank in banks:
+        if bank.K != x2.shape[1]:
+            raise ValueError(f"grouped matmul: x has {x2.shape[1]} columns, the experts {bank.K}")
+        if len(experts) and (experts.min() < 0 or experts.max() >= bank.X):
+            raise IndexError(f"expert id out of range [0, {bank.X})")
+        out = np.empty((len(x2), bank.N), np.float32)
+        par = len(x2) * bank.N * bank.K >= (1 << 16) and numba.get_num_threads() > 1
+        _grouped_q8(bank.data, qa, da, E8M0_HALF, out, ident, ident, starts, experts, par)
+        outs.append(out)
+    return outs
+
+
 def matmul(x: np.ndarray, w: Mxfp4Matrix, q8: bool = True) -> np.ndarray:
     """float32[M, N] = x @ W^T for x float32[M, K] (a 1-D x gives a 1-D result); q8: the
     activations in Q8_0 blocks as ggml's CPU backend multiplies them (else float32)."""
@@ -206,14 +302,7 @@ def matmul(x: np.ndarray, w: Mxfp4Matrix, q8: bool = True) -> np.ndarray:
     out = np.empty((M, w.N), np.float32)
     par = M * w.N * K >= (1 << 16) and numba.get_num_threads() > 1
     if q8:
-        nb = K // BLOCK
-        qa = np.empty((M, K), np.int8)
-        da = np.empty((nb, M), np.float32)
-        bsf = np.empty((nb, M), np.float32)
-        zb = np.empty((nb, M), np.int32)
-        if not x2.flags.writeable:
-            x2 = x2.copy()
-        quantize_rows(x2, BLOCK, BLOCK, 0, qa, da, bsf, zb, M * K >= (1 << 15))
+        qa, da = _quantize(x2)
         _matmul_q8(w.data, qa, da, E8M0_HALF, out, par)
     else:
         _matmul_f32(w.data, x2, E8M0_HALF, out, par)

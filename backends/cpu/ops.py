@@ -325,6 +325,21 @@ class CpuOps:
         rounder = _ACT_ROUNDING.get(int(bank.router.qtype)) if self.numerics == "ggml" else None
         return bank.run(h, k, rounder)[0]
 
+    def expert_tensor(self, gguf_file, name: str) -> _mx.Mxfp4Experts | None:
+        """A 3-D expert tensor this backend multiplies grouped and in place (MXFP4: gpt-oss's
+        experts, mxfp4.py), or None: the model then runs its experts one by one."""
+        if self.numerics == "ggml" and int(gguf_file.tensors[name].ggml_type) == _mx.MXFP4:
+            return _mx.Mxfp4Experts.from_gguf(gguf_file, name)
+        return None
+
+    def expert_matmuls(self, x: np.ndarray, banks, starts: np.ndarray,
+                       experts: np.ndarray) -> list:
+        """For each bank of expert_tensor: float32[R, N], rows starts[g]..starts[g + 1]-1 of
+        x (grouped by expert) times expert experts[g]'s matrix; a chosen expert's rows are
+        decoded once for its group, an unchosen one never read; each row the bits of a
+        matmul of its own."""
+        return _mx.grouped_matmuls(x, banks, starts, experts)
+
     def add_bias(self, x: np.ndarray, b: np.ndarray) -> np.ndarray:
         x += b
         return x
