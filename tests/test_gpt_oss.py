@@ -315,3 +315,14 @@ def test_a_key_we_do_not_implement_names_it(tmp_path, key, value):
     p = write_variant(tmp_path / "m.gguf", "gpt-oss", extra_u32={key: value})
     with pytest.raises(UnsupportedFeature, match=key.replace(".", r"\.")):
         load_model_config(read_gguf(str(p)))
+
+
+def test_kernel_warmup_has_an_mxfp4_step():
+    """install and a gpt-oss load compile the MXFP4 kernels ahead (a 2-D MXFP4 tensor is
+    no float:TYPE step, which has no MXFP4 block decoder)."""
+    from edgeinfer.backends.cpu import warmup as cpu
+    from edgeinfer.engine import warmup
+    keys = warmup.keys_for_model(str(_path("MXFP4_MOE")))
+    assert "mxfp4" in keys and not any(k.endswith(":MXFP4") for k in keys)
+    assert "mxfp4" in warmup.install_keys()
+    cpu.run("mxfp4")

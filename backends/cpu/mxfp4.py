@@ -248,6 +248,15 @@ class Mxfp4Experts:
     N: int
     X: int
 
+    def __post_init__(self):
+        if self.data.dtype != np.uint8 or self.data.shape != (self.X, self.N, row_bytes(self.K)):
+            raise ValueError(f"MXFP4 expert data of shape {self.data.shape} does not match "
+                             f"K={self.K} N={self.N} X={self.X}")
+        if self.data.flags.writeable:   # one compiled signature: read-only, as the mmap
+            d = self.data.view()
+            d.flags.writeable = False
+            object.__setattr__(self, "data", d)
+
     @classmethod
     def from_gguf(cls, gguf_file, name: str) -> "Mxfp4Experts":
         t = gguf_file.tensors[name]
@@ -258,11 +267,7 @@ class Mxfp4Experts:
         if raw.size != X * N * row_bytes(K):
             raise ValueError(f"MXFP4 tensor {name} of {K}x{N}x{X} needs "
                              f"{X * N * row_bytes(K)} bytes, got {raw.size}")
-        data = raw.reshape(X, N, row_bytes(K))
-        if data.flags.writeable:
-            data = data.view()
-            data.flags.writeable = False
-        return cls(data, K, N, X)
+        return cls(raw.reshape(X, N, row_bytes(K)), K, N, X)
 
 
 def grouped_matmuls(x: np.ndarray, banks, starts: np.ndarray, experts: np.ndarray) -> list:

@@ -14,6 +14,7 @@ Step keys:
   and the one that splits a lone token's long context over the threads.
 - "ops": what a decoder model's forward does not reach with the default settings: f32
   numerics' and encoder (BERT) kernels.
+- "mxfp4": the MXFP4 kernels (mxfp4.py: gpt-oss's experts, read in place, never repacked).
 """
 from __future__ import annotations
 
@@ -42,30 +43,32 @@ def float_types() -> list[int]:
 def all_keys() -> list[str]:
     """Every step but the attention over a q8_0 KV cache (an opt-in setting)."""
     return ([f"int8:{type_name(c)}" for c in int8_types()]
-            + [f"float:{type_name(c)}" for c in float_types()] + ["attention:f16", "ops"])
+            + [f"float:{type_name(c)}" for c in float_types()] + ["attention:f16", "ops", "mxfp4"])
 
 
 def label(key: str) -> str:
     kind, _, arg = key.partition(":")
     return {"int8": f"int8 tile kernel {arg}", "float": f"GGUF block kernels {arg}",
             "attention": f"attention, {arg} KV cache",
-            "ops": "f32 and encoder kernels"}.get(kind, key)
+            "ops": "f32 and encoder kernels", "mxfp4": "MXFP4 kernels"}.get(kind, key)
 
 
 def keys_for_model(gguf_file, ops) -> list[str]:
     """The matmul steps a model's weights need on `ops` (a CpuOps): int8 for the matrices it
     repacks, float for the others (2-D tensors; 1-D ones are read with numpy)."""
+    from .mxfp4 import MXFP4
     repack = ops.would_repack(gguf_file)
     int8, flt = set(), set()
+    mx = ["mxfp4"] if any(int(t.ggml_type) == MXFP4 for t in gguf_file.tensors.values()) else []
     for t in gguf_file.tensors.values():
-        if len(t.shape) != 2:
-            continue
         code = int(t.ggml_type)
+        if len(t.shape) != 2 or code == MXFP4:
+            continue
         (int8 if repack and code in REPACKABLE else flt).add(code)
     if not repack:
-        return [f"float:{type_name(c)}" for c in sorted(flt)] + ["ops"]
+        return [f"float:{type_name(c)}" for c in sorted(flt)] + ["ops"] + mx
     return ([f"int8:{type_name(c)}" for c in sorted(int8)]
-            + [f"float:{type_name(c)}" for c in sorted(flt)])
+            + [f"float:{type_name(c)}" for c in sorted(flt)] + mx)
 
 
 def run(key: str) -> None:
@@ -78,6 +81,8 @@ def run(key: str) -> None:
         _attention_step(arg)
     elif kind == "ops":
         _ops_step()
+    elif kind == "mxfp4":
+        _mxfp4_step()
     else:
         raise KeyError(f"no kernel step {key!r}")
 
@@ -115,6 +120,21 @@ def _float_step(code: int) -> None:
     ops.matmul(x[:2], w)            # few-row matvec
     ops.matmul(x, w)                # register-blocked multi-row
     get_rows(w, [0])
+
+
+def _mxfp4_step() -> None:
+    """MXFP4 products as CpuOps runs them: one row and several (Q8_0 activations), float32
+    activations (numerics="f32"), and the grouped expert kernel."""
+    from . import mxfp4 as MX
+    data = np.zeros((4, MX.row_bytes(256)), np.uint8)
+    data[:, ::MX.BLOCK_BYTES] = 127
+    w = MX.Mxfp4Matrix(data, 256, 4)
+    x = np.zeros((3, 256), np.float32)
+    MX.matmul(x[0], w)
+    MX.matmul(x, w)
+    MX.matmul(x, w, q8=False)
+    bank = MX.Mxfp4Experts(data.reshape(2, 2, -1), 256, 2, 2)
+    MX.grouped_matmuls(x, [bank], np.array([0, 1, 3]), np.array([1, 0]))
 
 
 def _attention_step(kv: str) -> None:
