@@ -326,3 +326,23 @@ def test_kernel_warmup_has_an_mxfp4_step():
     assert "mxfp4" in keys and not any(k.endswith(":MXFP4") for k in keys)
     assert "mxfp4" in warmup.install_keys()
     cpu.run("mxfp4")
+
+
+def test_show_and_ps_say_the_mxfp4_weights_stay_mapped():
+    from edgeinfer.backends.cpu.ops import CpuOps
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.runners.native import ModelRunner
+    gf = read_gguf(str(_path("MXFP4_MOE")))
+    try:
+        assert "MXFP4 read in place" in CpuOps().weights_format_for(gf)
+        on_file = sum(t.nbytes for n, t in gf.tensors.items() if t.type_name == "MXFP4")
+        assert CpuOps().weights_nbytes(gf) >= on_file      # counted once, as the file has them
+    finally:
+        gf.close()
+    r = ModelRunner.load(str(_path("MXFP4_MOE")), kv_budget_bytes=16 << 20)
+    assert "MXFP4 read in place" in r.weights_format
+    gf = read_gguf(str(_path("Q8_0")))
+    try:
+        assert "MXFP4" not in CpuOps().weights_format_for(gf)
+    finally:
+        gf.close()

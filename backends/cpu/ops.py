@@ -112,6 +112,10 @@ def repacked_bytes(gguf_file) -> int:
                if _repacked_tensor(gguf_file, name))
 
 
+# MXFP4 tensors (gpt-oss's experts) stay in the memory map whatever the other weights do
+_MXFP4_NOTE = "; MXFP4 read in place from the file"
+
+
 def _weights_format(repacked: bool) -> str:
     if repacked:
         # the tile kernel this CPU runs
@@ -179,6 +183,7 @@ class CpuOps:
         # every row those bits anyway; the others then take the per-row dot for any M.
         self.per_row = False
         self._unpacked = False          # some matrix was loaded without repacking
+        self._mxfp4 = False             # some weights are MXFP4, read in place (mxfp4.py)
         self._moe_work = None           # scratch of the grouped expert kernels (experts.py)
 
     # Drafts are verified exactly here: with rows_exact, any forward; otherwise the runner
@@ -218,7 +223,7 @@ class CpuOps:
 
     @property
     def weights_format(self) -> str:
-        return _weights_format(bool(self.repack))
+        return _weights_format(bool(self.repack)) + (_MXFP4_NOTE if self._mxfp4 else "")
 
     # -- weights ---------------------------------------------------------------------------
     def would_repack(self, gguf_file) -> bool:
@@ -232,13 +237,15 @@ class CpuOps:
 
     def weights_format_for(self, gguf_file) -> str:
         """The weights_format a model from this file would report."""
-        return _weights_format(self.would_repack(gguf_file))
+        mx = any(int(t.ggml_type) == _mx.MXFP4 for t in gguf_file.tensors.values())
+        return _weights_format(self.would_repack(gguf_file)) + (_MXFP4_NOTE if mx else "")
 
     def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix | _mx.Mxfp4Matrix:
         if self.repack is None:
             self.repack = self.would_repack(gguf_file)
         if int(gguf_file.tensors[name].ggml_type) == _mx.MXFP4:
             # read in place by its own kernel, every row the same bits in any batch
+            self._mxfp4 = True
             return _mx.Mxfp4Matrix.from_gguf(gguf_file, name)
         w = QuantMatrix.from_gguf(gguf_file, name)
         if self.repack and int(w.qtype) in REPACKABLE:
@@ -329,6 +336,7 @@ class CpuOps:
         """A 3-D expert tensor this backend multiplies grouped and in place (MXFP4: gpt-oss's
         experts, mxfp4.py), or None: the model then runs its experts one by one."""
         if self.numerics == "ggml" and int(gguf_file.tensors[name].ggml_type) == _mx.MXFP4:
+            self._mxfp4 = True
             return _mx.Mxfp4Experts.from_gguf(gguf_file, name)
         return None
 
