@@ -290,15 +290,14 @@ def test_auto_picks_native_cpu():
         resolve("auto", "cuda", "gpt-oss")
 
 
-def test_a_quant_type_we_lack_falls_back_to_llamacpp(tmp_path):
+def test_a_quant_type_we_lack_falls_back_to_llamacpp():
     """IQ4_NL experts (llama.cpp quantizes them without an imatrix): auto runs the file on
     llama.cpp and `show` says so; an explicit cpu load is an error naming the tensor type."""
-    from synth import quantize
     from edgeinfer.cli.show import load_summary
     from edgeinfer.formats.model_config import UnsupportedFeature
     from edgeinfer.runners.choice import resolve_for_file
     from edgeinfer.runners.native import ModelRunner
-    p = str(quantize(_path("F32"), tmp_path / "iq4.gguf", "IQ4_NL"))
+    p = str(_path("IQ4_NL"))
     assert resolve_for_file(p, "auto") == "llamacpp"
     assert not load_summary(p).native
     with pytest.raises(UnsupportedFeature, match="IQ4_NL"):
