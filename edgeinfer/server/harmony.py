@@ -1,0 +1,179 @@
+"""gpt-oss's Harmony format: the output split into reasoning, content and tool calls.
+
+A Harmony completion is a run of messages, each a header then a body:
+
+    <|channel|>analysis<|message|>...reasoning...<|end|>
+    <|start|>assistant<|channel|>final<|message|>...answer...<|return|>
+    <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+
+(the prompt ends in `<|start|>assistant`, so the first header starts at `<|channel|>`; the
+recipient `to=...` may also sit before the channel, right after the role). `<|return|>` and
+`<|call|>` end generation, so they never reach the text. Channels: `analysis` -> reasoning,
+`final` -> content, `commentary` with a `functions.NAME` recipient -> a tool call, commentary
+without one (a preamble meant for the user) -> content.
+
+`HarmonySplitter` reads the detokenized stream (the special tokens rendered as text) and
+gives the same events as tool_parse.StreamSplitter plus ("reasoning", str): reasoning and
+content as they come, a call once its message is complete. A call that names no declared
+tool, or whose arguments are not a JSON object valid for its schema, is not dropped: its
+arguments come out as content, so the client sees what the model wrote.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .tool_parse import Tool, ToolCall, _holdback
+
+CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
+CONSTRAIN = "<|constrain|>"
+RETURN, CALL = "<|return|>", "<|call|>"
+# what ends a body: the message's end, or a new header the model began without <|end|>
+_BODY_ENDS = (END, START, CHANNEL, RETURN, CALL)
+_HEADER_OPENS = (CHANNEL, START)
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+_CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+MAX_HEADER = 512          # longer than any real header: a runaway one is text, not markup
+
+
+def is_harmony(template: str, vocab: dict | None) -> bool:
+    """The model speaks Harmony: its vocabulary or its template knows the channel tags."""
+    vocab = vocab or {}
+    if CHANNEL in vocab and MESSAGE in vocab:
+        return True
+    return CHANNEL in (template or "") and MESSAGE in (template or "")
+
+
+def uses_effort(template: str) -> bool:
+    """The template takes a `reasoning_effort` variable (gpt-oss's puts it in the system
+    message); other templates cannot be told a level."""
+    return "reasoning_effort" in (template or "")
+
+
+class HarmonySplitter:
+    def __init__(self, tools: list[Tool], calls_on: bool = True):
+        self.tools = {t.name: t for t in tools} if calls_on else {}
+        self.buf = ""
+        self.state = "start"          # start | header | body
+        self.kind = "content"         # the body's destination: reasoning | content | call
+        self.recipient: str | None = None
+
+    # ----- public -------------------------------------------------------------------------
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.buf += text
+        return self._run(final=False)
+
+    def flush(self, truncated: bool = False) -> list[tuple[str, Any]]:
+        """End of output. A call cut short by the length limit is not a call: its partial
+        arguments come out as content."""
+        ev = self._run(final=True)
+        if self.state == "body":
+            if self.kind == "call":
+                ev += self._finish_call(self.buf, truncated)
+            elif self.buf:
+                ev.append((self._dest(), self.buf))
+        # an unfinished header is markup the model never completed: nothing to show
+        self.buf = ""
+        self.state = "start"
+        return ev
+
+    # ----- the machine --------------------------------------------------------------------
+
+    def _dest(self) -> str:
+        return "reasoning" if self.kind == "reasoning" else "text"
+
+    def _run(self, final: bool) -> list[tuple[str, Any]]:
+        ev: list[tuple[str, Any]] = []
+        while self.buf:
+            if self.state == "start":
+                s = self.buf.lstrip()
+                if s.startswith(_HEADER_OPENS):
+                    self.buf, self.state = s, "header"
+                    continue
+                if not final and any(t.startswith(s) for t in _HEADER_OPENS):
+                    break                          # could still become a header
+                # no header at all: plain text is the answer
+                self.state, self.kind, self.recipient = "body", "content", None
+                continue
+            if self.state == "header":
+                i = self.buf.find(MESSAGE)
+                if i < 0:
+                    if len(self.buf) > MAX_HEADER:       # not a header after all
+                        self.state, self.kind = "body", "content"
+                        ev.append(("text", self.buf))
+                        self.buf = ""
+                    break
+                self._header(self.buf[:i])
+                self.buf = self.buf[i + len(MESSAGE):]
+                self.state = "body"
+                continue
+            # body
+            cut = _first(self.buf, _BODY_ENDS)
+            if cut is None:
+                if self.kind == "call":              # arguments are read whole
+                    break
+                keep = 0 if final else _holdback(self.buf, _BODY_ENDS)
+                out = self.buf[:len(self.buf) - keep]
+                if out:
+                    ev.append((self._dest(), out))
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            i, tag = cut
+            body = self.buf[:i]
+            if self.kind == "call":
+                ev += self._finish_call(body, False)
+            elif body:
+                ev.append((self._dest(), body))
+            # <|end|>, <|return|>, <|call|> close the message; <|start|> / <|channel|> open
+            # the next header (kept so the header sees it)
+            self.buf = self.buf[i + len(tag):] if tag in (END, RETURN, CALL) else self.buf[i:]
+            self.state = "start"
+        return ev
+
+    def _header(self, header: str) -> None:
+        m = _CHANNEL_NAME.search(header)
+        channel = m.group(1).lower() if m else ""
+        r = _RECIPIENT.search(header.replace(CONSTRAIN, " "))
+        self.recipient = r.group(1) if r else None
+        if self.recipient and self.recipient.startswith("functions."):
+            self.kind = "call"
+        elif channel == "analysis":
+            self.kind = "reasoning"
+        else:       # final, commentary preambles, anything unknown: the user's to read
+            self.kind = "content"
+
+    def _finish_call(self, body: str, truncated: bool) -> list[tuple[str, Any]]:
+        name = (self.recipient or "")[len("functions."):]
+        tool = self.tools.get(name)
+        if tool is not None and not truncated:
+            try:
+                args = json.loads(body) if body.strip() else {}
+            except (json.JSONDecodeError, RecursionError):
+                args = None
+            if isinstance(args, dict) and tool.accepts(args):
+                return [("call", ToolCall(name, args))]
+        return [("text", body)] if body else []
+
+
+def _first(buf: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
+    best = None
+    for t in tags:
+        i = buf.find(t)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, t)
+    return best
+
+
+def split_harmony(text: str, tools: list[Tool] | None = None, truncated: bool = False
+                  ) -> tuple[str, str, list[ToolCall]]:
+    """A whole reply -> (reasoning, content, calls), the same as streaming it."""
+    s = HarmonySplitter(tools or [])
+    return _collect(s.feed(text) + s.flush(truncated))
+
+
+def _collect(events: list[tuple[str, Any]]) -> tuple[str, str, list[ToolCall]]:
+    r = "".join(v for k, v in events if k == "reasoning")
+    c = "".join(v for k, v in events if k == "text")
+    return r, c, [v for k, v in events if k == "call"]
