@@ -6,6 +6,12 @@ benchmarks/generate.py on it (interleaved rounds, medians, llama.cpp in the same
     .venv/bin/python benchmarks/moe.py [--ftype Q4_K_M] [--rounds 3] [--depths 0,2048]
 
 The file is built once under .cache/bench-moe/ (about a minute).
+
+Our side runs the grouped expert kernels (backends/cpu/experts.py, _moe.py): experts repacked
+into one int8-tile array per tensor (237.5 MB for the file's 232.5 MB of expert tensors,
+~1 s), one kernel call per layer for routing and the chosen experts. The two engines share a
+2-core machine with whatever else runs on it: llama.cpp's spinning threads lose the most when
+another program holds a core, so compare runs made at a low load average (printed).
 """
 from __future__ import annotations
 
