@@ -90,16 +90,9 @@ class Workspace(threading.local):
 class GroupedExperts:
     """The expert tensors repacked, one tile array each, run by _moe.moe_ffn."""
 
-    def __init__(self, gf, prefix: str, isa: int, work: "Workspace"):
+    def __init__(self, mats: list, E: int, isa: int, work: "Workspace"):
+        """mats: gate, up, down, each the E experts' matrices repacked as one of E*N rows."""
         self.work = work
-        mats = []
-        for m in _MATS:
-            name = prefix + m + ".weight"
-            t = gf.tensors[name]
-            K, N, E = (int(d) for d in t.shape)
-            mats.append(PackedMatrix.from_quant(
-                QuantMatrix.from_bytes(gf.raw(name), t.ggml_type, K, N * E)))
-            gf.release_pages(name)        # keeps peak RSS near one copy of the weights
         self.gate, self.up, self.down = mats
         self.E, self.F, self.X = E, mats[0].N // E, mats[2].N // E
         self.Wt = np.stack([_expert_fields(p, E) for p in mats])
@@ -108,6 +101,18 @@ class GroupedExperts:
                            for p in mats], np.int64)
         # tiles read per matrix and expert since the load (tests: only the chosen experts)
         self.tiles_read = np.zeros((3, E), np.int64)
+
+    @classmethod
+    def from_gguf(cls, gf, prefix: str, isa: int, work: "Workspace") -> "GroupedExperts":
+        mats = []
+        for m in _MATS:
+            name = prefix + m + ".weight"
+            t = gf.tensors[name]
+            K, N, E = (int(d) for d in t.shape)
+            mats.append(PackedMatrix.from_quant(
+                QuantMatrix.from_bytes(gf.raw(name), t.ggml_type, K, N * E)))
+            gf.release_pages(name)        # keeps peak RSS near one copy of the weights
+        return cls(mats, E, isa, work)
 
     @property
     def nbytes(self) -> int:
@@ -147,7 +152,7 @@ class ExpertBank:
         self.router = QuantMatrix.from_gguf(gf, prefix + "ffn_gate_inp.weight")
         self.router_f32 = (self.router.data.view(np.float32)
                            if self.router.qtype == GGMLQuantizationType.F32 else None)
-        self.grouped = GroupedExperts(gf, prefix, isa, work) if grouped else None
+        self.grouped = GroupedExperts.from_gguf(gf, prefix, isa, work) if grouped else None
         self.gate = self.up = self.down = None
         if not grouped:
             def experts(m: str) -> list:

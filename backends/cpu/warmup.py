@@ -15,6 +15,8 @@ Step keys:
 - "ops": what a decoder model's forward does not reach with the default settings: f32
   numerics' and encoder (BERT) kernels.
 - "mxfp4": the MXFP4 kernels (mxfp4.py: gpt-oss's experts, read in place, never repacked).
+- "moe": the grouped expert kernels of repacked mixture-of-experts layers (experts.py:
+  _moe's one call per layer, _router's routing).
 """
 from __future__ import annotations
 
@@ -43,14 +45,16 @@ def float_types() -> list[int]:
 def all_keys() -> list[str]:
     """Every step but the attention over a q8_0 KV cache (an opt-in setting)."""
     return ([f"int8:{type_name(c)}" for c in int8_types()]
-            + [f"float:{type_name(c)}" for c in float_types()] + ["attention:f16", "ops", "mxfp4"])
+            + [f"float:{type_name(c)}" for c in float_types()] + ["attention:f16", "ops", "mxfp4"]
+            + (["moe"] if int8_types() else []))
 
 
 def label(key: str) -> str:
     kind, _, arg = key.partition(":")
     return {"int8": f"int8 tile kernel {arg}", "float": f"GGUF block kernels {arg}",
             "attention": f"attention, {arg} KV cache",
-            "ops": "f32 and encoder kernels", "mxfp4": "MXFP4 kernels"}.get(kind, key)
+            "ops": "f32 and encoder kernels", "mxfp4": "MXFP4 kernels",
+            "moe": "grouped expert kernels"}.get(kind, key)
 
 
 def keys_for_model(gguf_file, ops) -> list[str]:
@@ -67,8 +71,10 @@ def keys_for_model(gguf_file, ops) -> list[str]:
         (int8 if repack and code in REPACKABLE else flt).add(code)
     if not repack:
         return [f"float:{type_name(c)}" for c in sorted(flt)] + ["ops"] + mx
+    moe = ["moe"] if any(len(t.shape) == 3 and int(t.ggml_type) in REPACKABLE
+                         for t in gguf_file.tensors.values()) else []
     return ([f"int8:{type_name(c)}" for c in sorted(int8)]
-            + [f"float:{type_name(c)}" for c in sorted(flt)] + mx)
+            + [f"float:{type_name(c)}" for c in sorted(flt)] + mx + moe)
 
 
 def run(key: str) -> None:
@@ -83,6 +89,8 @@ def run(key: str) -> None:
         _ops_step()
     elif kind == "mxfp4":
         _mxfp4_step()
+    elif kind == "moe":
+        _moe_step()
     else:
         raise KeyError(f"no kernel step {key!r}")
 
@@ -135,6 +143,32 @@ def _mxfp4_step() -> None:
     MX.matmul(x, w, q8=False)
     bank = MX.Mxfp4Experts(data.reshape(2, 2, -1), 256, 2, 2)
     MX.grouped_matmuls(x, [bank], np.array([0, 1, 3]), np.array([1, 0]))
+
+
+def _moe_step() -> None:
+    """A grouped expert layer as CpuOps runs it: routed in the call from a read-only F32
+    router (as the map gives it) for one token and for a prefill's (the parallel paths),
+    then given routing; the router kernels on their own."""
+    from . import _router
+    from .experts import GroupedExperts, Workspace
+    from .quants import QuantMatrix, random_quant_rows
+    from .repack import PackedMatrix
+    rng = np.random.default_rng(0)
+    E, N, K = 2, 32, 256
+    mats = [PackedMatrix.from_quant(QuantMatrix.from_bytes(
+        random_quant_rows(Q.Q8_0, E * N if m < 2 else E * K, K if m < 2 else N, rng), Q.Q8_0,
+        K if m < 2 else N, E * N if m < 2 else E * K)) for m in range(3)]
+    g = GroupedExperts(mats, E, _int8.BEST_ISA if _int8.HAVE_SIMD else _int8.PORTABLE,
+                       Workspace())
+    router = np.zeros((E, K), np.float32)
+    router.setflags(write=False)
+    for T in (1, 300):
+        x = np.zeros((T, K), np.float32)
+        ids, w = np.empty((T, 1), np.int64), np.empty((T, 1), np.float32)
+        g(x, ids, w, router)
+        g(x, ids, w)
+        _router.route(x, router, 1, np.empty((T, E), np.float32), ids, w, 2, T > 1)
+    _router.route_logits(np.zeros((1, E), np.float32), 1, ids[:1], w[:1])
 
 
 def _attention_step(kv: str) -> None:
