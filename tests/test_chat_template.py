@@ -74,7 +74,9 @@ def test_chat_template_for_picks_own_then_fallback():
     assert builtin_name_for({"tokenizer.ggml.tokens": ["<s>", "</s>", "<|im_start|>"]},
                             "llama") == "chatml"
     assert builtin_name_for({"tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>"]}, "llama") == "llama2"
-    assert set(BUILTIN_NAMES) == {"gemma", "llama2", "llama3", "chatml"}
+    assert builtin_name_for({"tokenizer.ggml.tokens": ["<|channel|>", "<|message|>"]},
+                            "gpt-oss") == "harmony"
+    assert set(BUILTIN_NAMES) == {"gemma", "llama2", "llama3", "chatml", "harmony"}
 
 
 def test_bundled_gemma3_gets_gemma_fallback_and_tokenizes_turns(gemma3_path):

@@ -292,7 +292,7 @@ def render_chat(template: str, messages: list[dict[str, Any]], add_generation_pr
 
 # --- built-in fallbacks -----------------------------------------------------------------------
 
-BUILTIN_NAMES = ("gemma", "llama2", "llama3", "chatml")
+BUILTIN_NAMES = ("gemma", "llama2", "llama3", "chatml", "harmony")
 
 
 def builtin_template(name: str) -> str:
@@ -307,6 +307,8 @@ def builtin_name_for(metadata: dict[str, Any], arch: str | None = None) -> str:
     arch = (arch or metadata.get("general.architecture") or "").lower()
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     vocab = set(tokens) if len(tokens) < 2_000_000 else set()
+    if "<|channel|>" in vocab and "<|message|>" in vocab:     # gpt-oss's Harmony
+        return "harmony"
     if arch.startswith("gemma"):
         return "gemma"
     if arch.startswith("qwen"):

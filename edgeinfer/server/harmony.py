@@ -24,6 +24,7 @@ import json
 import re
 from typing import Any
 
+from .errors import bad_param
 from .tool_parse import Tool, ToolCall, _holdback
 
 CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
@@ -177,3 +178,51 @@ def _collect(events: list[tuple[str, Any]]) -> tuple[str, str, list[ToolCall]]:
     r = "".join(v for k, v in events if k == "reasoning")
     c = "".join(v for k, v in events if k == "text")
     return r, c, [v for k, v in events if k == "call"]
+
+
+# ----- what the API modules ask -----------------------------------------------------------
+
+EFFORTS = ("low", "medium", "high")
+
+
+def engine_harmony(engine) -> bool:
+    vocab = getattr(getattr(engine, "tokenizer", None), "token_to_id", None)
+    return is_harmony(getattr(engine, "chat_template", "") or "", vocab)
+
+
+def effort_vars(engine, effort: Any, param: str) -> dict:
+    """Template variables for a reasoning level: `reasoning_effort` where the template takes
+    it; a level the model cannot be given is a 400, not silently dropped."""
+    if effort is None:
+        return {}
+    if effort not in EFFORTS:
+        raise bad_param(param, f"{param} {effort!r} must be \"low\", \"medium\" or \"high\"")
+    if not uses_effort(getattr(engine, "chat_template", "") or ""):
+        raise bad_param(param, f"{param}: this model's chat template takes no reasoning "
+                               "level (only gpt-oss style templates with reasoning_effort do)")
+    return {"reasoning_effort": effort}
+
+
+def with_thinking(messages: list[dict]) -> list[dict]:
+    """Earlier assistant reasoning under the name gpt-oss's template reads (`thinking`):
+    OpenAI clients send it back as `reasoning_content` (or `reasoning`)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and not m.get("thinking"):
+            r = m.get("reasoning_content") or m.get("reasoning")
+            if isinstance(r, str) and r:
+                m = {**m, "thinking": r}
+        out.append(m)
+    return out
+
+
+
+def check_choice(choice) -> None:
+    """tool_choice required / a named function would need a grammar over Harmony's call
+    header, which edgeinfer does not build: a 400, not a call in another model's envelope.
+    (The markup itself reaches the text as is: llama.cpp's vocabulary rules, which edgeinfer's
+    tokenizer follows, type <|channel|>, <|message|>, <|start|>, <|constrain|> and <|end|> as
+    user-defined tokens, printed; <|return|> and <|call|> end generation and never print.)"""
+    if getattr(choice, "mode", None) in ("required", "named"):
+        raise bad_param("tool_choice", "tool_choice 'required' or naming a function is not "
+                        "supported for Harmony (gpt-oss) models; use 'auto'")

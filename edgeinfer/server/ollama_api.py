@@ -21,7 +21,7 @@ from edgeinfer.store.model_store import ModelNotFound, StoreError
 
 from edgeinfer.engine.grammar import any_json_object, json_schema
 
-from . import generation, tools as tl
+from . import generation, harmony as hm, tools as tl
 from .errors import APIError, bad_param, not_found
 from .generation import Generation, params_or_400
 from .images import MEDIA_MARKER, ImageCollector, build_with_images, check_text, from_b64
@@ -153,6 +153,13 @@ def _think_mode(body: _OllamaBase, engine) -> bool:
     if isinstance(t, str) and t not in ("low", "medium", "high"):
         raise bad_param("think", f"think {t!r} must be true, false, \"low\", \"medium\" or "
                                  "\"high\"")
+    if hm.engine_harmony(engine):
+        # gpt-oss always reasons (its output is split whatever `think` says); only the level
+        # can be chosen, so turning it off is refused rather than ignored
+        if t is False:
+            raise bad_param("think", f"\"{body.model}\" (Harmony) cannot turn thinking off; "
+                                     "use think \"low\"")
+        return True
     able = tl.can_think(engine)
     if t not in (None, False) and not able:
         raise bad_param("think", f"\"{body.model}\" does not support thinking")
@@ -162,13 +169,21 @@ def _think_mode(body: _OllamaBase, engine) -> bool:
 class _Out:
     """One response's text split into content, thinking and tool calls."""
 
-    def __init__(self, tools: list, think: bool):
-        self.splitter = tl.StreamSplitter(tools) if tools else None
-        self.think = tl.ThinkSplitter() if think else None
+    def __init__(self, tools: list, think: bool, harmony: bool = False):
+        self.harmony = hm.HarmonySplitter(tools) if harmony else None
+        self.splitter = tl.StreamSplitter(tools) if tools and not harmony else None
+        self.think = tl.ThinkSplitter() if think and not harmony else None
         self.calls: list = []
 
     def feed(self, text: str, final: bool = False, reason: str | None = None
              ) -> tuple[str, str, list]:
+        if self.harmony is not None:
+            ev = self.harmony.feed(text) + (
+                self.harmony.flush(truncated=reason in ("length", "repetition")) if final else [])
+            calls = [v for k, v in ev if k == "call"]
+            self.calls += calls
+            return ("".join(v for k, v in ev if k == "reasoning"),
+                    "".join(v for k, v in ev if k == "text"), calls)
         thinking, content = self.think.feed(text) if self.think else ("", text)
         if final and self.think:
             r, c = self.think.flush()
@@ -197,6 +212,7 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
     with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         think = _think_mode(body, engine)
+        harmony = hm.engine_harmony(engine)
         try:
             prompt = await gen.encode(lambda e: build_prompt(e, body.think))
         except ChatTemplateError as e:
@@ -208,13 +224,13 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
         params = gen.adapt(params, _given(body.options),
                            body.options.stop_on_repetition if body.options else None)
         param = "format"
-        if spec is None and (auto := tl.auto_spec(tools, tl.Choice("auto"), True,
+        if spec is None and not harmony and (auto := tl.auto_spec(tools, tl.Choice("auto"), True,
                                                   engine.chat_template)) is not None:
             spec, param = auto, "tools"
         constraints = (await tl.build_constraints(engine, spec, 1, param)
                        if spec is not None else None)
         tok = engine.tokenizer
-        o = _Out(tools, think)
+        o = _Out(tools, think, harmony)
 
         def final() -> dict:
             return {"model": body.model, "created_at": _now(), **shape("", None, "", []),
@@ -282,8 +298,8 @@ async def generate(body: GenerateRequest, request: Request):
             [{"role": "user", "content": prompt}]
         if images:
             return build_with_images(images.refs, messages, "prompt",
-                                     **_think_vars(think))(engine)
-        return engine.encode_chat(messages, **_think_vars(think))
+                                     **_think_vars(think, engine))(engine)
+        return engine.encode_chat(messages, **_think_vars(think, engine))
 
     def shape(text: str, lp, thinking: str, calls: list) -> dict:
         return {"response": text, **({"thinking": thinking} if thinking else {}),
@@ -291,8 +307,13 @@ async def generate(body: GenerateRequest, request: Request):
     return await _run(request, body, build, shape)
 
 
-def _think_vars(think) -> dict:
-    """Template variables for `think`: false turns thinking off where the template can."""
+def _think_vars(think, engine) -> dict:
+    """Template variables for `think`: false turns thinking off where the template can; a
+    level goes to templates that take `reasoning_effort` (gpt-oss), a 400 for others."""
+    if isinstance(think, str):
+        return hm.effort_vars(engine, think, "think")
+    if hm.uses_effort(engine.chat_template):
+        return {}                     # true: the template's default level
     return {} if think is None else {"enable_thinking": think is not False}
 
 
@@ -323,14 +344,16 @@ async def chat(body: ChatRequest, request: Request):
                                for c in m.tool_calls]
         if m.tool_name:
             d["tool_name"] = d["name"] = m.tool_name
+        if m.thinking:                    # earlier reasoning (gpt-oss's template reads it)
+            d["thinking"] = m.thinking
         messages.append(d)
     choice = tl.Choice("auto" if tools else "none")
 
     def build(engine, think):
         msgs, extra = tl.prepare_chat(messages, tools, choice, True, engine.chat_template)
         if images:
-            return build_with_images(images.refs, msgs, **extra, **_think_vars(think))(engine)
-        return engine.encode_chat(msgs, **extra, **_think_vars(think))
+            return build_with_images(images.refs, msgs, **extra, **_think_vars(think, engine))(engine)
+        return engine.encode_chat(msgs, **extra, **_think_vars(think, engine))
 
     def shape(text: str, lp, thinking: str, calls: list) -> dict:
         msg: dict[str, Any] = {"role": "assistant", "content": text}
@@ -465,7 +488,7 @@ def _capabilities(template: str, md: dict) -> list[str]:
         return ["embedding"]
     caps = ["completion", "tools", "embedding"]
     tokens = md.get("tokenizer.ggml.tokens") or ()
-    if "<think>" in (template or "") or "<think>" in tokens:
+    if "<think>" in (template or "") or "<think>" in tokens or hm.is_harmony(template, tokens):
         caps.append("thinking")
     return caps
 

@@ -18,7 +18,7 @@ from edgeinfer.engine.grammar import GrammarSpec, any_json_object, json_schema
 
 from edgeinfer.store.bundled_listing import list_models as list_store_models
 
-from . import generation, tools as tl
+from . import generation, harmony as hm, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
 from .images import ImageCollector, build_with_images, check_text
@@ -85,6 +85,9 @@ def _messages(body: ChatCompletionRequest, images: ImageCollector | None = None
             content = "".join(texts)
         role = "system" if m.role == "developer" else m.role
         msg: dict[str, Any] = {"role": role, "content": content or ""}
+        for k in ("reasoning_content", "reasoning"):       # earlier reasoning, sent back
+            if role == "assistant" and isinstance((m.model_extra or {}).get(k), str):
+                msg[k] = m.model_extra[k]
         if m.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name,
@@ -152,11 +155,13 @@ def _finish_reason(r: str | None, calls: bool = False) -> str:
 class _ChatOut:
     """One choice's output split into content, reasoning and tool calls, streamed or not."""
 
-    def __init__(self, tools: list, tool_mode: str, think: bool):
+    def __init__(self, tools: list, tool_mode: str, think: bool, harmony: bool = False):
         self.tools = tools
         self.calls_on = bool(tools) and tool_mode != "none"
-        self.splitter = tl.StreamSplitter(tools) if self.calls_on else None
-        self.think = tl.ThinkSplitter() if think else None
+        self.splitter = tl.StreamSplitter(tools) if self.calls_on and not harmony else None
+        self.think = tl.ThinkSplitter() if think and not harmony else None
+        # gpt-oss: one splitter reads channels (reasoning, content) and calls together
+        self.harmony = hm.HarmonySplitter(tools, self.calls_on) if harmony else None
         self.content, self.reasoning = "", ""
         self.calls: list = []
 
@@ -164,6 +169,10 @@ class _ChatOut:
         """Deltas for `text` (the last call with final=True flushes what was held; `reason`,
         the finish reason, says whether the output was cut short)."""
         deltas: list[dict] = []
+        if self.harmony is not None:
+            return self._events(deltas, self.harmony.feed(text) + (
+                self.harmony.flush(truncated=reason in ("length", "repetition"))
+                if final else []))
         reasoning, content = (self.think.feed(text) if self.think else ("", text))
         if final and self.think:
             r, c = self.think.flush()
@@ -174,8 +183,14 @@ class _ChatOut:
         events = [("text", content)] if self.splitter is None else self.splitter.feed(content)
         if final and self.splitter is not None:
             events += self.splitter.flush(truncated=reason in ("length", "repetition"))
+        return self._events(deltas, events)
+
+    def _events(self, deltas: list[dict], events: list) -> list[dict]:
         for kind, v in events:
-            if kind == "text" and v:
+            if kind == "reasoning" and v:
+                self.reasoning += v
+                deltas.append({"reasoning_content": v})
+            elif kind == "text" and v:
                 self.content += v
                 deltas.append({"content": v})
             elif kind == "call":
@@ -193,7 +208,7 @@ class _ChatOut:
         if self.calls:
             m["content"] = m["content"] or None
             m["tool_calls"] = [c.openai() for c in self.calls]
-        if self.think is not None:
+        if self.think is not None or self.harmony is not None:
             m["reasoning_content"] = self.reasoning or None
         return m
 
@@ -272,9 +287,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
+        harmony = hm.engine_harmony(engine)
+        if harmony:
+            hm.check_choice(choice)
+            messages = hm.with_thinking(messages)
         msgs, extra = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
                                       engine.chat_template)
-        if spec is None and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
+        extra.update(hm.effort_vars(engine, body.reasoning_effort, "reasoning_effort"))
+        if spec is None and not harmony and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
                                                   engine.chat_template)) is not None:
             spec, spec_param = auto, "tools"
         spans = None
@@ -288,7 +308,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         constraints = (await tl.build_constraints(engine, spec, body.n, spec_param)
                        if spec is not None else None)
         think = tl.can_think(engine)
-        outs = [_ChatOut(tools, choice.mode, think) for _ in range(body.n)]
+        outs = [_ChatOut(tools, choice.mode, think, harmony) for _ in range(body.n)]
         rid, created, model = _id("chatcmpl"), int(time.time()), body.model
         pieces = _Pieces(engine.tokenizer)
         predicted = await asyncio.to_thread(_prediction_ids, body.prediction, engine)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # ----- OpenAI ------------------------------------------------------------------------------
 
-OPENAI_IGNORED = ("user", "service_tier", "store", "metadata", "reasoning_effort", "modalities",
+OPENAI_IGNORED = ("user", "service_tier", "store", "metadata", "modalities",
                   "audio", "web_search_options", "best_of (must equal n)",
                   "suffix")
 
@@ -127,6 +127,8 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
+    # gpt-oss style templates' reasoning level (edgeinfer.server.harmony.effort_vars)
+    reasoning_effort: str | None = None
     # Predicted Outputs: text the answer will mostly repeat (speculative drafts come from it)
     prediction: dict[str, Any] | None = None
 

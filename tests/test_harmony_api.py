@@ -1,0 +1,240 @@
+"""gpt-oss's Harmony format through a real daemon, with the official openai and ollama clients.
+
+Random weights do not write Harmony, so the output is forced with a grammar:
+
+- through the daemon, a GBNF grammar (llama-server's `grammar` extension). GBNF cannot name
+  special tokens, and forced text that spells a user-defined token (<|end|>, <|channel|>,
+  which llama.cpp's rules make user-defined in a Harmony vocabulary) breaks the engine's
+  grammar matcher, so the daemon's model has only <|return|> / <|call|> as special tokens and
+  the grammar spells the markup as text: the text the daemon splits is the same either way,
+  and its template (the bundled Harmony one) is what marks it as a Harmony model;
+- in process (test_engine_output_with_harmony_tokens), a model with the whole Harmony
+  vocabulary and a Lark grammar over the real special tokens, ending in <|return|> /
+  <|call|>: the engine's own output text goes through the splitter.
+
+The prompt side (reasoning_effort / think levels, earlier reasoning and calls in multi-turn)
+is checked by the prompt token counts the daemon reports against the template rendered here
+and tokenized with the model's own tokenizer.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import ollama
+import openai
+import pytest
+
+from daemon_fixture import start_daemon
+from edgeinfer.formats.chat_template import builtin_template, encode_prompt, render_chat
+from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
+
+pytest.importorskip("llguidance")
+
+MODEL, PLAIN = "harmony:latest", "plain:latest"
+SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+            "<|return|>", "<|call|>")
+TEMPLATE = builtin_template("harmony")
+ASK = [{"role": "user", "content": "What is 2+2?"}]
+ANSWER = (r'root ::= "<|channel|>analysis<|message|>The sum is 4.<|end|><|start|>assistant'
+          r'<|channel|>final<|message|>It is 4."')
+CALL = (r'root ::= "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant'
+        r'<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+        r'{\"city\": \"Paris\"}"')
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+SHAPE = TinyShape(64, 128, 2, 1, 32, 2, 2048)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = tmp_path_factory.mktemp("harmony")
+    paths = {}
+    for name, kw in ((MODEL, dict(extra_specials=("<|return|>", "<|call|>"),
+                                  chat_template=TEMPLATE)),
+                     (PLAIN, {})):
+        p = paths[name] = d / f"{name.split(':')[0]}.gguf"
+        write_tiny_gguf(p, "qwen3", SHAPE, random_f32_tensors(np.random.default_rng(0)),
+                        file_type=0, name="synthetic-harmony", **kw)
+    from edgeinfer.store.model_store import Store
+    home = d / "home"
+    for name, p in paths.items():
+        Store(home).register_file(p, name)
+    dm = start_daemon(home)
+    dm.model_path = paths[MODEL]
+    try:
+        yield dm
+    finally:
+        dm.stop()
+
+
+@pytest.fixture(scope="module")
+def oa(daemon):
+    with openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok(daemon):
+    from edgeinfer.formats.tokenizer.vocab import Tokenizer
+    return Tokenizer.from_file(str(daemon.model_path))
+
+
+def n_prompt(tok, messages, **extra) -> int:
+    return len(encode_prompt(tok, render_chat(TEMPLATE, messages, **extra)))
+
+
+def test_reasoning_and_final_split(oa):
+    r = oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=300, temperature=0,
+                                   extra_body={"grammar": ANSWER})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop"
+    assert m.content == "It is 4."
+    assert m.model_extra["reasoning_content"] == "The sum is 4."
+    assert "<|" not in m.content
+
+
+def test_streamed_split(oa):
+    reasoning, content, n = "", "", 0
+    for ev in oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=300,
+                                         temperature=0, stream=True,
+                                         extra_body={"grammar": ANSWER}):
+        for ch in ev.choices:
+            content += ch.delta.content or ""
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            n += 1
+    assert (reasoning, content) == ("The sum is 4.", "It is 4.")
+    assert n > 3                     # pieces, not one lump
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_after_reasoning(oa, stream):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tools=[WEATHER], max_tokens=300, temperature=0, extra_body={"grammar": CALL})
+    if not stream:
+        r = oa.chat.completions.create(**kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls"
+        assert not ch.message.content
+        assert ch.message.model_extra["reasoning_content"] == "Need weather."
+        (c,) = ch.message.tool_calls
+        assert (c.function.name, json.loads(c.function.arguments)) == \
+            ("get_weather", {"city": "Paris"})
+        return
+    args, names, finish, content = "", [], None, ""
+    for ev in oa.chat.completions.create(stream=True, **kw):
+        for ch in ev.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                if tc.function.name:
+                    names.append(tc.function.name)
+                args += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert (names, json.loads(args), finish, content) == \
+        (["get_weather"], {"city": "Paris"}, "tool_calls", "")
+
+
+def test_reasoning_effort_reaches_the_system_message(oa, tok):
+    for effort in ("low", "medium", "high"):
+        r = oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                       reasoning_effort=effort)
+        assert r.usage.prompt_tokens == n_prompt(tok, ASK, reasoning_effort=effort), effort
+    r = oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    assert r.usage.prompt_tokens == n_prompt(tok, ASK)          # the template's medium
+    assert n_prompt(tok, ASK, reasoning_effort="low") != n_prompt(tok, ASK,
+                                                                   reasoning_effort="high")
+
+
+def test_effort_refused_where_it_cannot_be_honoured(oa, daemon):
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                   reasoning_effort="extreme")
+    with pytest.raises(openai.BadRequestError, match="takes no reasoning level"):
+        oa.chat.completions.create(model=PLAIN, messages=ASK, max_tokens=1,
+                                   reasoning_effort="high")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, tools=[WEATHER],
+                                   tool_choice="required")
+
+
+def test_multi_turn_reasoning_and_tool_results(oa, tok):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    sent = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "reasoning_content": "Need weather.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    r = oa.chat.completions.create(model=MODEL, messages=sent, tools=[WEATHER], max_tokens=1)
+    want = [sent[0], {"role": "assistant", "content": "", "thinking": "Need weather.",
+                      "tool_calls": [{"function": {"name": "get_weather",
+                                                   "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": '{"temp": 21}'}]
+    assert r.usage.prompt_tokens == n_prompt(tok, want, tools=[WEATHER])
+    # the reasoning and the call are in that prompt: without them it is shorter
+    assert n_prompt(tok, [sent[0], want[2]], tools=[WEATHER]) < r.usage.prompt_tokens
+
+
+def test_ollama_think_levels(daemon, tok):
+    ol = ollama.Client(host=daemon.url, timeout=300)
+    for level in ("low", "high"):
+        r = ol.chat(model=MODEL, messages=ASK, think=level, options={"num_predict": 1})
+        assert r.prompt_eval_count == n_prompt(tok, ASK, reasoning_effort=level), level
+    r = ol.chat(model=MODEL, messages=ASK, think=True, options={"num_predict": 1})
+    assert r.prompt_eval_count == n_prompt(tok, ASK)
+    with pytest.raises(ollama.ResponseError, match="cannot turn thinking off"):
+        ol.chat(model=MODEL, messages=ASK, think=False, options={"num_predict": 1})
+    with pytest.raises(ollama.ResponseError, match="does not support thinking"):
+        ol.chat(model=PLAIN, messages=ASK, think="high", options={"num_predict": 1})
+    assert "thinking" in ol.show(MODEL).capabilities
+    # multi-turn: Ollama's `thinking` and tool_calls go back into the template
+    hist = [ASK[0], {"role": "assistant", "content": "", "thinking": "Need weather.",
+                     "tool_calls": [{"function": {"name": "get_weather",
+                                                  "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": '{"temp": 21}', "tool_name": "get_weather"}]
+    r = ol.chat(model=MODEL, messages=hist, tools=[WEATHER], options={"num_predict": 1})
+    want = [ASK[0], {**hist[1], "tool_calls": [{"type": "function", **hist[1]["tool_calls"][0]}]},
+            {"role": "tool", "content": '{"temp": 21}', "name": "get_weather"}]
+    assert r.prompt_eval_count == n_prompt(tok, want, tools=[WEATHER])
+
+
+
+def test_engine_output_with_harmony_tokens(tmp_path):
+    from edgeinfer.engine import grammar as g
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.runners.sampling_params import SamplingParams
+    from edgeinfer.server.harmony import engine_harmony, split_harmony
+    from edgeinfer.server.tool_parse import Tool
+    p = tmp_path / "h.gguf"
+    write_tiny_gguf(p, "qwen3", SHAPE, random_f32_tensors(np.random.default_rng(0)),
+                    file_type=0, extra_specials=SPECIALS, chat_template=TEMPLATE)
+    e = Engine(str(p), EngineConfig(max_model_len=1024, kv_budget_bytes=32 << 20))
+    try:
+        tok = e.tokenizer
+        assert engine_harmony(e)
+        ids = {s: tok.token_to_id[s] for s in SPECIALS}
+        assert {ids["<|return|>"], ids["<|call|>"]} <= set(tok.eot_ids)
+        prompt = e.encode_chat(ASK)
+        vocab = max(int(e.cfg.vocab_size), tok.vocab_size)
+        tools = [Tool("get_weather", "", WEATHER["function"]["parameters"])]
+        for lark, want in (
+                ('start: <|channel|> "analysis" <|message|> "The sum is 4." <|end|> <|start|> '
+                 '"assistant" <|channel|> "final" <|message|> "It is 4." <|return|>',
+                 ("The sum is 4.", "It is 4.", [])),
+                ('start: <|channel|> "analysis" <|message|> "Need weather." <|end|> <|start|> '
+                 '"assistant" <|channel|> "commentary to=functions.get_weather " <|constrain|> '
+                 '"json" <|message|> "{\\"city\\": \\"Paris\\"}" <|call|>',
+                 ("Need weather.", "", [("get_weather", {"city": "Paris"})]))):
+            c = g.grammars_for(tok, vocab).constraint(g.GrammarSpec("lark", lark))
+            out = e.generate(prompt, SamplingParams(temperature=0, max_tokens=300), constraint=c)
+            assert out.finish_reason == "stop"
+            # the markup tokens were generated as tokens, and print; the end token does not
+            for s in ("<|channel|>", "<|message|>", "<|start|>", "<|end|>"):
+                assert ids[s] in out.token_ids
+            assert "<|return|>" not in out.text and "<|call|>" not in out.text
+            r, content, calls = split_harmony(out.text, tools)
+            assert (r, content, [(x.name, x.arguments) for x in calls]) == want
+    finally:
+        e.shutdown()
