@@ -238,3 +238,91 @@ def test_engine_output_with_harmony_tokens(tmp_path):
             assert (r, content, [(x.name, x.arguments) for x in calls]) == want
     finally:
         e.shutdown()
+
+
+# ----- Responses and Anthropic ------------------------------------------------------------
+
+def test_responses_reasoning_item_and_message(oa):
+    r = oa.responses.create(model=MODEL, input="What is 2+2?", max_output_tokens=300,
+                            temperature=0, extra_body={"grammar": ANSWER})
+    assert [it.type for it in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "The sum is 4."
+    assert r.output_text == "It is 4."
+
+
+def test_responses_streamed_call_then_continuation(oa, tok):
+    types, reasoning, calls, done = [], "", [], None
+    with oa.responses.stream(model=MODEL, input="Weather in Paris?", tools=[{
+            "type": "function", **WEATHER["function"]}], max_output_tokens=300, temperature=0,
+            extra_body={"grammar": CALL}) as s:
+        for ev in s:
+            types.append(ev.type)
+            if ev.type == "response.reasoning_text.delta":
+                reasoning += ev.delta
+            if ev.type == "response.output_item.done" and ev.item.type == "function_call":
+                calls.append((ev.item.name, json.loads(ev.item.arguments), ev.item.call_id))
+            if ev.type == "response.completed":
+                done = ev.response
+    assert reasoning == "Need weather."
+    assert [c[:2] for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert types.index("response.reasoning_text.done") < types.index(
+        "response.function_call_arguments.done")
+    assert [it.type for it in done.output] == ["reasoning", "function_call"]
+    # the stored turn goes back with its reasoning as `thinking`, then the tool's result
+    r = oa.responses.create(model=MODEL, previous_response_id=done.id, max_output_tokens=1,
+                            tools=[{"type": "function", **WEATHER["function"]}],
+                            input=[{"type": "function_call_output", "call_id": calls[0][2],
+                                    "output": '{"temp": 21}'}])
+    want = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "thinking": "Need weather.",
+             "tool_calls": [{"function": {"name": "get_weather",
+                                          "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": '{"temp": 21}', "name": "get_weather"}]
+    assert r.usage.input_tokens == n_prompt(tok, want, tools=[WEATHER])
+
+
+def test_responses_effort(oa, tok):
+    r = oa.responses.create(model=MODEL, input="What is 2+2?", max_output_tokens=1,
+                            reasoning={"effort": "low"})
+    assert r.usage.input_tokens == n_prompt(tok, ASK, reasoning_effort="low")
+    with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
+        oa.responses.create(model=PLAIN, input="Hi", max_output_tokens=1,
+                            reasoning={"effort": "low"})
+
+
+def test_anthropic_thinking_blocks_go_back(daemon, tok):
+    import anthropic
+    with anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0) as c:
+        hist = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "Need weather.", "signature": ""},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                     "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                              "content": '{"temp": 21}'}]}]
+        tools = [{"name": "get_weather", "description": "Weather in a city",
+                  "input_schema": WEATHER["function"]["parameters"]}]
+        n = c.messages.count_tokens(model=MODEL, messages=hist, tools=tools).input_tokens
+    want = [hist[0], {"role": "assistant", "content": "", "thinking": "Need weather.",
+                      "tool_calls": [{"function": {"name": "get_weather",
+                                                   "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": '{"temp": 21}', "name": "get_weather"}]
+    assert n == n_prompt(tok, want, tools=[WEATHER])
+
+
+@pytest.mark.parametrize("text,blocks", [
+    (ANSWER_TEXT := ("<|channel|>analysis<|message|>The sum is 4.<|end|><|start|>assistant"
+                     "<|channel|>final<|message|>It is 4."),
+     [{"type": "thinking", "thinking": "The sum is 4.", "signature": ""},
+      {"type": "text", "text": "It is 4."}])])
+def test_anthropic_stream_blocks(text, blocks):
+    # the Anthropic stream's block builder over the chat splitter's deltas, piece by piece
+    from edgeinfer.server.anthropic_api import _Blocks
+    from edgeinfer.server.openai_api import _ChatOut
+    out, b, events = _ChatOut([], "none", False, harmony=True), _Blocks(), []
+    for i, ch in enumerate(text):
+        events += b.feed(out.feed(ch, final=i == len(text) - 1))
+    events += b.close()
+    assert b.blocks == blocks
+    kinds = [json.loads(e.decode().split("data: ", 1)[1])["type"] for e in events]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 2

@@ -14,7 +14,9 @@ OpenAI's chat. Only the shapes differ:
   message_stop; an error after the stream started is an `error` event;
 - errors: {"type": "error", "error": {"type": "invalid_request_error", "message": ...}}.
 
-Accepted and ignored: metadata, service_tier, thinking, container, mcp_servers.
+Accepted and ignored: metadata, service_tier, thinking, container, mcp_servers. A Harmony
+(gpt-oss) model's reasoning comes out as `thinking` blocks (thinking_delta when streamed);
+earlier thinking blocks go back to its template.
 Not supported (400): image and document blocks.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from edgeinfer.formats.chat_template import ChatTemplateError
 
-from . import generation, tools as tl
+from . import generation, harmony as hm, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation, params_or_400
 from .images import ImageCollector, build_with_images, check_text, from_b64
@@ -164,7 +166,7 @@ def chat_messages(body: _Base, images: ImageCollector | None = None) -> list[dic
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, results = [], [], []
+        texts, calls, results, thinking = [], [], [], []
         for j, b in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
             if b.type == "text":
@@ -191,6 +193,11 @@ def chat_messages(body: _Base, images: ImageCollector | None = None) -> list[dic
                     text = f"Error: {text}"
                 results.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                 "name": names.get(b.tool_use_id, ""), "content": text})
+            elif b.type == "thinking" and m.role == "assistant":
+                # earlier reasoning: templates that read `thinking` (gpt-oss's) get it back
+                t = (b.model_extra or {}).get("thinking")
+                if isinstance(t, str):
+                    thinking.append(t)
             elif b.type in ("thinking", "redacted_thinking"):
                 continue
             else:
@@ -201,6 +208,8 @@ def chat_messages(body: _Base, images: ImageCollector | None = None) -> list[dic
             msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
+            if thinking:
+                msg["thinking"] = "".join(thinking)
             out.append(msg)
     return out
 
@@ -268,12 +277,27 @@ class _Blocks:
 
     def __init__(self):
         self.blocks: list[dict] = []
-        self.open: int | None = None          # index of the open text block
+        self.open: int | None = None          # index of the open text or thinking block
 
     def feed(self, deltas: list[dict]) -> list[bytes]:
         ev: list[bytes] = []
         for d in deltas:
+            if d.get("reasoning_content"):     # Harmony's analysis channel: a thinking block
+                if self.open is not None and self.blocks[self.open]["type"] != "thinking":
+                    ev += self.close()
+                if self.open is None:
+                    self.open = len(self.blocks)
+                    self.blocks.append({"type": "thinking", "thinking": "", "signature": ""})
+                    ev.append(_sse("content_block_start", {
+                        "type": "content_block_start", "index": self.open,
+                        "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
+                self.blocks[self.open]["thinking"] += d["reasoning_content"]
+                ev.append(_sse("content_block_delta", {
+                    "type": "content_block_delta", "index": self.open,
+                    "delta": {"type": "thinking_delta", "thinking": d["reasoning_content"]}}))
             if d.get("content"):
+                if self.open is not None and self.blocks[self.open]["type"] != "text":
+                    ev += self.close()
                 if self.open is None:
                     self.open = len(self.blocks)
                     self.blocks.append({"type": "text", "text": ""})
@@ -333,8 +357,11 @@ async def messages(body: MessagesRequest, request: Request):
     with gen.held(streaming=bool(body.stream)):
         engine = gen.lm.engine
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
+        harmony = hm.engine_harmony(engine)
+        if harmony:
+            hm.check_choice(choice)
         chat, tvars = tl.prepare_chat(msgs, tools, choice, parallel, engine.chat_template)
-        if spec is None:
+        if spec is None and not harmony:
             spec = tl.auto_spec(tools, choice, parallel, engine.chat_template)
         spans = None
         try:
@@ -346,7 +373,7 @@ async def messages(body: MessagesRequest, request: Request):
             raise bad_param("messages", str(e)) from None
         constraints = (await tl.build_constraints(engine, spec, 1, "tools")
                        if spec is not None else None)
-        out = _ChatOut(tools, choice.mode, tl.can_think(engine))
+        out = _ChatOut(tools, choice.mode, tl.can_think(engine), harmony)
         mid, model = f"msg_{uuid.uuid4().hex[:24]}", body.model
         gen.submit(prompt, params, constraints=constraints, images=spans)
         if body.stream:
@@ -361,6 +388,8 @@ async def messages(body: MessagesRequest, request: Request):
             out.feed(ev.text, final=ev.finished, reason=ev.finish_reason)
         finish = gen.usage.finish_reasons.get(0)
         content: list[dict] = []
+        if harmony and out.reasoning:
+            content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
         if out.content and (out.content.strip() or not out.calls):
             content.append({"type": "text", "text": out.content.strip() if out.calls
                             else out.content})
@@ -387,7 +416,8 @@ async def _stream(gen: Generation, events, out, mid: str, model: str, stops: lis
             ids += ev.token_ids
             n_calls = len(out.calls)
             deltas = out.feed(ev.text, final=ev.finished, reason=ev.finish_reason)
-            for b in blocks.feed([d for d in deltas if "content" in d]):
+            for b in blocks.feed([d for d in deltas if "content" in d or
+                                  (out.harmony is not None and "reasoning_content" in d)]):
                 yield b
             for call in out.calls[n_calls:]:
                 for b in blocks.call(call):

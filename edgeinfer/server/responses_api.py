@@ -23,8 +23,11 @@ the chat splitter of openai_api for text and calls):
   max_output_tokens cut it), each with a sequence_number.
 
 Status `incomplete` with incomplete_details.reason `max_output_tokens` when the length
-limit ended the output. Ignored: reasoning, truncation, metadata (echoed), user,
-service_tier, include, background (false only).
+limit ended the output. Ignored: truncation, metadata (echoed), user, service_tier,
+include, background (false only). `reasoning.effort` goes to templates that take
+`reasoning_effort` (gpt-oss); a Harmony model's reasoning is a `reasoning` item
+(response.reasoning_text.delta / .done when streamed). llama-server's `grammar` (GBNF) is
+honoured as in chat.
 """
 from __future__ import annotations
 
@@ -38,10 +41,10 @@ from typing import Any, AsyncIterator, Union
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from edgeinfer.engine.grammar import any_json_object, json_schema
+from edgeinfer.engine.grammar import GrammarSpec, any_json_object, json_schema
 from edgeinfer.formats.chat_template import ChatTemplateError
 
-from . import generation, tools as tl
+from . import generation, harmony as hm, tools as tl
 from .errors import APIError, bad_param
 from .generation import Generation
 from .images import MAX_IMAGES, ImageCollector, build_with_images, check_text
@@ -233,6 +236,10 @@ def _tools(body: ResponsesRequest) -> tuple[list[tl.Tool], tl.Choice]:
 
 def _text_spec(body: ResponsesRequest):
     fmt = (body.text or {}).get("format")
+    if body.grammar is not None:          # llama-server's GBNF extension, as in chat
+        if fmt and fmt.get("type") != "text":
+            raise bad_param("grammar", "grammar and text.format cannot be combined")
+        return GrammarSpec("gbnf", body.grammar)
     if not fmt or fmt.get("type") == "text":
         return None
     kind = fmt.get("type")
@@ -253,6 +260,16 @@ def _msg_item(mid: str, text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": mid, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
                          "logprobs": []}]}
+
+
+def _reasoning_item(rid: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": rid, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _effort(body: ResponsesRequest) -> Any:
+    r = (body.model_extra or {}).get("reasoning")
+    return r.get("effort") if isinstance(r, dict) else None
 
 
 def _call_item(call: tl.ToolCall, status: str = "completed", arguments: str | None = None
@@ -306,6 +323,10 @@ def _conversation(messages: list[dict], output: list[dict]) -> list[dict]:
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         msg["tool_calls"] = calls
+    thinking = "".join(c["text"] for it in output if it["type"] == "reasoning"
+                       for c in it["content"])
+    if thinking:                  # gpt-oss's template reads earlier reasoning as `thinking`
+        msg["thinking"] = thinking
     conv.append(msg)
     return conv
 
@@ -341,9 +362,13 @@ async def create_response(body: ResponsesRequest, request: Request):
         if "max_output_tokens" in given:
             given.add("max_tokens")
         params = gen.adapt(params, given, body.stop_on_repetition)
+        harmony = hm.engine_harmony(engine)
+        if harmony:
+            hm.check_choice(choice)
         chat, tvars = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
                                       engine.chat_template)
-        if spec is None and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
+        tvars.update(hm.effort_vars(engine, _effort(body), "reasoning.effort"))
+        if spec is None and not harmony and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
                                                   engine.chat_template)) is not None:
             spec, spec_param = auto, "tools"
         refs = [r for m in messages for r in m.get(IMAGES_KEY, ())]
@@ -360,7 +385,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             raise bad_param("input", str(e)) from None
         constraints = (await tl.build_constraints(engine, spec, 1, spec_param)
                        if spec is not None else None)
-        out = _ChatOut(tools, choice.mode, tl.can_think(engine))
+        out = _ChatOut(tools, choice.mode, tl.can_think(engine), harmony)
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         resp = _skeleton(body, rid, created, tools)
         keep = (lambda output: store.put(rid, _conversation(history + turn, output), resp)) \
@@ -374,6 +399,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         async for _, ev in gen.events(lambda: request.is_disconnected()):
             out.feed(ev.text, final=ev.finished, reason=ev.finish_reason)
         output: list[dict] = []
+        if harmony and out.reasoning:
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", out.reasoning))
         text = out.content.strip() if out.calls else out.content
         if text or not out.calls:
             output.append(_msg_item(f"msg_{uuid.uuid4().hex}", text))
@@ -395,6 +422,20 @@ async def _stream(gen: Generation, events, out, resp: dict, keep) -> AsyncIterat
     yield _sse(seq, {"type": "response.in_progress", "response": dict(resp)})
     output: list[dict] = []
     text_i: int | None = None            # output index of the open message item
+    think_i: int | None = None           # output index of the open reasoning item (Harmony)
+
+    def close_think():
+        nonlocal think_i
+        if think_i is None:
+            return []
+        item = output[think_i]
+        i, think_i = think_i, None
+        item["status"] = "completed"
+        return [_sse(seq, {"type": "response.reasoning_text.done", "item_id": item["id"],
+                           "output_index": i, "content_index": 0,
+                           "text": item["content"][0]["text"]}),
+                _sse(seq, {"type": "response.output_item.done", "output_index": i,
+                           "item": item})]
 
     def close_text():
         nonlocal text_i
@@ -415,9 +456,25 @@ async def _stream(gen: Generation, events, out, resp: dict, keep) -> AsyncIterat
         async for _, ev in events:
             n_calls = len(out.calls)
             for d in out.feed(ev.text, final=ev.finished, reason=ev.finish_reason):
+                if d.get("reasoning_content") and out.harmony is not None:
+                    for b in close_text():
+                        yield b
+                    if think_i is None:
+                        think_i = len(output)
+                        item = _reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress")
+                        output.append(item)
+                        yield _sse(seq, {"type": "response.output_item.added",
+                                         "output_index": think_i, "item": item})
+                    item = output[think_i]
+                    item["content"][0]["text"] += d["reasoning_content"]
+                    yield _sse(seq, {"type": "response.reasoning_text.delta",
+                                     "item_id": item["id"], "output_index": think_i,
+                                     "content_index": 0, "delta": d["reasoning_content"]})
                 piece = d.get("content")
                 if not piece:
                     continue
+                for b in close_think():
+                    yield b
                 if text_i is None:
                     text_i = len(output)
                     item = _msg_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
@@ -436,7 +493,7 @@ async def _stream(gen: Generation, events, out, resp: dict, keep) -> AsyncIterat
                                  "output_index": text_i, "content_index": 0, "delta": piece,
                                  "logprobs": []})
             for call in out.calls[n_calls:]:
-                for b in close_text():
+                for b in close_text() + close_think():
                     yield b
                 i = len(output)
                 item = _call_item(call)
@@ -455,7 +512,7 @@ async def _stream(gen: Generation, events, out, resp: dict, keep) -> AsyncIterat
         yield _sse(seq, {"type": "error", "code": e.code, "message": e.message,
                          "param": e.param})
         return
-    for b in close_text():
+    for b in close_text() + close_think():
         yield b
     _finish(resp, gen, output)
     keep(output)
