@@ -326,3 +326,20 @@ def test_anthropic_stream_blocks(text, blocks):
     assert b.blocks == blocks
     kinds = [json.loads(e.decode().split("data: ", 1)[1])["type"] for e in events]
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 2
+
+
+def test_ollama_out_streamed_pieces():
+    # Ollama's API takes no GBNF, so its chunk builder is fed the text directly: the same
+    # splitter gives `thinking`, content and tool_calls, whatever the chunking
+    from edgeinfer.server.ollama_api import _Out
+    from edgeinfer.server.tools import parse_tools
+    text = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions."
+            'get_weather<|channel|>commentary json<|message|>{"city": "Paris"}')
+    for step in (1, 3, 7, len(text)):
+        o, th, tx, calls = _Out(parse_tools([WEATHER]), True, harmony=True), "", "", []
+        for i in range(0, len(text), step):
+            a, b, c = o.feed(text[i:i + step], final=i + step >= len(text), reason="stop")
+            th, tx, calls = th + a, tx + b, calls + c
+        assert (th, tx) == ("Need weather.", "")
+        assert [c.ollama() for c in calls] == [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]

@@ -68,6 +68,16 @@ def test_recipient_before_channel():
     assert whole(text) == ("", "", [("get_weather", {"city": "Rome"})])
 
 
+def test_recipient_right_after_the_prompt():
+    # the prompt ends in <|start|>assistant: gpt-oss's template writes calls this way
+    text = ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}'
+    assert whole(text) == ("", "", [("get_weather", {"city": "Oslo"})])
+    for i in range(len(text) + 1):
+        assert streamed(text, [i]) == whole(text)
+    assert whole("to=be or not") == ("", "to=be or not", [])
+    assert whole("tomorrow") == ("", "tomorrow", [])
+
+
 def test_several_segments_and_preamble():
     text = ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary"
             "<|message|>Checking now.<|end|><|start|>assistant<|channel|>analysis<|message|>b"

@@ -32,7 +32,10 @@ CONSTRAIN = "<|constrain|>"
 RETURN, CALL = "<|return|>", "<|call|>"
 # what ends a body: the message's end, or a new header the model began without <|end|>
 _BODY_ENDS = (END, START, CHANNEL, RETURN, CALL)
-_HEADER_OPENS = (CHANNEL, START)
+# the prompt ends in `<|start|>assistant`, so the first header may open with the recipient
+# (` to=functions.NAME<|channel|>commentary json<|message|>`, as gpt-oss's template writes
+# calls) as well as with the channel
+_HEADER_OPENS = (CHANNEL, START, "to=")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
 MAX_HEADER = 512          # longer than any real header: a runaway one is text, not markup
@@ -75,7 +78,9 @@ class HarmonySplitter:
                 ev += self._finish_call(self.buf, truncated)
             elif self.buf:
                 ev.append((self._dest(), self.buf))
-        # an unfinished header is markup the model never completed: nothing to show
+        elif self.state == "header" and self.buf.startswith("to="):
+            ev.append(("text", self.buf))      # never became a header: it was text
+        # an unfinished header of tags is markup the model never completed: nothing to show
         self.buf = ""
         self.state = "start"
         return ev
