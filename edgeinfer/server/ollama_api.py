@@ -312,8 +312,6 @@ def _think_vars(think, engine) -> dict:
     level goes to templates that take `reasoning_effort` (gpt-oss), a 400 for others."""
     if isinstance(think, str):
         return hm.effort_vars(engine, think, "think")
-    if hm.uses_effort(engine.chat_template):
-        return {}                     # true: the template's default level
     return {} if think is None else {"enable_thinking": think is not False}
 
 
