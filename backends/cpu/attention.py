@@ -686,7 +686,9 @@ def _load_q(q, t0, h0, nh, R, ggml_rounding, qv):
             qv[r, d] = round_f16(x) if ggml_rounding else x
 
 
-@njit(inline="always", nogil=True)
+# _scores and _vsums are functions of their own, not inlined: _tile calls each with the pool
+# and with the widened rows, and inlining all four bodies made _tile's compile 10x longer.
+@njit(nogil=True, cache=_CACHE, fastmath=False)
 def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jmax):
     """Scores of rows 0..R-1 (row r: token t0 + r // nh), over the keys of the rows' tokens
     together (a row's own are a subrange), limited to keys jmin..jmax."""
@@ -717,7 +719,7 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
         r += rows
 
 
-@njit(inline="always", nogil=True)
+@njit(nogil=True, cache=_CACHE, fastmath=False)
 def _vsums(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
     """_vsums_of with `exact` (the weights and the pool's V are halves: _wadd) as a literal,
     so each copy of the loops has one kind of add."""
