@@ -155,9 +155,6 @@ def test_effort_refused_where_it_cannot_be_honoured(oa, daemon):
     with pytest.raises(openai.BadRequestError, match="takes no reasoning level"):
         oa.chat.completions.create(model=PLAIN, messages=ASK, max_tokens=1,
                                    reasoning_effort="high")
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        oa.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, tools=[WEATHER],
-                                   tool_choice="required")
 
 
 def test_multi_turn_reasoning_and_tool_results(oa, tok):
@@ -343,3 +340,62 @@ def test_ollama_out_streamed_pieces():
         assert (th, tx) == ("Need weather.", "")
         assert [c.ollama() for c in calls] == [
             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+
+
+CITY = {"type": "function", "function": {
+    "name": "pick_city", "description": "",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "pick_city"}}])
+def test_forced_tool_choice_is_a_harmony_call(oa, tool_choice):
+    # required / named: a grammar over Harmony's own call header (not another model's
+    # envelope), reasoning first optional. The random model fills it in, so each sampled
+    # answer is one of the grammar's two shapes: a valid call, or reasoning cut by the
+    # length limit (random weights never close the analysis channel; this model, its markup
+    # spelled in characters, always opens it: the call itself is test_forced_call_in_process's)
+    for seed in range(3):
+        r = oa.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, CITY],
+                                       tool_choice=tool_choice, max_tokens=120, seed=seed,
+                                       temperature=1.0)
+        ch = r.choices[0]
+        if ch.finish_reason == "length":
+            assert not ch.message.content and not ch.message.tool_calls
+            assert ch.message.model_extra["reasoning_content"]
+            continue
+        assert ch.finish_reason == "tool_calls", ch.message
+        (c,) = ch.message.tool_calls
+        args = json.loads(c.function.arguments)
+        assert c.function.name == "pick_city" or tool_choice == "required"
+        assert args in ({"city": "Paris"}, {"city": "Rome"}) if c.function.name == "pick_city" \
+            else isinstance(args["city"], str)
+
+
+def test_forced_call_in_process(tmp_path):
+    # the whole Harmony vocabulary: the forced-call grammar over the real special tokens
+    from edgeinfer.engine import grammar as g
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.runners.sampling_params import SamplingParams
+    from edgeinfer.server import harmony as hm, tools as tl
+    p = tmp_path / "h.gguf"
+    write_tiny_gguf(p, "qwen3", SHAPE, random_f32_tensors(np.random.default_rng(0)),
+                    file_type=0, extra_specials=SPECIALS, chat_template=TEMPLATE)
+    e = Engine(str(p), EngineConfig(max_model_len=1024, kv_budget_bytes=32 << 20))
+    try:
+        tok = e.tokenizer
+        tools = tl.parse_tools([WEATHER, CITY])
+        spec = hm.call_grammar(tools, tl.Choice("named", "pick_city"), tok.token_to_id)
+        assert 'call: <|channel|> "commentary to=functions."' in spec.source
+        c = g.grammars_for(tok, max(int(e.cfg.vocab_size), tok.vocab_size)).constraint(spec)
+        out = e.generate(e.encode_chat(ASK, tools=[WEATHER, CITY]),
+                         SamplingParams(temperature=0, max_tokens=200), constraint=c)
+        assert out.finish_reason == "stop", out.text
+        assert tok.token_to_id["<|constrain|>"] in out.token_ids
+        r, content, calls = hm.split_harmony(out.text, tools)
+        assert content == ""
+        assert [(x.name, x.arguments["city"] in ("Paris", "Rome")) for x in calls] == \
+            [("pick_city", True)]
+    finally:
+        e.shutdown()

@@ -358,8 +358,9 @@ async def messages(body: MessagesRequest, request: Request):
         engine = gen.lm.engine
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
         harmony = hm.engine_harmony(engine)
-        if harmony:
-            hm.check_choice(choice)
+        if harmony and choice.mode in ("required", "named"):   # Harmony's call, not our envelope
+            spec = hm.call_grammar(tools, choice,
+                                         engine.tokenizer.token_to_id)
         chat, tvars = tl.prepare_chat(msgs, tools, choice, parallel, engine.chat_template)
         if spec is None and not harmony:
             spec = tl.auto_spec(tools, choice, parallel, engine.chat_template)

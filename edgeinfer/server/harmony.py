@@ -24,7 +24,10 @@ import json
 import re
 from typing import Any
 
+from edgeinfer.engine.grammar import GrammarSpec
+
 from .errors import bad_param
+from .tool_grammar import _args_schema as args_schema
 from .tool_parse import Tool, ToolCall, _holdback
 
 CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
@@ -222,12 +225,26 @@ def with_thinking(messages: list[dict]) -> list[dict]:
 
 
 
-def check_choice(choice) -> None:
-    """tool_choice required / a named function would need a grammar over Harmony's call
-    header, which edgeinfer does not build: a 400, not a call in another model's envelope.
-    (The markup itself reaches the text as is: llama.cpp's vocabulary rules, which edgeinfer's
-    tokenizer follows, type <|channel|>, <|message|>, <|start|>, <|constrain|> and <|end|> as
-    user-defined tokens, printed; <|return|> and <|call|> end generation and never print.)"""
-    if getattr(choice, "mode", None) in ("required", "named"):
-        raise bad_param("tool_choice", "tool_choice 'required' or naming a function is not "
-                        "supported for Harmony (gpt-oss) models; use 'auto'")
+
+def call_grammar(tools: list[Tool], choice, vocab: dict | None = None) -> GrammarSpec:
+    """tool_choice required / named for a Harmony model: optional reasoning on the analysis
+    channel, then one call on the commentary channel to an allowed function, its arguments by
+    the tool's schema. The markup is written as the vocabulary's special tokens (Lark's
+    <|...|> syntax: the text grammar of other models cannot see them), as text where the
+    vocabulary has no such token. The output ends with the arguments (the model's <|call|>
+    would end it anyway)."""
+    vocab = vocab or {}
+
+    def m(tag: str) -> str:
+        return tag if tag in vocab else json.dumps(tag)
+    allowed = [t for t in tools if choice.mode != "named" or t.name == choice.name]
+    rules = ["start: analysis? call",
+             f'analysis: {m(CHANNEL)} "analysis" {m(MESSAGE)} THOUGHT {m(END)} {m(START)} '
+             '"assistant"',
+             "THOUGHT: /(?s:.*)/",
+             f'call: {m(CHANNEL)} "commentary to=functions." ('
+             + " | ".join(f"call{i}" for i in range(len(allowed))) + ")"]
+    for i, t in enumerate(allowed):
+        rules.append(f"call{i}: {json.dumps(t.name + ' ')} {m(CONSTRAIN)} \"json\" "
+                     f"{m(MESSAGE)} %json {args_schema(t)}")
+    return GrammarSpec("lark", "\n".join(rules) + "\n")

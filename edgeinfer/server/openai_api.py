@@ -289,8 +289,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         params = gen.adapt(params, _given(body), body.stop_on_repetition)
         harmony = hm.engine_harmony(engine)
         if harmony:
-            hm.check_choice(choice)
             messages = hm.with_thinking(messages)
+            if choice.mode in ("required", "named"):     # Harmony's call, not our envelope
+                spec = hm.call_grammar(tools, choice,
+                                         engine.tokenizer.token_to_id)
         msgs, extra = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
                                       engine.chat_template)
         extra.update(hm.effort_vars(engine, body.reasoning_effort, "reasoning_effort"))

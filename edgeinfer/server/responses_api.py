@@ -363,8 +363,9 @@ async def create_response(body: ResponsesRequest, request: Request):
             given.add("max_tokens")
         params = gen.adapt(params, given, body.stop_on_repetition)
         harmony = hm.engine_harmony(engine)
-        if harmony:
-            hm.check_choice(choice)
+        if harmony and choice.mode in ("required", "named"):   # Harmony's call, not our envelope
+            spec, spec_param = hm.call_grammar(tools, choice,
+                                         engine.tokenizer.token_to_id), "tools"
         chat, tvars = tl.prepare_chat(messages, tools, choice, body.parallel_tool_calls,
                                       engine.chat_template)
         tvars.update(hm.effort_vars(engine, _effort(body), "reasoning.effort"))
