@@ -224,8 +224,6 @@ def with_thinking(messages: list[dict]) -> list[dict]:
     return out
 
 
-
-
 def call_grammar(tools: list[Tool], choice, vocab: dict | None = None) -> GrammarSpec:
     """tool_choice required / named for a Harmony model: optional reasoning on the analysis
     channel, then one call on the commentary channel to an allowed function, its arguments by
@@ -241,7 +239,9 @@ def call_grammar(tools: list[Tool], choice, vocab: dict | None = None) -> Gramma
     rules = ["start: analysis? call",
              f'analysis: {m(CHANNEL)} "analysis" {m(MESSAGE)} THOUGHT {m(END)} {m(START)} '
              '"assistant"',
-             "THOUGHT: /(?s:.*)/",
+             # reasoning never holds the end tag as text (else, where the markup is text, the
+             # lexeme could swallow it)
+             r"THOUGHT: /(?s:.*)/ & ~/(?s:.*<\|end\|>.*)/",
              f'call: {m(CHANNEL)} "commentary to=functions." ('
              + " | ".join(f"call{i}" for i in range(len(allowed))) + ")"]
     for i, t in enumerate(allowed):
