@@ -267,7 +267,15 @@ def test_ray_smoke_both_apis_streaming_and_not(ray_daemon):
         olc.generate(model=MODEL, prompt="x", options={"num_predict": -5, "temperature": -1})
     assert e.value.status_code == 400
 
-    ps = d.get("/api/ps").json()
+    # each replica's figures reach the registry with its next periodic push: wait for one
+    # that has its loaded model (a guard against a stale report, not a timing assertion)
+    deadline = time.monotonic() + 30
+    while True:
+        ps = d.get("/api/ps").json()
+        if all(r["node"] and r["kv_blocks_total"] > 0 for r in ps["replicas"]) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert len(ps["replicas"]) == 2 and len({r["pid"] for r in ps["replicas"]}) == 2
     assert all(r["node"] and r["kv_blocks_total"] > 0 for r in ps["replicas"])
     # replicas push their figures to the registry periodically: wait for the latest push (a

@@ -364,7 +364,9 @@ def test_incremental_detokenizer_flushes_dangling_bytes(gemma):
 @given(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=NO_SPM_ROUND_TRIP), max_size=60))
 def test_incremental_equals_full_decode(gemma, text):
     tok, _ = gemma
-    ids = tok.encode(text, add_special=True)
+    # text, not markup: a generated "<pad>" must not become the control token (which prints
+    # nothing); hypothesis draws such strings from the literals in our sources
+    ids = tok.encode(text, add_special=True, parse_special=False)
     det = IncrementalDetokenizer(tok)
     chunks = [det.add(i) for i in ids]
     assert "".join(chunks) + det.flush() == tok.decode(ids) == text
