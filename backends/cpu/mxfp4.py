@@ -53,6 +53,14 @@ def row_bytes(k: int) -> int:
     return k // BLOCK * BLOCK_BYTES
 
 
+def _freeze_data(w) -> None:
+    """w.data read-only, as the map gives it: one compiled signature for every kernel."""
+    if w.data.flags.writeable:
+        d = w.data.view()
+        d.flags.writeable = False
+        object.__setattr__(w, "data", d)
+
+
 @dataclass(frozen=True)
 class Mxfp4Matrix:
     """A GGUF MXFP4 weight of ggml shape (K, N): N rows of K values as uint8[N, row_bytes],
@@ -65,10 +73,7 @@ class Mxfp4Matrix:
         if self.data.dtype != np.uint8 or self.data.shape != (self.N, row_bytes(self.K)):
             raise ValueError(f"MXFP4 data of shape {self.data.shape} does not match "
                              f"K={self.K} N={self.N}")
-        if self.data.flags.writeable:   # one compiled signature: read-only, as the mmap
-            d = self.data.view()
-            d.flags.writeable = False
-            object.__setattr__(self, "data", d)
+        _freeze_data(self)
 
     @classmethod
     def from_gguf(cls, gguf_file, name: str) -> "Mxfp4Matrix":
@@ -252,10 +257,7 @@ class Mxfp4Experts:
         if self.data.dtype != np.uint8 or self.data.shape != (self.X, self.N, row_bytes(self.K)):
             raise ValueError(f"MXFP4 expert data of shape {self.data.shape} does not match "
                              f"K={self.K} N={self.N} X={self.X}")
-        if self.data.flags.writeable:   # one compiled signature: read-only, as the mmap
-            d = self.data.view()
-            d.flags.writeable = False
-            object.__setattr__(self, "data", d)
+        _freeze_data(self)
 
     @classmethod
     def from_gguf(cls, gguf_file, name: str) -> "Mxfp4Experts":
