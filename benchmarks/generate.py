@@ -153,6 +153,20 @@ def worker_fill_llamacpp(model: str, n: int, threads: int, fa: bool) -> dict:
     return {"peak_rss_mb": _rss_mb(), "kv_mb": float("nan")}
 
 
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The options a script that benchmarks one file through this one passes on (run_on)."""
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--depths", default="0,2048")
+    ap.add_argument("--threads", type=int, default=2)
+
+
+def run_on(path, args: argparse.Namespace) -> int:
+    """This benchmark on a model file, in a process of its own (benchmarks/moe.py, gpt_oss.py)."""
+    return subprocess.call([sys.executable, __file__, "--model", str(path),
+                            "--rounds", str(args.rounds), "--depths", args.depths,
+                            "--threads", str(args.threads)])
+
+
 def run_worker(args: argparse.Namespace, engine: str, extra: list[str] = ()) -> dict:
     env = dict(os.environ, NUMBA_NUM_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
     r = subprocess.run([sys.executable, __file__, "--worker", engine, "--model", args.model,

@@ -12,19 +12,18 @@ deleted after quantizing).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from generate import add_run_args, run_on  # noqa: E402  (this folder: the script's own)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--depths", default="0,2048")
-    ap.add_argument("--threads", type=int, default=2)
+    add_run_args(ap)
     args = ap.parse_args()
     from synth_archs import VARIANTS, variant_model
     cache = ROOT / ".cache" / "bench-gpt-oss"
@@ -34,9 +33,7 @@ def main() -> int:
     print(f"synthetic gpt-oss MXFP4_MOE: {v.layers} layers, width {v.n_embd}, {v.n_expert} "
           f"experts of {v.n_ff_exp}, {v.n_expert_used} used, window {v.sliding_window}; "
           f"{path.stat().st_size / 2**20:.0f} MB", flush=True)
-    return subprocess.call([sys.executable, str(ROOT / "benchmarks" / "generate.py"),
-                            "--model", str(path), "--rounds", str(args.rounds),
-                            "--depths", args.depths, "--threads", str(args.threads)])
+    return run_on(path, args)
 
 
 if __name__ == "__main__":

@@ -16,20 +16,19 @@ another program holds a core, so compare runs made at a low load average (printe
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from generate import add_run_args, run_on  # noqa: E402  (this folder: the script's own)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ftype", default="Q4_K_M", help="Q4_K_M, Q8_0 or F32")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--depths", default="0,2048")
-    ap.add_argument("--threads", type=int, default=2)
+    add_run_args(ap)
     args = ap.parse_args()
     from synth_archs import VARIANTS, variant_model
     v = VARIANTS["qwen3moe-bench"]
@@ -37,9 +36,7 @@ def main() -> int:
     print(f"synthetic qwen3moe {args.ftype}: {v.layers} layers, width {v.n_embd}, "
           f"{v.n_expert} experts of {v.n_ff_exp}, {v.n_expert_used} used; "
           f"{path.stat().st_size / 2**20:.0f} MB", flush=True)
-    return subprocess.call([sys.executable, str(ROOT / "benchmarks" / "generate.py"),
-                            "--model", str(path), "--rounds", str(args.rounds),
-                            "--depths", args.depths, "--threads", str(args.threads)])
+    return run_on(path, args)
 
 
 if __name__ == "__main__":
