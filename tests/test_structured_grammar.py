@@ -118,6 +118,22 @@ def test_regex_choice_gbnf_lark(tok):
     _walk(tok, c, "x7")
 
 
+def test_a_literal_that_spells_a_chat_tag_is_written_as_text(tok):
+    """"<start_of_image>" is a user-defined token in gemma3's vocabulary, one the view marks as
+    not text. A grammar literal that spells it is text: the mask must only offer tokens the
+    matcher then accepts (it used to offer the tag and reject it when sampled)."""
+    tag = tok.token_to_id["<start_of_image>"]
+    c = g.GrammarConstraint.for_spec(tok, tok.vocab_size,
+                                     g.GrammarSpec("gbnf", 'root ::= "a<start_of_image>b"'))
+    out = []
+    while not c.is_complete():
+        allowed = np.nonzero(c.allowed_tokens())[0]
+        assert len(allowed) and tag not in allowed
+        c.accept(int(allowed[0]))
+        out.append(int(allowed[0]))
+    assert tok.decode(out) == "a<start_of_image>b"
+
+
 def test_compiles_are_cached_per_model(tok):
     spec = g.json_schema({"type": "object", "properties": {"q": {"type": "string"}}})
     g.GrammarConstraint.for_spec(tok, tok.vocab_size, spec)
@@ -205,3 +221,29 @@ def test_constrained_output_cut_by_length(engine):
     out = engine.generate(prompt, greedy(4), constraint=c)
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert out.text.startswith('{"name": ') and not c.is_complete()
+
+
+class _RejectsEverything:
+    """A constraint whose matcher turns down the token it allowed (a grammar engine bug)."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def allowed_tokens(self):
+        return np.ones(self.vocab, bool)
+
+    def accept(self, token):
+        raise ConstraintError(f"grammar rejected token {token}")
+
+    def is_complete(self):
+        return False
+
+
+def test_a_rejected_sample_fails_that_request_and_the_engine_goes_on(engine):
+    from edgeinfer.engine.core import greedy
+    prompt = engine.encode_chat([{"role": "user", "content": "Describe a person."}])
+    bad = engine.generate(prompt, greedy(8), constraint=_RejectsEverything(engine.cfg.vocab_size))
+    assert bad.finish_reason == "error" and "grammar rejected token" in bad.error
+    assert engine.scheduler.live_sequences() == []          # its blocks went back
+    again = engine.generate(prompt, greedy(4))
+    assert again.finish_reason == "length" and len(again.token_ids) == 4

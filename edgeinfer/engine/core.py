@@ -487,6 +487,10 @@ class Engine(PromptMethods):
                                                if not c.is_decode)
             self._take_side_results(result)
             kept, verdicts = self._check_finishes(out, result)
+            for c in out.chunks:            # a grammar that rejected its own sample: that
+                verdict = verdicts.get(c.seq.seq_id)     # request fails, the step goes on
+                if verdict is not None and verdict[0] == "error":
+                    self._fail(c.seq, verdict[1])
             self.scheduler.update(out, kept)
             self._deliver(out, result, kept, verdicts)
         self._publish()
@@ -562,9 +566,6 @@ class Engine(PromptMethods):
                 continue
             st = self._states[rid]
             o = st.out
-            if verdict[0] == "error":
-                self._fail(seq, verdict[1])
-                continue
             if st.scoring is not None:
                 taken = st.scoring.take()
                 if taken is not None:

@@ -97,6 +97,11 @@ class _GGUFVocab:
             special.append(len(tokens) - 1)
         self.tokens = tokens
         self.special_token_ids = special
+        # the tokenize callback must never hand llguidance a token the view marks as not text
+        # (a user-defined chat tag our tokenizer would cut out of the text): llguidance would
+        # allow it for forced bytes and then reject it when it is sampled
+        self._as_text = frozenset(i for i in special if i < len(tok.tokens)
+                                  and types[i] == TokenType.USER_DEFINED)
         eos = sorted(tok.eot_ids) or ([tok.eos_id] if tok.eos_id is not None else [])
         self.eos_token_ids = eos
         self.eos_token_id = tok.eos_id if tok.eos_id in eos else (eos[0] if eos else 0)
@@ -108,7 +113,8 @@ class _GGUFVocab:
     def __call__(self, text: bytes | str) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_special=False, parse_special=False)
+        return self._tok.encode(text, add_special=False, parse_special=False,
+                                as_text=self._as_text)
 
 
 class _Cache:

@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import numpy as np
 import regex
@@ -359,10 +359,13 @@ class Tokenizer:
         return self.token_bytes[token_id]
 
     # --- encode ----------------------------------------------------------------------------
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
+               as_text: Collection[int] = ()) -> list[int]:
+        """`as_text`: special-token ids never cut out of the text, whatever their type (the
+        grammar engine's view, where a user-defined chat tag is not text a model may write)."""
         text = _clean_surrogates(text)
         out: list[int] = []
-        fragments = self._partition(text, parse_special) if text else []
+        fragments = self._partition(text, parse_special, as_text) if text else []
         if self.model == "bert":
             # llama.cpp's WPM: [CLS] text [SEP] whenever specials are added
             if add_special and self.bos_id is not None:
@@ -401,7 +404,8 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
-    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+    def _partition(self, text: str, parse_special: bool,
+                   as_text: Collection[int] = ()) -> list[str | int]:
         """Cut special tokens out of the text exactly as llama.cpp's tokenizer_st_partition."""
         if self._special_first is None:
             return [text]
@@ -412,6 +416,8 @@ class Tokenizer:
         frags: list[str | int] = [text]
         for tid in cands:
             if not parse_special and int(types[tid]) in (TokenType.CONTROL, TokenType.UNKNOWN):
+                continue
+            if tid in as_text:
                 continue
             ttext = self.tokens[tid]
             new: list[str | int] = []
