@@ -27,8 +27,8 @@ from typing import Any
 from edgeinfer.engine.grammar import GrammarSpec
 
 from .errors import bad_param
-from .tool_grammar import _args_schema as args_schema
-from .tool_parse import Tool, ToolCall, _holdback
+from .tool_grammar import args_schema
+from .tool_parse import Tool, ToolCall, holdback
 
 CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
 CONSTRAIN = "<|constrain|>"
@@ -123,7 +123,7 @@ class HarmonySplitter:
             if cut is None:
                 if self.kind == "call":              # arguments are read whole
                     break
-                keep = 0 if final else _holdback(self.buf, _BODY_ENDS)
+                keep = 0 if final else holdback(self.buf, _BODY_ENDS)
                 out = self.buf[:len(self.buf) - keep]
                 if out:
                     ev.append((self._dest(), out))

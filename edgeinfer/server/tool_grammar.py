@@ -58,7 +58,7 @@ def call_schema(tools: list[Tool]) -> dict:
     return {**schema, "x-guidance": _JSON_OPTS}
 
 
-def _args_schema(t: Tool) -> str:
+def args_schema(t: Tool) -> str:
     return json.dumps({**closed_objects(t.parameters), "x-guidance": _JSON_OPTS})
 
 
@@ -98,7 +98,7 @@ def _lazy_auto(tools: list[Tool], parallel: bool) -> str:
     for i, (t, n) in enumerate(zip(tools, names)):
         rules.append(f'NAME{i}: /{n}"/')
         # the arguments by the tool's own schema, then the call object's end
-        rules.append(f"args{i}: ARGS_KEY %json {_args_schema(t)} OBJ_END")
+        rules.append(f"args{i}: ARGS_KEY %json {args_schema(t)} OBJ_END")
     return "\n".join(rules) + "\n"
 
 

@@ -239,7 +239,7 @@ def parse_prefixed(s: str, tools: dict[str, Tool]) -> list[ToolCall] | None:
 
 # ----- the splitter ------------------------------------------------------------------------
 
-def _holdback(buf: str, tags: tuple[str, ...]) -> int:
+def holdback(buf: str, tags: tuple[str, ...]) -> int:
     """How many trailing characters of buf could be the start of a tag."""
     n = 0
     for t in tags:
@@ -359,7 +359,7 @@ class StreamSplitter:
             if tag is not None:
                 end, kind = tag_at, ("tag" if tag == OPEN else "prefix")
             else:
-                end = len(buf) - (0 if final else _holdback(buf, TAGS))
+                end = len(buf) - (0 if final else holdback(buf, TAGS))
         self._emit(ev, buf[:end])
         self.in_code, self.buf = in_code, buf[end:]
         if kind is None:

@@ -36,7 +36,7 @@ from edgeinfer.engine.grammar import GrammarError, GrammarSpec, check_schema
 from .errors import APIError, bad_param
 from .tool_grammar import (auto_grammar_fits, auto_spec, call_grammar, call_schema,  # noqa: F401
                            template_supports_tools)
-from .tool_parse import (CLOSE, OPEN, StreamSplitter, Tool, ToolCall, _holdback,  # noqa: F401
+from .tool_parse import (CLOSE, OPEN, StreamSplitter, Tool, ToolCall, holdback,  # noqa: F401
                          args_obj as _args_obj, parse_calls)
 
 
@@ -244,7 +244,7 @@ class ThinkSplitter:
                     reasoning += r
                     self.state = "after"
                     continue
-                keep = _holdback(self.buf, (THINK_CLOSE,))
+                keep = holdback(self.buf, (THINK_CLOSE,))
                 reasoning += self.buf[:len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
                 return reasoning, content
