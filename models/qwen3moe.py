@@ -16,9 +16,13 @@ Runs on the numba CPU backend; other backends are refused with a clear error.
 """
 from __future__ import annotations
 
+import math
+
+import numba
 import numpy as np
 
 from edgeinfer.formats.model_config import ModelConfig
+from edgeinfer.models.llama import final_head
 from edgeinfer.models.variants import VariantModel
 
 
@@ -80,3 +84,47 @@ class Qwen3MoeModel(VariantModel):
     def ffn(self, w, h):
         return w.moe(self.ops, h)
 
+    # -- a step of a few tokens: the attention block's small ops fused ------------------------
+    def _fusable(self, batch) -> bool:
+        """Whether this step runs through ops.norm_qkv / ops.out_add_norm (backends/cpu/
+        _layer.py): every layer the plain qwen3moe block (separate q/k/v, QK-norm, full rope,
+        no temperature) with repacked matrices, and few enough tokens (fused_layer_rows)."""
+        cfg, ops = self.cfg, self.ops
+        if not hasattr(ops, "norm_qkv") or cfg.n_rot or self.mscale != 1.0 or cfg.attn_temp_scale:
+            return False
+        ok = self.__dict__.get("_fused_ok")
+        if ok is None:
+            plain = type(self).attention is VariantModel.attention     # no subclass's own
+            ok = self._fused_ok = plain and all(
+                w.wqkv is None and w.q_norm is not None and w.k_norm is not None
+                and cfg.uses_rope(i) for i, w in enumerate(self.layers))
+        width = max(cfg.n_embd, cfg.q_dim)
+        return ok and all(ops.fused_layer_rows(batch.num_tokens, width, (w.wq, w.wk, w.wv, w.wo))
+                          for w in self.layers)
+
+    def forward(self, batch, kv):
+        """VariantModel.forward's ops, the same bits; with _fusable, each layer's residual add,
+        norm, q/k/v, QK-norm and rope are one call (norm_qkv), and its output projection,
+        residual add and FFN norm another (out_add_norm): four calls a layer with attention
+        and the experts, where there were eleven."""
+        if not self._fusable(batch):
+            return super().forward(batch, kv)
+        cfg, ops = self.cfg, self.ops
+        T, eps = batch.num_tokens, cfg.rms_eps
+        threads = numba.get_num_threads()
+        heads = (cfg.n_head, cfg.n_kv_head)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        x = ops.embed(self.tok_embd, batch.token_ids)
+        f = None                # the previous layer's FFN output, added by the next norm_qkv
+        for i, w in enumerate(self.layers):
+            q, k, v = ops.norm_qkv(x, f, w.attn_norm, eps, (w.wq, w.wk, w.wv), heads, w.q_norm,
+                                   w.k_norm, batch, cfg.rope_base, cfg.rope_scale,
+                                   cfg.rope_neox, self.rope_freqs, threads)
+            a = ops.attention(q.reshape(T, cfg.n_head, cfg.head_dim),
+                              k.reshape(T, cfg.n_kv_head, cfg.head_dim),
+                              v.reshape(T, cfg.n_kv_head, cfg.head_dim), kv, i, batch, scale, 0)
+            h = ops.out_add_norm(a.reshape(T, cfg.q_dim), w.wo, x, w.ffn_norm, eps, threads)
+            f = self.ffn(w, h)
+        if f is not None:
+            x = ops.add(x, f)
+        return final_head(cfg, ops, x, batch, self.output_norm, self.output)

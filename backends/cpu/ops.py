@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import attention as A
-from edgeinfer.backends.cpu import _geglu, _norm
+from edgeinfer.backends.cpu import _geglu, _layer, _norm
 from edgeinfer.backends.cpu import _rotate as _rot
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu import _int8
@@ -21,7 +21,7 @@ from edgeinfer.backends.cpu._int8 import HAVE_SIMD
 from edgeinfer.backends.cpu.experts import ExpertBank, Workspace, groupable
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows, row_bytes
-from edgeinfer.backends.cpu.packed import packed_matmul, packed_matmuls
+from edgeinfer.backends.cpu.packed import SERIAL_MACS, SERIAL_QUANT, packed_matmul, packed_matmuls
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
 from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE, check_kv_cache_type
@@ -185,6 +185,7 @@ class CpuOps:
         self._unpacked = False          # some matrix was loaded without repacking
         self._mxfp4 = False             # some weights are MXFP4, read in place (mxfp4.py)
         self._moe_work = None           # scratch of the grouped expert kernels (experts.py)
+        self._fused: dict = {}          # _layer's matrix tables, by the matrices (_fused_mats)
 
     # Drafts are verified exactly here: with rows_exact, any forward; otherwise the runner
     # runs the verified spans in a forward of their own with per_row set.
@@ -296,6 +297,59 @@ class CpuOps:
             outs = packed_matmuls(x.reshape(-1, x.shape[-1]), ws)
             return tuple(o.reshape(o.shape[1]) for o in outs) if x.ndim == 1 else tuple(outs)
         return tuple(self.matmul(x, w) for w in ws)
+
+    # -- a decoder layer's small ops fused (_layer.py) --------------------------------------
+    def fused_layer_rows(self, T: int, width: int, mats) -> bool:
+        """Whether norm_qkv / out_add_norm take a step of T rows whose widest activation has
+        `width` values, with these matrices: every one repacked (ggml numerics), and a step
+        small enough that the separate ops would run their norms and quantization on the
+        calling thread anyway (the fused kernels run everything but the tiles there)."""
+        return (self.numerics == "ggml" and T * width < min(PAR_MIN_ELEMENTS, SERIAL_QUANT)
+                and all(isinstance(w, PackedMatrix) for w in mats))
+
+    def _fused_mats(self, mats) -> tuple:
+        """(P, Wt) of _layer's kernels for these repacked matrices, made once per tuple."""
+        key = tuple(id(w) for w in mats)
+        got = self._fused.get(key)
+        if got is None:
+            isa = _int8.BEST_ISA if HAVE_SIMD else _int8.PORTABLE
+            P = np.array([[_int8.kernel_address(w.fmt, isa), w.A, w.B, w.zero_point, w.N]
+                          for w in mats], np.int64)
+            Wt = np.ascontiguousarray(np.stack([w.W for w in mats]))
+            got = self._fused[key] = (P, Wt, tuple(mats))     # the matrices: ids stay theirs
+        return got
+
+    def norm_qkv(self, x: np.ndarray, y: np.ndarray | None, w_norm: np.ndarray, eps: float,
+                 mats, heads: tuple[int, int], q_norm: np.ndarray, k_norm: np.ndarray,
+                 batch: ForwardBatch, base: float, scale: float, neox: bool, freq_factors,
+                 threads: int) -> tuple:
+        """x += y (when y is given) in place; h = rms_norm(x, w_norm); q, k, v = h times the
+        three matrices (wq, wk, wv); then norm_rope of q (heads[0] heads) with q_norm and of k
+        (heads[1]) with k_norm. The bits of those ops, in one call (fused_layer_rows)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        T = x2.shape[0]
+        P, Wt, _ = self._fused_mats(mats)
+        D = q_norm.shape[0]
+        cos, sin = self._rope_tables(batch, D, base, scale, freq_factors)
+        q, k, v = (np.empty((T, w.N), np.float32) for w in mats)
+        nw = 1 if T * x2.shape[1] * int(P[:, 4].sum()) < SERIAL_MACS else threads
+        _layer.norm_qkv(x2, x2 if y is None else y.reshape(x2.shape), y is not None, w_norm,
+                        eps, P, Wt, q, k, v, heads[0], heads[1], q_norm, k_norm, cos, sin,
+                        neox, nw, np.zeros(1, np.int64))
+        return q, k, v
+
+    def out_add_norm(self, a: np.ndarray, wo, x: np.ndarray, w_norm: np.ndarray, eps: float,
+                     threads: int) -> np.ndarray:
+        """x += a times wo, in place; returns rms_norm(x, w_norm): the bits of matmul, add
+        and rms_norm, in one call (fused_layer_rows)."""
+        P, Wt, _ = self._fused_mats((wo,))
+        a2 = a.reshape(-1, a.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        T = x2.shape[0]
+        nw = 1 if T * a2.shape[1] * wo.N < SERIAL_MACS else threads
+        h = _layer.out_add_norm(a2, P, Wt, x2, w_norm, eps, np.empty_like(x2), nw,
+                                np.zeros(1, np.int64))
+        return h.reshape(x.shape)
 
     # -- mixture of experts (models/qwen3moe.py) ------------------------------------------
     def expert_bank(self, gguf_file, prefix: str, grouped: bool = True) -> ExpertBank:

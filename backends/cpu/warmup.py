@@ -16,7 +16,8 @@ Step keys:
   numerics' and encoder (BERT) kernels.
 - "mxfp4": the MXFP4 kernels (mxfp4.py: gpt-oss's experts, read in place, never repacked).
 - "moe": the grouped expert kernels of repacked mixture-of-experts layers (experts.py:
-  _moe's one call per layer, _router's routing).
+  _moe's one call per layer, _router's routing), and the fused attention-block kernels
+  qwen3moe's decode steps take (_layer.py: ops.norm_qkv, ops.out_add_norm).
 """
 from __future__ import annotations
 
@@ -169,6 +170,24 @@ def _moe_step() -> None:
         g(x, ids, w)
         _router.route(x, router, 1, np.empty((T, E), np.float32), ids, w, 2, T > 1)
     _router.route_logits(np.zeros((1, E), np.float32), 1, ids[:1], w[:1])
+    _layer_step(mats[0])
+
+
+def _layer_step(p) -> None:
+    """_layer's fused kernels as qwen3moe's decode steps call them (ops.norm_qkv with and
+    without the residual to add, ops.out_add_norm) on a repacked [N, K] matrix p."""
+    from types import SimpleNamespace
+    from .ops import CpuOps
+    ops = CpuOps(repack=True)
+    K, N = p.K, p.N
+    x = np.zeros((1, K), np.float32)
+    wn, qn = np.ones(K, np.float32), np.ones(N // 2, np.float32)
+    batch = SimpleNamespace(positions=np.zeros(1, np.int32), cache={})
+    for y in (None, np.zeros((1, K), np.float32)):
+        ops.norm_qkv(x, y, wn, 1e-6, (p, p, p), (2, 2), qn, qn, batch, 1e4, 1.0, True, None, 1)
+    a = np.zeros((1, N), np.float32)
+    # p is [N, K]: its output width N is the residual's here
+    ops.out_add_norm(np.zeros((1, K), np.float32), p, a, np.ones(N, np.float32), 1e-6, 1)
 
 
 def _attention_step(kv: str) -> None:

@@ -1,0 +1,178 @@
+"""A decoder layer's small ops fused around its repacked matmuls, for steps of a few tokens.
+
+A decode step of a small model is mostly calls: per layer a residual add, an RMS norm, the
+q/k/v matmuls (quantize, tiles), QK-norm and rope for q and k, the output projection, another
+add and norm, each its own trip through Python and numba's dispatcher. Two kernels here do
+the work of those eight calls in two:
+
+- `norm_qkv`: x += y (the previous layer's FFN output, when given), h = rms_norm(x) * wn,
+  q/k/v = h @ W^T (h quantized once per activation format, the tiles run as packed_matmuls
+  runs them), then rms_norm * qn and rope on each head of q, and with kn on each head of k;
+- `out_add_norm`: o = a @ Wo^T, x += o, h = rms_norm(x) * wn.
+
+Each step is the code the separate ops run (the same inlined functions: _norm's row norms,
+_actquant's quantizer, _int8's tile kernels by address, kernels' rope), in the same order, so
+every output is the same bits as the ops it replaces; tests/test_layer_fused.py compares them.
+Everything but the tiles runs on the calling thread: callers use these only for steps too
+small for the ops' parallel norms and quantization (CpuOps.fusable_rows).
+
+A matrix is described by a row of P int64[n, 5] (_P_FIELDS) and its W (_int8.weight_fields).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from . import _stamp
+from ._actquant import _quantize_block_vec
+from ._moe import _call_tiles, _fetch_add
+from ._norm import _rms_group, _rms_row
+from .kernels import _rope_head
+
+# inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
+_DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py")
+_DEPS_HASH = "21c0c5a96d30f619"
+
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
+_PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
+
+# P[m] fields: tile kernel address, activation block, weight block, zero point, output rows
+FN, ACT_BLOCK, W_BLOCK, ZP, N_ROWS = range(5)
+N_FIELDS = 5
+LANES = 16
+# as _int8.SMALL_M_CHUNK_BYTES: with few rows a thread's chunk of tiles is one long stream
+SMALL_M_CHUNK_BYTES = 1 << 17
+
+
+@njit(inline="always", nogil=True)
+def _quantize_for(h, P, m, qa, da, bsf, zb):
+    """h's codes for matrix m's format into qa[m], da[m], bsf[m]: copied from an earlier
+    matrix of the same format when there is one (the codes depend only on A and B); zb[m]
+    from bsf (the exact integer sums) times m's zero point, as packed.ActCodes.zb_for."""
+    T, K = h.shape
+    A, B, zp = P[m, ACT_BLOCK], P[m, W_BLOCK], P[m, ZP]
+    nb = K // B
+    src = -1
+    for j in range(m):
+        if P[j, ACT_BLOCK] == A and P[j, W_BLOCK] == B:
+            src = j
+            break
+    if src < 0:
+        q2 = qa[m]
+        d2 = da[m, :nb]
+        b2 = bsf[m, :nb]
+        z2 = zb[m, :nb]
+        for r in range(T):
+            for ab in range(K // A):
+                _quantize_block_vec(h, r, ab, A, B, zp, q2, d2, b2, z2)
+    else:
+        qa[m] = qa[src]
+        da[m, :nb] = da[src, :nb]
+        bsf[m, :nb] = bsf[src, :nb]
+    for b in range(nb):
+        for r in range(T):
+            zb[m, b, r] = np.int32(bsf[m, b, r]) * np.int32(zp)
+
+
+@njit(inline="always", nogil=True)
+def _tiles(P, Wt, m, qa, da, bsf, zb, out, t0, t1):
+    K = qa.shape[2]
+    nb = K // P[m, W_BLOCK]
+    _call_tiles(P[m, FN], t0, t1, Wt[m].ctypes.data, qa[m].ctypes.data,
+                da[m, :nb].ctypes.data, bsf[m, :nb].ctypes.data, zb[m, :nb].ctypes.data,
+                out.ctypes.data, qa.shape[1], K, out.shape[1])
+
+
+@njit(inline="always", nogil=True)
+def _matmuls(P, Wt, n, qa, da, bsf, zb, o0, o1, o2, nw, counter):
+    """o_m = the product of matrix m's codes and tiles, m < n (<= 3): on this thread, or with
+    nw > 1 the tiles of all of them in chunks dealt from one counter, as _int8's driver."""
+    T0 = Wt[0, 6]
+    T1 = Wt[1, 6] if n > 1 else 0
+    T2 = Wt[2, 6] if n > 2 else 0
+    if nw <= 1:
+        _tiles(P, Wt, 0, qa, da, bsf, zb, o0, 0, T0)
+        if n > 1:
+            _tiles(P, Wt, 1, qa, da, bsf, zb, o1, 0, T1)
+        if n > 2:
+            _tiles(P, Wt, 2, qa, da, bsf, zb, o2, 0, T2)
+        return
+    per = max(1, (T0 + T1 + T2) // (nw * 16))
+    if qa.shape[1] < 8:
+        per = max(per, SMALL_M_CHUNK_BYTES // (Wt[0, 7] * Wt[0, 8] * 64))
+    c0 = (T0 + per - 1) // per
+    c1 = (T1 + per - 1) // per
+    c2 = (T2 + per - 1) // per
+    addr = counter.ctypes.data
+    for _w in prange(nw):
+        while True:
+            c = _fetch_add(addr, np.int64(1))
+            if c >= c0 + c1 + c2:
+                break
+            if c < c0:
+                _tiles(P, Wt, 0, qa, da, bsf, zb, o0, c * per, min(T0, (c + 1) * per))
+            elif c < c0 + c1:
+                c -= c0
+                _tiles(P, Wt, 1, qa, da, bsf, zb, o1, c * per, min(T1, (c + 1) * per))
+            else:
+                c -= c0 + c1
+                _tiles(P, Wt, 2, qa, da, bsf, zb, o2, c * per, min(T2, (c + 1) * per))
+
+
+@njit(inline="always", nogil=True)
+def _norm_rope_heads(x, H, w, eps, cos, sin, neox):
+    """_norm.norm_rope's serial loop on x[T, H*D] seen as [T, H, D]."""
+    T = x.shape[0]
+    D = x.shape[1] // H
+    x3 = x.reshape((T, H, D))
+    x2 = x.reshape((T * H, D))
+    for th in range(T * H):
+        _rms_row(x2, w, eps, x2, th)
+        _rope_head(x3, cos, sin, neox, th // H, th % H)
+
+
+@njit(**_PJIT)
+def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox, nw, counter):
+    """x float32[T, X] (updated in place: x += y when add), then h = rms_norm(x) * wn; q, k, v
+    float32[T, N_m] = h @ W_m^T for the three matrices of P, Wt; then each head of q
+    (H heads) RMS-normed by qn and roped, each head of k (KVH heads) by kn. nw threads for
+    the tiles; counter int64[1] of zero, owned by the caller."""
+    T, X = x.shape
+    if add:
+        for r in range(T):
+            for i in range(X):
+                x[r, i] += y[r, i]
+    h = np.empty((T, X), np.float32)
+    for g in range((T + 7) // 8):
+        _rms_group(x, wn, eps, h, g)
+    nbmax = X // 16
+    qa = np.empty((3, T, X), np.int8)
+    da = np.empty((3, nbmax, T), np.float32)
+    bsf = np.empty((3, nbmax, T), np.float32)
+    zb = np.empty((3, nbmax, T), np.int32)
+    for m in range(3):
+        _quantize_for(h, P, m, qa, da, bsf, zb)
+    _matmuls(P, Wt, 3, qa, da, bsf, zb, q, k, v, nw, counter)
+    _norm_rope_heads(q, H, qn, eps, cos, sin, neox)
+    _norm_rope_heads(k, KVH, kn, eps, cos, sin, neox)
+
+
+@njit(**_PJIT)
+def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
+    """o = a @ W^T (the one matrix of P, Wt), x += o in place, h = rms_norm(x) * wn."""
+    T, K = a.shape
+    X = x.shape[1]
+    nbmax = K // 16
+    qa = np.empty((1, T, K), np.int8)
+    da = np.empty((1, nbmax, T), np.float32)
+    bsf = np.empty((1, nbmax, T), np.float32)
+    zb = np.empty((1, nbmax, T), np.int32)
+    _quantize_for(a, P, 0, qa, da, bsf, zb)
+    o = np.empty((T, X), np.float32)
+    _matmuls(P, Wt, 1, qa, da, bsf, zb, o, o, o, nw, counter)
+    for r in range(T):
+        for i in range(X):
+            x[r, i] += o[r, i]
+    for g in range((T + 7) // 8):
+        _rms_group(x, wn, eps, h, g)
+    return h

@@ -1,0 +1,163 @@
+"""The fused decoder-layer kernels (backends/cpu/_layer.py) give the bits of the ops they fuse.
+
+ops.norm_qkv must equal add, rms_norm, matmuls (q, k, v) and norm_rope of q and k; and
+ops.out_add_norm must equal matmul, add and rms_norm, bit for bit (np.array_equal), for every
+repackable weight type, several row counts, and one or two threads. qwen3moe's forward, which
+takes them for steps of a few tokens, must give the logits of the unfused forward.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from edgeinfer.backends.cpu import _int8, _layer, _stamp
+from edgeinfer.backends.cpu.ops import CpuOps
+from edgeinfer.backends.cpu.quants import QuantMatrix
+from edgeinfer.backends.cpu.repack import PackedMatrix
+from edgeinfer.runners.base import ScheduledSpan
+from synth_archs import variant_model
+
+CACHE = Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth-archs"
+
+needs_simd = pytest.mark.skipif(not _int8.HAVE_SIMD, reason="no vector tile kernel here")
+
+
+def test_kernel_cache_stamp_is_current():
+    want = _stamp.deps_hash(_layer._DEPS)
+    assert _layer._DEPS_HASH == want, f"update _DEPS_HASH in backends/cpu/_layer.py to {want!r}"
+    assert _layer._CACHE
+
+
+# where a k-quant block keeps its f16 scales (d, dmin), which random bytes must not make
+# NaN or infinite (gguf's quantizer writes only the legacy formats)
+_HALVES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q2_K: (80, 82), Q.Q3_K: (108,)}
+
+
+def _packed(rng, qtype, N: int, K: int) -> PackedMatrix:
+    if qtype in _HALVES:
+        bs, ts = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (N, K // bs, ts), dtype=np.uint8)
+        for o in _HALVES[qtype]:
+            d = rng.uniform(1e-3, 2e-2, (N, K // bs)).astype(np.float16)
+            raw[:, :, o:o + 2] = d.view(np.uint8).reshape(N, K // bs, 2)
+        raw = raw.reshape(-1)
+    else:
+        w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+        raw = quantize(w, qtype).reshape(-1)
+    return PackedMatrix.from_quant(QuantMatrix.from_bytes(raw, qtype, K, N))
+
+
+def _batch(T: int) -> SimpleNamespace:
+    # what ops._rope_tables reads of a ForwardBatch
+    return SimpleNamespace(positions=np.arange(7, 7 + T, dtype=np.int32), cache={})
+
+
+# (q/k type, v type, o type): k-quants with and without offsets, the legacy formats (Q8_0's
+# activation blocks of 32), mixed formats in one call, a width of 16-row blocks (Q6_K)
+TYPES = [(Q.Q4_K, Q.Q6_K, Q.Q4_K), (Q.Q8_0, Q.Q8_0, Q.Q8_0), (Q.Q5_K, Q.Q4_0, Q.Q6_K),
+         (Q.Q4_1, Q.Q5_0, Q.Q5_1), (Q.Q2_K, Q.Q3_K, Q.Q8_0)]
+
+
+@needs_simd
+@pytest.mark.parametrize("types", TYPES, ids=lambda t: "-".join(x.name for x in t))
+@pytest.mark.parametrize("T", [1, 3, 9])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_layer_ops_are_the_ops(types, T, threads):
+    rng = np.random.default_rng(T)
+    X, H, KVH, D = 512, 8, 2, 64
+    wq, wk, wv = (_packed(rng, t, n, X) for t, n in ((types[0], H * D), (types[0], KVH * D),
+                                                      (types[1], KVH * D)))
+    wo = _packed(rng, types[2], X, H * D)
+    wn, wn2, qn, kn = (rng.uniform(0.5, 1.5, n).astype(np.float32) for n in (X, X, D, D))
+    x = rng.standard_normal((T, X)).astype(np.float32)
+    y = rng.standard_normal((T, X)).astype(np.float32)
+    a = rng.standard_normal((T, H * D)).astype(np.float32)
+    eps, base = 1e-6, 1e6
+    ops = CpuOps(repack=True)
+    assert ops.fused_layer_rows(T, X, (wq, wk, wv, wo))
+    prev = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for add in (None, y):
+            # the ops, one by one
+            x1 = x.copy()
+            if add is not None:
+                x1 = ops.add(x1, add)
+            h = ops.rms_norm(x1, wn, eps)
+            q1, k1, v1 = ops.matmuls(h, (wq, wk, wv))
+            b1 = _batch(T)
+            q1 = ops.norm_rope(q1.reshape(T, H, D), qn, eps, b1, base, 1.0, True)
+            k1 = ops.norm_rope(k1.reshape(T, KVH, D), kn, eps, b1, base, 1.0, True)
+            # fused
+            x2 = x.copy()
+            q2, k2, v2 = ops.norm_qkv(x2, add, wn, eps, (wq, wk, wv), (H, KVH), qn, kn,
+                                      _batch(T), base, 1.0, True, None, threads)
+            assert np.array_equal(x1, x2)
+            assert np.array_equal(q1.reshape(T, -1), q2)
+            assert np.array_equal(k1.reshape(T, -1), k2)
+            assert np.array_equal(v1, v2)
+        x1 = x.copy()
+        x1 = ops.add(x1, ops.matmul(a, wo))
+        h1 = ops.rms_norm(x1, wn2, eps)
+        x2 = x.copy()
+        h2 = ops.out_add_norm(a, wo, x2, wn2, eps, threads)
+        assert np.array_equal(x1, x2)
+        assert np.array_equal(h1, h2)
+    finally:
+        numba.set_num_threads(prev)
+
+
+def test_not_fused_when_a_matrix_is_not_repacked_or_the_step_is_large():
+    rng = np.random.default_rng(0)
+    w = _packed(rng, Q.Q8_0, 64, 256)
+    ops = CpuOps(repack=True)
+    assert ops.fused_layer_rows(1, 256, (w, w))
+    assert not ops.fused_layer_rows(512, 256, (w, w))          # a prefill: the parallel ops
+    raw = quantize(rng.standard_normal((64, 256)).astype(np.float32), Q.Q8_0).reshape(-1)
+    assert not ops.fused_layer_rows(1, 256, (w, QuantMatrix.from_bytes(raw, Q.Q8_0, 256, 64)))
+    assert not CpuOps(numerics="f32").fused_layer_rows(1, 256, (w,))
+
+
+def _span(seq: int, start: int, toks, table) -> ScheduledSpan:
+    return ScheduledSpan(seq, start, tuple(toks), tuple(int(b) for b in table), True)
+
+
+def _logits(path: Path, fused: bool) -> tuple[np.ndarray, int]:
+    """A prefill, decode steps of one token, then decode steps of two sequences at once; the
+    logits of every step, and how many forwards took the fused layers."""
+    from edgeinfer.runners.native import ModelRunner
+    r = ModelRunner.load(str(path), kv_budget_bytes=32 << 20)
+    model = r.model
+    real = model._fusable
+    took = []
+
+    def fusable(batch):
+        ok = fused and real(batch)
+        took.append(ok)
+        return ok
+    model._fusable = fusable
+    toks = [int(t) for t in np.random.default_rng(1).integers(3, 250, 40)]
+    ta, tb = list(range(0, 4)), list(range(4, 8))
+    rows = [r.forward([_span(0, 0, toks[:20], ta)])]
+    rows += [r.forward([_span(0, i, [toks[i]], ta)]) for i in range(20, 26)]
+    rows.append(r.forward([_span(1, 0, toks[5:17], tb)]))
+    for i in range(26, 32):       # two sequences' decode rows in one step
+        rows.append(r.forward([_span(0, i, [toks[i]], ta), _span(1, i - 14, [toks[i]], tb)]))
+    return np.concatenate(rows), sum(took)
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
+def test_qwen3moe_fused_forward_gives_the_same_logits(ftype):
+    path = variant_model(CACHE, "qwen3moe", ftype)
+    fused, n = _logits(path, True)
+    plain, _ = _logits(path, False)
+    if _int8.HAVE_SIMD:
+        assert n >= 12            # the decode steps (one and two rows) took the fused layers
+    assert np.array_equal(fused, plain)
