@@ -34,6 +34,9 @@ def test_file_table_rows_are_the_mapped_rows(qwen_coder_path):
     ids = np.concatenate([ids, [0, table.N - 1]])
     np.testing.assert_array_equal(table.rows(ids), get_rows(mapped, ids))
     assert table.rows(np.array([5], np.int64)).shape == (1, 896)
+    # one row (a decode step: decoded on the calling thread) is that row of the big lookup
+    for i in (0, 7, 701):
+        np.testing.assert_array_equal(table.rows(ids[i:i + 1]), get_rows(mapped, ids)[i:i + 1])
     with pytest.raises(IndexError):
         table.rows(np.array([table.N]))
     with pytest.raises(IndexError):

@@ -188,6 +188,22 @@ def rows_driver(dec, w, ids, out):
         _call_dec(dec, n, n + 1, w.ctypes.data, N, nb, out.ctypes.data + r * K * 4)
 
 
+@njit(**_SER)
+def rows_serial(dec, w, ids, out):
+    """rows_driver on the calling thread: a decode step's embedding row or two is a
+    microsecond of work, and a parallel region to wake costs tens (far more when another
+    program holds a core)."""
+    N, nb = w.shape[0], w.shape[1]
+    K = out.shape[1]
+    for r in range(ids.shape[0]):
+        n = ids[r]
+        _call_dec(dec, n, n + 1, w.ctypes.data, N, nb, out.ctypes.data + r * K * 4)
+
+
+# below this many rows, rows() decodes on the calling thread (rows_serial)
+SERIAL_ROWS = 16
+
+
 @njit(**_PAR)
 def matvec_driver(dot, w, x, out):
     """out[m, n] = dot(row n of w, x[m]) for the few rows of x (dot: the type's dot_T
@@ -405,7 +421,8 @@ def kernel_address(code: int, which: int) -> int:
 def rows(code: int, w, ids, out) -> None:
     """out[r] = decoded row ids[r] of w (uint8[N, nb, ts] read-only, ids int64, out float32
     [len(ids), K] C-contiguous)."""
-    rows_driver(kernel_address(code, 0), w, ids, out)
+    drive = rows_serial if ids.shape[0] < SERIAL_ROWS else rows_driver
+    drive(kernel_address(code, 0), w, ids, out)
 
 
 def matvec(code: int, w, x, out) -> None:

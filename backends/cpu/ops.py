@@ -82,7 +82,10 @@ class FileTable:
         ids = np.asarray(ids, np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.N):
             raise IndexError(f"row id out of range [0, {self.N})")
-        uniq, inverse = np.unique(ids, return_inverse=True)
+        if ids.size == 1:           # a decode step's one token: nothing to deduplicate
+            uniq, inverse = ids, np.zeros(1, np.int64)
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
         rb, fd, off = self.row_bytes, self._fd, self.offset
         raw = b"".join([os.pread(fd, rb, off + int(i) * rb) for i in uniq])
         if len(raw) != uniq.size * rb:
