@@ -7,6 +7,7 @@ vocabulary asks.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -323,22 +324,21 @@ class Tokenizer:
 
     def _bytelevel_pieces(self) -> list[bytes]:
         toks = self.tokens
-        joined = "\x00".join(toks)
         table = {ord(c): b for c, b in bpe.CHAR_TO_BYTE.items()}
-        try:
-            pieces = joined.translate(table).encode("latin-1").split(b"\x00")
-            if len(pieces) == len(toks):
-                return pieces
-        except UnicodeEncodeError:
-            pass
-        out = []
-        for t in toks:
-            try:
-                out.append(t.translate(table).encode("latin-1"))
-            except UnicodeEncodeError:
-                # characters outside the byte alphabet: llama.cpp writes a marker, we keep UTF-8
-                out.append(t.encode("utf-8", "surrogateescape"))
-        return out
+        # One translate and encode for the whole vocabulary: each character becomes one
+        # character and then one byte, so token i's bytes are at its characters' offsets (a
+        # separator would not do: the alphabet has a character for byte 0). Tokens with
+        # characters outside the byte alphabet (added tokens: llama.cpp writes a marker, we
+        # keep their UTF-8) are found by position and done one by one.
+        text = "".join(toks).translate(table)
+        data = text.encode("latin-1", errors="replace")
+        ends = list(itertools.accumulate(map(len, toks)))
+        pieces = [data[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        odd = [m.start() for m in _NOT_LATIN1.finditer(text)]
+        if odd:
+            for i in set(np.searchsorted(ends, odd, side="right").tolist()):
+                pieces[i] = toks[i].encode("utf-8", "surrogateescape")
+        return pieces
 
     # --- queries ---------------------------------------------------------------------------
     def is_special(self, token_id: int) -> bool:
@@ -527,6 +527,9 @@ def _byte_token_value(text: str) -> bytes:
         return bytes([int(text[3:5], 16)])
     except ValueError:
         return b""
+
+
+_NOT_LATIN1 = regex.compile("[^\x00-\xff]")
 
 
 def _clean_surrogates(text: str) -> str:
