@@ -31,6 +31,9 @@ def build_model(cfg: ModelConfig, ops, gguf_file) -> Model:
     if cfg.arch == "qwen3moe":
         from edgeinfer.models.qwen3moe import Qwen3MoeModel
         return Qwen3MoeModel(cfg, ops, gguf_file)
+    if cfg.arch == "qwen2moe" or (cfg.arch == "llama" and cfg.n_expert):
+        from edgeinfer.models.moe import MoeModel      # qwen2moe, Mixtral
+        return MoeModel(cfg, ops, gguf_file)
     if cfg.arch == "gpt-oss":
         from edgeinfer.models.gpt_oss import GptOssModel
         return GptOssModel(cfg, ops, gguf_file)

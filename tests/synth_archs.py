@@ -46,6 +46,10 @@ class Variant:
     n_ff_exp: int = 0
     # gpt-oss: sliding window on alternate layers (attention.sliding_window)
     sliding_window: int = 0
+    # qwen2moe: q/k/v biases and a shared expert of this width (gated by ffn_gate_inp_shexp)
+    qkv_bias: bool = False
+    n_ff_shexp: int = 0
+    seed: int = 0           # the random weights' (variant_model)
 
 
 VARIANTS = {
@@ -85,6 +89,14 @@ VARIANTS = {
                              rope_base=150000.0, yarn_factor=32.0, orig_ctx=4096,
                              n_expert=16, n_expert_used=4, n_ff_exp=768, sliding_window=128,
                              context=8192),
+    # Mixtral's structure scaled down: arch llama with 8 experts of which 2 are used (its
+    # experts' width is feed_forward_length), llama rope, GQA
+    "mixtral": Variant("llama", n_ff=256, rope_base=1e6, n_expert=8, n_expert_used=2,
+                       n_ff_exp=256, context=4096, seed=1),
+    # Qwen1.5-MoE-A2.7B's: q/k/v biases, 16 routed experts of 256 (4 used, weights not
+    # renormalized), a shared expert 4 times as wide gated by sigmoid(h . gate_inp_shexp)
+    "qwen2moe": Variant("qwen2moe", n_ff=512, rope_base=1e6, n_expert=16, n_expert_used=4,
+                        n_ff_exp=256, qkv_bias=True, n_ff_shexp=1024, context=4096),
     "qwen3moe-bench": Variant("qwen3moe", layers=8, n_embd=512, n_ff=768, n_head=8, n_kv=1,
                               rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=256,
                               context=4096),
@@ -139,7 +151,10 @@ def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None =
     if v.n_expert:
         w.add_expert_count(v.n_expert)
         w.add_expert_used_count(v.n_expert_used)
-        w.add_expert_feed_forward_length(v.n_ff_exp)
+        if arch != "llama":     # Mixtral's converter writes none: its experts are n_ff wide
+            w.add_expert_feed_forward_length(v.n_ff_exp)
+    if v.n_ff_shexp:
+        w.add_expert_shared_feed_forward_length(v.n_ff_shexp)
     for key, val in (extra_u32 or {}).items():
         w.add_uint32(key, val)
     for key, val in (extra_f32 or {}).items():
@@ -192,6 +207,9 @@ def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None =
             w.add_tensor(p + "attn_k.weight", mat(kv, e, 0.7))
             w.add_tensor(p + "attn_v.weight", mat(kv, e))
         w.add_tensor(p + "attn_output.weight", mat(e, q, 0.3))
+        if v.qkv_bias:
+            for n, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                w.add_tensor(p + n + ".bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
         if arch == "gpt-oss":
             for n, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", e)):
                 w.add_tensor(p + n + ".bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
@@ -212,6 +230,14 @@ def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None =
             w.add_tensor(p + "ffn_gate_exps.weight", np.stack([mat(F, e, gu) for _ in range(X)]))
             w.add_tensor(p + "ffn_up_exps.weight", np.stack([mat(F, e, gu) for _ in range(X)]))
             w.add_tensor(p + "ffn_down_exps.weight", np.stack([mat(e, F, 0.3) for _ in range(X)]))
+            if v.n_ff_shexp:
+                S = v.n_ff_shexp
+                # the gate's logit a unit or two either side of 0: sigmoid far from 0 and 1
+                w.add_tensor(p + "ffn_gate_inp_shexp.weight",
+                             (1.5 * rng.standard_normal(e) / np.sqrt(e)).astype(np.float32))
+                w.add_tensor(p + "ffn_gate_shexp.weight", mat(S, e))
+                w.add_tensor(p + "ffn_up_shexp.weight", mat(S, e))
+                w.add_tensor(p + "ffn_down_shexp.weight", mat(e, S, 0.3))
             if arch == "gpt-oss":
                 bias = lambda *shape: (0.2 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
                 w.add_tensor(p + "ffn_gate_inp.bias", bias(X))
@@ -238,7 +264,7 @@ def variant_model(cache: Path, name: str, ftype: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     f32 = cache / f"synth-{name}-F32.gguf"
     if not f32.exists():
-        write_variant(f32.with_suffix(".tmp"), name).rename(f32)
+        write_variant(f32.with_suffix(".tmp"), name, VARIANTS[name].seed).rename(f32)
     if ftype == "F32":
         return f32
     out = cache / f"synth-{name}-{ftype}.gguf"

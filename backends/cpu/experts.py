@@ -179,6 +179,23 @@ class ExpertBank:
         _router.route_logits(matmul(x, self.router, per_row=True), k, ids, wts)
         return ids, wts
 
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """float32[T, E]: the F32 router's logits, each row the bits it gets alone (route()'s
+        kernel), for a model that routes them its own way (models/moe.py: softmax without
+        renormalizing, sigmoid gating) and hands the choice to CpuOps.moe_ffn."""
+        if self.router_f32 is None:
+            raise ValueError("logits() reads an F32 router; this one is "
+                             f"{GGMLQuantizationType(int(self.router.qtype)).name}")
+        x = np.ascontiguousarray(h.reshape(-1, h.shape[-1]), dtype=np.float32)
+        T, E = x.shape[0], self.router.N
+        logits = np.empty((T, E), np.float32)
+        threads = numba.get_num_threads()
+        big = T * E * x.shape[1] >= SERIAL_MACS
+        # the top-1 choice the kernel makes as well is scratch here
+        _router.route(x, self.router_f32, 1, logits, np.empty((T, 1), np.int64),
+                      np.empty((T, 1), np.float32), threads if big else 1, threads > 1 and big)
+        return logits
+
     def run(self, h: np.ndarray, k: int, rounder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(FFN output, ids, weights) of a grouped bank: routing and experts in one kernel
         call when the router is F32 (llama.cpp's files), else route() then the experts."""

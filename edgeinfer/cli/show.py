@@ -66,7 +66,7 @@ def placement_rows(s: ModelSummary, loaded: list[dict]) -> list[tuple[str, str]]
     if rows:
         return rows
     try:
-        b = resolve("auto", None, s.arch, getattr(s, "native", True))
+        b = resolve("auto", None, s.arch, getattr(s, "native", True), getattr(s, "cpu_only", False))
     except BackendChoiceError as e:
         return [("backend", f"auto cannot choose: {e}")]
     settings = current()
@@ -106,7 +106,7 @@ def kv_row(s: ModelSummary, backend: str | None,
 def _auto_backend(s: ModelSummary) -> str | None:
     from edgeinfer.runners.choice import BackendChoiceError, resolve
     try:
-        return resolve("auto", None, s.arch, s.native)
+        return resolve("auto", None, s.arch, s.native, s.cpu_only)
     except BackendChoiceError:
         return None
 

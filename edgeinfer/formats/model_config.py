@@ -10,11 +10,12 @@ from gguf import LlamaFileType
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding",
-                "phi3", "smollm3", "mistral3", "qwen3moe", "gpt-oss")
+                "phi3", "smollm3", "mistral3", "qwen3moe", "gpt-oss", "qwen2moe")
 # encoders: they embed (and rerank) but have no language-model head to generate with
 EMBEDDING_ARCHS = ("bert", "nomic-bert", "gemma-embedding")
-# mixture of experts: the native model runs on the numba CPU backend only (auto picks it)
-CPU_ONLY_ARCHS = ("qwen3moe", "gpt-oss")
+# mixture of experts: the native model runs on the numba CPU backend only (auto picks it);
+# so does a `llama` file with experts (Mixtral): cpu_only_file
+CPU_ONLY_ARCHS = ("qwen3moe", "gpt-oss", "qwen2moe")
 # the tensor types the native CPU kernels read (backends/cpu: quants.SUPPORTED_TYPES and
 # mxfp4.py; tests/test_gpt_oss.py holds the two lists equal): a gpt-oss file with another
 # is run by llama.cpp under auto
@@ -78,6 +79,16 @@ class ModelConfig:
     n_expert: int = 0            # qwen3moe: routed experts, of which n_expert_used per token
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    # routing as llama.cpp's build_moe_ffn (models/moe.py): gating "softmax" or "sigmoid"
+    # over all experts, the top k (by probability plus exp_probs_b when expert_bias), their
+    # probabilities as weights, divided by their sum when expert_norm, times expert_scale
+    # unless it is 0 or 1
+    expert_gating: str = "softmax"
+    expert_norm: bool = True
+    expert_scale: float = 0.0
+    expert_bias: bool = False
+    n_ff_shexp: int = 0          # shared expert's FFN width (0: none): qwen2moe
+    shexp_gate: bool = False     # qwen2moe: shared expert output times sigmoid(h . gate_inp_shexp)
 
     @property
     def rot_dim(self) -> int:
@@ -195,12 +206,14 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
         cfg = ModelConfig(**common, rope_neox=True, qk_norm=True, **_moe_config(f, arch, n_ff))
     elif arch in ("phi3", "smollm3", "mistral3"):
         cfg = _llama_variant(f, arch, common)
-    elif arch == "qwen2":
-        cfg = ModelConfig(**common, rope_neox=True, qkv_bias="blk.0.attn_q.bias" in f.tensors)
+    elif arch in ("qwen2", "qwen2moe"):
+        cfg = ModelConfig(**common, rope_neox=True, qkv_bias="blk.0.attn_q.bias" in f.tensors,
+                          **_moe_config(f, arch, n_ff))
     elif arch == "gpt-oss":
         cfg = _gpt_oss_config(f, common)
-    else:
-        cfg = ModelConfig(**common, rope_neox=False, has_rope_freqs="rope_freqs.weight" in f.tensors)
+    else:       # llama; with expert_count > 0 Mixtral's routed experts (build_llama's MoE)
+        cfg = ModelConfig(**common, rope_neox=False, has_rope_freqs="rope_freqs.weight" in f.tensors,
+                          **_moe_config(f, arch, n_ff))
     check_tensors(f, cfg)
     return cfg
 
@@ -281,10 +294,12 @@ def _gpt_oss_config(f: GGUFFile, common: dict) -> ModelConfig:
 
 
 def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
-    """Routed-expert hyper-parameters (qwen3moe); a key we do not implement is an error
-    naming it, never silently different numbers."""
-    if arch not in ("qwen3moe", "gpt-oss"):
+    """Routed-expert hyper-parameters (qwen3moe, gpt-oss, qwen2moe, llama with experts); a
+    key we do not implement is an error naming it, never silently different numbers."""
+    if arch not in ("qwen3moe", "gpt-oss", "qwen2moe", "llama"):
         return {}
+    if arch == "llama" and not f.metadata.get(f"{arch}.expert_count"):
+        return {}           # a dense llama
     n_expert = _positive("expert count", _meta(f, arch, "expert_count"), 4096)
     used = _meta(f, arch, "expert_used_count")
     if not 0 < used <= n_expert:
@@ -296,14 +311,39 @@ def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
         raise UnsupportedFeature(f"metadata '{arch}.expert_gating_func' = {int(gating)} is not softmax "
                         f"gating, which is all the native {arch} implements; run it with "
                         "--backend llamacpp")
-    for key in ("expert_shared_count", "expert_weights_scale"):
+    # qwen2moe has one shared expert (llama.cpp reads no count for it); llama.cpp's llama
+    # and qwen2moe graphs hard-code softmax and read no weights scale: a file that says
+    # otherwise is left to llama.cpp rather than guessed at
+    shared_ok = (0.0, 1.0) if arch == "qwen2moe" else (0.0,)
+    for key, ok in (("expert_shared_count", shared_ok), ("expert_weights_scale", (0.0, 1.0)),
+                    ("expert_group_count", (0.0, 1.0))) + (
+                        (("expert_shared_feed_forward_length", (0.0,)),) if arch == "llama" else ()):
         v = f.metadata.get(f"{arch}.{key}")
-        if v is not None and float(v) not in (0.0, 1.0 if key.endswith("scale") else 0.0):
+        if v is not None and float(v) not in ok:
             raise UnsupportedFeature(f"metadata '{arch}.{key}' = {v} is not supported by the native "
                             f"{arch}; run it with --backend llamacpp")
-    ff_exp = _meta(f, arch, "expert_feed_forward_length", n_ff // used)
+    extra: dict = {}
+    if arch == "llama":     # llama.cpp's llama reads n_ff for its experts, no expert key
+        ff_exp = n_ff
+        if "blk.0.ffn_gate_exps.weight" not in f.tensors and "blk.0.ffn_up_exps.weight" in f.tensors:
+            raise UnsupportedFeature("has experts without ffn_gate_exps (an ungated expert FFN), "
+                                     "which the native llama does not implement; run it with "
+                                     "--backend llamacpp")
+    else:
+        ff_exp = _meta(f, arch, "expert_feed_forward_length", n_ff // used)
+    if arch == "qwen2moe":  # softmax, top k, not renormalized; a sigmoid-gated shared expert
+        extra = dict(expert_norm=False, shexp_gate=True, n_ff_shexp=_positive(
+            "shared expert feed-forward length",
+            _meta(f, arch, "expert_shared_feed_forward_length", n_ff), 1 << 18))
     return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=_positive(
-        "expert feed-forward length", ff_exp, 1 << 18))
+        "expert feed-forward length", ff_exp, 1 << 18), **extra)
+
+
+def cpu_only_file(f: GGUFFile) -> bool:
+    """Whether the native model of this file runs on the CPU backend only: a mixture of
+    experts (CPU_ONLY_ARCHS, or a llama file with experts: Mixtral)."""
+    arch = f.metadata.get("general.architecture")
+    return arch in CPU_ONLY_ARCHS or bool(f.metadata.get(f"{arch}.expert_count"))
 
 
 def native_reason(f: GGUFFile) -> str | None:
@@ -352,6 +392,14 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "ffn_gate_inp.weight": (e, x), p + "ffn_gate_exps.weight": (e, fe, x),
                            p + "ffn_up_exps.weight": (e, fe, x),
                            p + "ffn_down_exps.weight": (fe, e, x)})
+            if cfg.n_ff_shexp:
+                s = cfg.n_ff_shexp
+                shapes.update({p + "ffn_gate_shexp.weight": (e, s), p + "ffn_up_shexp.weight": (e, s),
+                               p + "ffn_down_shexp.weight": (s, e)})
+            if cfg.shexp_gate:
+                shapes[p + "ffn_gate_inp_shexp.weight"] = (e,)
+            if cfg.expert_bias:
+                shapes[p + "exp_probs_b.bias"] = (x,)
             if cfg.arch == "gpt-oss":
                 # router and expert biases, sinks, the output bias; its pre-FFN norm is
                 # post_attention_norm (llama.cpp's attn_post_norm), there is no ffn_norm
@@ -438,6 +486,8 @@ class ModelSummary:
     has_chat_template: bool
     file_size: int
     native: bool
+    cpu_only: bool = False      # a mixture of experts: the native model is CPU-only
+
 
     @property
     def kv_bytes_per_token_f16(self) -> int | None:
@@ -479,4 +529,5 @@ def summarize(f: GGUFFile) -> ModelSummary:
         vocab_size=len(tokens) if isinstance(tokens, list) else 0,
         tokenizer=str(md.get("tokenizer.ggml.model", "none")),
         has_chat_template=isinstance(md.get("tokenizer.chat_template"), str),
-        file_size=f.file_size, native=arch in NATIVE_ARCHS and native_reason(f) is None)
+        file_size=f.file_size, native=arch in NATIVE_ARCHS and native_reason(f) is None,
+        cpu_only=cpu_only_file(f))

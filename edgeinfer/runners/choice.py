@@ -91,10 +91,12 @@ def require_device(kind: str, field: str = "device") -> None:
 
 
 def resolve(backend: str, device: str | None = None, arch: str | None = None,
-            native: bool = True) -> str:
+            native: bool = True, cpu_only: bool = False) -> str:
     """The concrete backend for a model of architecture `arch`: `cpu`, `llamacpp` or
     `torch:cuda|mps|cpu`. Raises BackendChoiceError for bad names, a device that is not
-    present, or a device auto cannot honour for this architecture."""
+    present, or a device auto cannot honour for this architecture. cpu_only: the file's
+    native model runs on the CPU backend only though its architecture's dense files do not
+    (a llama file with experts: model_config.cpu_only_file)."""
     check(backend, device)
     field = "device" if device is not None else "backend"
     base, _, dev = backend.partition(":")
@@ -109,7 +111,7 @@ def resolve(backend: str, device: str | None = None, arch: str | None = None,
                 f"architecture {arch!r} has no native model: only the llamacpp backend runs "
                 f"it, on the CPU, not on {device!r} (drop the device)", "device")
         from edgeinfer.formats.model_config import CPU_ONLY_ARCHS
-        if arch in CPU_ONLY_ARCHS:
+        if arch in CPU_ONLY_ARCHS or cpu_only:
             if device in (None, "cpu"):
                 return "cpu"
             raise BackendChoiceError(
@@ -151,13 +153,15 @@ def resolve_for_file(path: str, backend: str, device: str | None = None) -> str:
     if backend.partition(":")[0] != "auto":
         return resolve(backend, device)
     from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import cpu_only_file
     gf = read_gguf(path)
     try:
         arch = gf.metadata.get("general.architecture")
+        cpu_only = cpu_only_file(gf)
     finally:
         gf.close()
     return resolve(backend, device, arch if isinstance(arch, str) else None,
-                   native_for_file(path))
+                   native_for_file(path), cpu_only)
 
 
 def native_for_file(path) -> bool:
