@@ -31,8 +31,8 @@ def build_model(cfg: ModelConfig, ops, gguf_file) -> Model:
     if cfg.arch == "qwen3moe":
         from edgeinfer.models.qwen3moe import Qwen3MoeModel
         return Qwen3MoeModel(cfg, ops, gguf_file)
-    if cfg.arch == "qwen2moe" or (cfg.arch == "llama" and cfg.n_expert):
-        from edgeinfer.models.moe import MoeModel      # qwen2moe, Mixtral
+    if cfg.arch in ("qwen2moe", "dots1") or (cfg.arch == "llama" and cfg.n_expert):
+        from edgeinfer.models.moe import MoeModel      # qwen2moe, dots1, Mixtral
         return MoeModel(cfg, ops, gguf_file)
     if cfg.arch == "gpt-oss":
         from edgeinfer.models.gpt_oss import GptOssModel

@@ -1,23 +1,26 @@
-"""Mixtures of experts on the llama block: Mixtral (a `llama` file with experts) and qwen2moe
-(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), as llama.cpp's build_llama and build_qwen2moe graphs
-build them.
+"""Mixtures of experts on the llama block: Mixtral (a `llama` file with experts), qwen2moe
+(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and dots1 (dots.llm1), as llama.cpp's build_llama,
+build_qwen2moe and build_dots1 graphs build them.
 
 Per layer: x += attn(rms_norm(x)); x += moe(rms_norm(x, ffn_norm)), where attention is the
-llama block's (models/llama.attention: optional q/k/v biases, which qwen2moe has, and the
-config's rope: adjacent pairs for llama, NeoX for qwen2moe), and the MoE is llama.cpp's
-build_moe_ffn:
+llama block's (models/llama.attention: optional q/k/v biases, which qwen2moe has, QK-norm,
+which dots1 has, and the config's rope: adjacent pairs for llama, NeoX for the others), and
+the MoE is llama.cpp's build_moe_ffn (dots1's first `leading_dense_block_count` layers have
+a dense SwiGLU FFN instead):
 
 - router logits from `ffn_gate_inp` [E, X] (F32 in llama.cpp's files); probabilities their
-  softmax over all X experts (or their sigmoid); the top `expert_used_count` by probability
-  (ties: the lower expert index); weights those probabilities, divided by their sum (clamped
-  below at 2^-14) when the architecture normalizes them (llama: yes; qwen2moe: no), times
-  `expert_weights_scale` unless it is 0 or 1;
+  softmax over all X experts, or their sigmoid (dots1's `expert_gating_func` = 2); the top
+  `expert_used_count` by probability plus `exp_probs_b` where the file has it (dots1; ties:
+  the lower expert index); weights those probabilities (without the bias), divided by their
+  sum (clamped below at 2^-14) when the architecture normalizes them (llama: yes; qwen2moe:
+  no; dots1: `expert_weights_norm`), times `expert_weights_scale` unless it is 0 or 1;
 - experts in llama.cpp's 3-D tensors (`ffn_{gate,up}_exps` [E, F, X], `ffn_down_exps`
   [F, E, X]) held by the backend (ops.expert_bank), each a SwiGLU FFN; outputs weighted and
   added slot by slot;
-- qwen2moe's shared expert: a SwiGLU FFN (`ffn_{gate,up,down}_shexp`) run on every token,
-  its output times sigmoid(h . ffn_gate_inp_shexp) (llama.cpp computes the sigmoid as
-  silu(x) / x; so do we), added to the routed experts' sum.
+- shared experts: a SwiGLU FFN (`ffn_{gate,up,down}_shexp`) run on every token and added
+  to the routed experts' sum; qwen2moe's output times sigmoid(h . ffn_gate_inp_shexp)
+  (llama.cpp computes that sigmoid as silu(x) / x; so do we); dots1's ungated, its width
+  `expert_shared_count` x the experts'.
 
 Mixtral's routing is qwen3moe's (softmax, top k, renormalized), so its layers are
 qwen3moe's ExpertFFN, routed inside the grouped kernel. Any other routing is done here
@@ -149,8 +152,11 @@ class MoeLayer:
     wv: Any
     wo: Any
     ffn_norm: Any
-    moe: ExpertFFN
+    moe: ExpertFFN | None = None      # None: a dense layer (dots1's leading ones)
     shared: SharedExpert | None = None
+    w_gate: Any = None
+    w_up: Any = None
+    w_down: Any = None
     q_norm: Any = None
     k_norm: Any = None
     bq: Any = None
@@ -172,16 +178,22 @@ class MoeModel(ModelBase):
         cfg, ops, p = self.cfg, self.ops, f"blk.{i}."
         m = lambda n: ops.matrix(gf, p + n + ".weight")                         # noqa: E731
         opt = lambda n: ops.vector(gf, p + n) if p + n in gf.tensors else None  # noqa: E731
-        experts = ExpertFFN if plain_routing(cfg) else GatedExperts
-        return MoeLayer(
+        w = MoeLayer(
             attn_norm=ops.vector(gf, p + "attn_norm.weight"), wq=m("attn_q"), wk=m("attn_k"),
             wv=m("attn_v"), wo=m("attn_output"), ffn_norm=ops.vector(gf, p + "ffn_norm.weight"),
-            moe=experts(cfg, ops, gf, p),
-            shared=SharedExpert(cfg, ops, gf, p) if cfg.n_ff_shexp else None,
             q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
             bq=opt("attn_q.bias"), bk=opt("attn_k.bias"), bv=opt("attn_v.bias"))
+        if i < cfg.n_dense_lead:
+            w.w_gate, w.w_up, w.w_down = m("ffn_gate"), m("ffn_up"), m("ffn_down")
+            return w
+        w.moe = (ExpertFFN if plain_routing(cfg) else GatedExperts)(cfg, ops, gf, p)
+        w.shared = SharedExpert(cfg, ops, gf, p) if cfg.n_ff_shexp else None
+        return w
 
     def ffn(self, w: MoeLayer, h):
+        ops = self.ops
+        if w.moe is None:
+            return ops.matmul(ops.swiglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down)
         y = w.moe(self.ops, h)
         if w.shared is not None:
             y = self.ops.add(y, w.shared(self.ops, h))

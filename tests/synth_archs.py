@@ -50,6 +50,15 @@ class Variant:
     qkv_bias: bool = False
     n_ff_shexp: int = 0
     seed: int = 0           # the random weights' (variant_model)
+    # dots1: leading dense layers, shared experts (a count), gating 1/2 (softmax/sigmoid),
+    # weights normalized and scaled, the selection bias exp_probs_b; the router's scale
+    n_dense_lead: int = 0
+    n_shared: int = 0
+    gating: int = 0
+    weights_norm: bool = False
+    weights_scale: float = 0.0
+    probs_bias: bool = False
+    router_scale: float = 6.0
 
 
 VARIANTS = {
@@ -97,6 +106,14 @@ VARIANTS = {
     # renormalized), a shared expert 4 times as wide gated by sigmoid(h . gate_inp_shexp)
     "qwen2moe": Variant("qwen2moe", n_ff=512, rope_base=1e6, n_expert=16, n_expert_used=4,
                         n_ff_exp=256, qkv_bias=True, n_ff_shexp=1024, context=4096),
+    # dots.llm1's structure: QK-norm, MHA (llama.cpp's dots1 gives K and V all the heads),
+    # a leading dense layer, sigmoid gating whose top k is chosen with a bias, weights
+    # normalized then scaled by 2.5, one shared expert of the experts' width (router logits
+    # of +-3 gave sigmoid probabilities so close that quantization flipped choices; at +-6
+    # the choice among the saturated ones is the bias's)
+    "dots1": Variant("dots1", n_kv=4, n_ff=512, rope_base=1e6, n_expert=16, n_expert_used=4,
+                     n_ff_exp=256, n_dense_lead=1, n_shared=1, gating=2, weights_norm=True,
+                     weights_scale=2.5, probs_bias=True, context=4096),
     "qwen3moe-bench": Variant("qwen3moe", layers=8, n_embd=512, n_ff=768, n_head=8, n_kv=1,
                               rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=256,
                               context=4096),
@@ -155,6 +172,12 @@ def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None =
             w.add_expert_feed_forward_length(v.n_ff_exp)
     if v.n_ff_shexp:
         w.add_expert_shared_feed_forward_length(v.n_ff_shexp)
+    if arch == "dots1":
+        w.add_leading_dense_block_count(v.n_dense_lead)
+        w.add_expert_shared_count(v.n_shared)
+        w.add_expert_weights_scale(v.weights_scale)
+        w.add_expert_weights_norm(v.weights_norm)
+        w.add_uint32(f"{arch}.expert_gating_func", v.gating)
     for key, val in (extra_u32 or {}).items():
         w.add_uint32(key, val)
     for key, val in (extra_f32 or {}).items():
@@ -215,21 +238,28 @@ def write_variant(path: Path, name: str, seed: int = 0, extra_u32: dict | None =
                 w.add_tensor(p + n + ".bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
             # sink logits of the size of the scores: they take a real share of the softmax
             w.add_tensor(p + "attn_sinks.weight", (2.0 * rng.standard_normal(v.n_head)).astype(np.float32))
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "dots1"):
             w.add_tensor(p + "attn_q_norm.weight", norm(hd))
             w.add_tensor(p + "attn_k_norm.weight", norm(hd))
         # gpt-oss's pre-FFN norm is named post_attention_norm (llama.cpp's attn_post_norm)
         w.add_tensor(p + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight"),
                      norm(e))
-        if v.n_expert:
+        if v.n_expert and i >= v.n_dense_lead:
             X, F = v.n_expert, v.n_ff_exp
             # router logits a few units apart: routing decided by the weights, not by rounding
-            w.add_tensor(p + "ffn_gate_inp.weight", mat(X, e, 6.0))
+            w.add_tensor(p + "ffn_gate_inp.weight", mat(X, e, v.router_scale))
             # gpt-oss: gate and up a few units wide, so its SwiGLU's clamp at 7 is reached
             gu = 2.0 if arch == "gpt-oss" else 1.0
             w.add_tensor(p + "ffn_gate_exps.weight", np.stack([mat(F, e, gu) for _ in range(X)]))
             w.add_tensor(p + "ffn_up_exps.weight", np.stack([mat(F, e, gu) for _ in range(X)]))
             w.add_tensor(p + "ffn_down_exps.weight", np.stack([mat(e, F, 0.3) for _ in range(X)]))
+            if v.probs_bias:        # of the size of the probabilities' gaps: it moves choices
+                w.add_tensor(p + "exp_probs_b.bias", (0.05 * rng.standard_normal(X)).astype(np.float32))
+            if v.n_shared:
+                S = F * v.n_shared
+                w.add_tensor(p + "ffn_gate_shexp.weight", mat(S, e))
+                w.add_tensor(p + "ffn_up_shexp.weight", mat(S, e))
+                w.add_tensor(p + "ffn_down_shexp.weight", mat(e, S, 0.3))
             if v.n_ff_shexp:
                 S = v.n_ff_shexp
                 # the gate's logit a unit or two either side of 0: sigmoid far from 0 and 1

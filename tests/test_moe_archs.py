@@ -1,13 +1,14 @@
-"""Mixtral (a `llama` file with experts) and qwen2moe on the native engine (models/moe.py)
-against libllama, the oracle.
+"""Mixtral (a `llama` file with experts), qwen2moe and dots1 on the native engine
+(models/moe.py) against libllama, the oracle.
 
 Each is a small random GGUF in llama.cpp's layout (tests/synth_archs.py "mixtral",
-"qwen2moe"), quantized by llama.cpp's quantizer: next-token logits within the tolerance of
+"qwen2moe", "dots1"), quantized by llama.cpp's quantizer: next-token logits within the tolerance of
 the other synthetic architectures (test_arch_parity: 5% of the largest logit, argmax equal
 where libllama's margin is decisive; F32 within 1e-3), greedy text equal over 32 tokens, two
 sequences in one step each getting its solo logits. The routing rules are tested on
 hand-made logits (ties: the lower index), and a wrong choice (qwen2moe's weights
-renormalized, its shared expert ungated) is caught by the comparison.
+renormalized, its shared expert ungated; dots1's softmax for sigmoid, no selection bias, no
+scale) is caught by the comparison.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from test_engine_parity import check_agreement, llama_logits
 llama_cpp = pytest.importorskip("llama_cpp")
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth-archs"
-NAMES = ["mixtral", "qwen2moe"]
+NAMES = ["mixtral", "qwen2moe", "dots1"]
 
 
 def _err(ours, ref) -> float:
@@ -49,8 +50,11 @@ def test_auto_picks_native_cpu_and_show_says_so(name):
         gf.close()
     v = VARIANTS[name]
     assert (cfg.arch, cfg.n_expert, cfg.n_expert_used) == (v.arch, v.n_expert, v.n_expert_used)
-    assert cfg.n_ff_exp == v.n_ff_exp and cfg.n_ff_shexp == v.n_ff_shexp
-    assert cfg.expert_norm == (name == "mixtral") and cfg.shexp_gate == (name == "qwen2moe")
+    assert cfg.n_ff_exp == v.n_ff_exp and cfg.n_ff_shexp == v.n_ff_shexp + v.n_ff_exp * v.n_shared
+    assert cfg.expert_norm == (name != "qwen2moe") and cfg.shexp_gate == (name == "qwen2moe")
+    assert cfg.expert_gating == ("sigmoid" if name == "dots1" else "softmax")
+    assert (cfg.n_dense_lead, cfg.expert_bias) == (v.n_dense_lead, v.probs_bias)
+    assert cfg.expert_scale == v.weights_scale
     # a GPU asked of auto is refused, not handed a model the torch backend lacks
     with pytest.raises(BackendChoiceError, match="CPU backend only"):
         resolve("auto", "cuda", v.arch, True, s.cpu_only)
@@ -103,9 +107,29 @@ def _one_fewer_expert(r):
         w.moe.k -= 1
 
 
+def _moe_layers(r):
+    return [w.moe for w in r.model.layers if w.moe is not None]
+
+
+def _softmax_gating(r):
+    for m in _moe_layers(r):
+        m.gating = "softmax"
+
+
+def _no_selection_bias(r):
+    for m in _moe_layers(r):
+        m.bias = None
+
+
+def _unscaled(r):
+    for m in _moe_layers(r):
+        m.scale = 1.0
+
+
 @pytest.mark.parametrize("name,wrong", [
     ("qwen2moe", _renormalize), ("qwen2moe", _ungate_shared), ("qwen2moe", _no_shared),
     ("mixtral", _one_fewer_expert),
+    ("dots1", _softmax_gating), ("dots1", _no_selection_bias), ("dots1", _unscaled),
 ])
 def test_a_wrong_choice_is_caught(name, wrong):
     path = variant_model(CACHE, name, "F32")
@@ -137,9 +161,10 @@ def test_batch_gives_each_sequence_its_solo_logits(name):
     r = ModelRunner.load(str(variant_model(CACHE, name, "Q8_0")), kv_budget_bytes=16 << 20,
                          repack=True)
     assert r.ops.rows_exact
-    if name == "qwen2moe":
+    if name != "mixtral":       # routed in the model, the experts run grouped
+        layers = r.model.layers[VARIANTS[name].n_dense_lead:]
         assert all(isinstance(w.moe, GatedExperts) and w.moe.bank.grouped is not None
-                   for w in r.model.layers)
+                   for w in layers)
     a, b = TOKENS[:24], TOKENS[30:50]
 
     def span(sid, start, toks, table):
@@ -243,6 +268,8 @@ def test_gate_rules_on_hand_made_logits():
     ("mixtral", "llama.expert_shared_feed_forward_length", 512, "u32"),
     ("mixtral", "llama.expert_group_count", 4, "u32"),
     ("mixtral", "llama.expert_gating_func", 2, "u32"),
+    ("dots1", "dots1.expert_gating_func", 3, "u32"),
+    ("dots1", "dots1.expert_group_count", 4, "u32"),
 ])
 def test_keys_we_do_not_implement_fall_back_to_llamacpp(tmp_path, name, key, value, kind):
     """A key we do not implement names itself: `--backend auto` runs the file on llama.cpp,

@@ -10,12 +10,13 @@ from gguf import LlamaFileType
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "bert", "nomic-bert", "gemma-embedding",
-                "phi3", "smollm3", "mistral3", "qwen3moe", "gpt-oss", "qwen2moe")
+                "phi3", "smollm3", "mistral3", "qwen3moe", "gpt-oss", "qwen2moe",
+                "dots1")
 # encoders: they embed (and rerank) but have no language-model head to generate with
 EMBEDDING_ARCHS = ("bert", "nomic-bert", "gemma-embedding")
 # mixture of experts: the native model runs on the numba CPU backend only (auto picks it);
 # so does a `llama` file with experts (Mixtral): cpu_only_file
-CPU_ONLY_ARCHS = ("qwen3moe", "gpt-oss", "qwen2moe")
+CPU_ONLY_ARCHS = ("qwen3moe", "gpt-oss", "qwen2moe", "dots1")
 # the tensor types the native CPU kernels read (backends/cpu: quants.SUPPORTED_TYPES and
 # mxfp4.py; tests/test_gpt_oss.py holds the two lists equal): a gpt-oss file with another
 # is run by llama.cpp under auto
@@ -87,7 +88,8 @@ class ModelConfig:
     expert_norm: bool = True
     expert_scale: float = 0.0
     expert_bias: bool = False
-    n_ff_shexp: int = 0          # shared expert's FFN width (0: none): qwen2moe
+    n_ff_shexp: int = 0          # shared expert's FFN width (0: none): qwen2moe, dots1
+    n_dense_lead: int = 0        # dots1: the first layers have a dense FFN instead of experts
     shexp_gate: bool = False     # qwen2moe: shared expert output times sigmoid(h . gate_inp_shexp)
 
     @property
@@ -202,7 +204,7 @@ def load_model_config(f: GGUFFile) -> ModelConfig:
                           len(types.shape) == 2 else 0,
                           n_cls_out=int(cls_out.shape[1]) if cls_out is not None and
                           len(cls_out.shape) == 2 else 0)
-    elif arch in ("qwen3", "qwen3moe"):
+    elif arch in ("qwen3", "qwen3moe", "dots1"):
         cfg = ModelConfig(**common, rope_neox=True, qk_norm=True, **_moe_config(f, arch, n_ff))
     elif arch in ("phi3", "smollm3", "mistral3"):
         cfg = _llama_variant(f, arch, common)
@@ -296,7 +298,7 @@ def _gpt_oss_config(f: GGUFFile, common: dict) -> ModelConfig:
 def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
     """Routed-expert hyper-parameters (qwen3moe, gpt-oss, qwen2moe, llama with experts); a
     key we do not implement is an error naming it, never silently different numbers."""
-    if arch not in ("qwen3moe", "gpt-oss", "qwen2moe", "llama"):
+    if arch not in ("qwen3moe", "gpt-oss", "qwen2moe", "llama", "dots1"):
         return {}
     if arch == "llama" and not f.metadata.get(f"{arch}.expert_count"):
         return {}           # a dense llama
@@ -306,8 +308,14 @@ def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
         raise GGUFError(f"metadata '{arch}.expert_used_count' = {used} is not in 1..{n_expert}")
     gating = f.metadata.get(f"{arch}.expert_gating_func")
     # 1 = softmax (llama.cpp's enum); gpt-oss: llama.cpp's graph hard-codes softmax over the
-    # top-k logits (SOFTMAX_WEIGHT, 3) and reads no key
-    if gating is not None and int(gating) != (3 if arch == "gpt-oss" else 1):
+    # top-k logits (SOFTMAX_WEIGHT, 3) and reads no key; dots1 reads it: 1 or 2 (sigmoid)
+    if arch == "dots1":
+        gating = _meta(f, arch, "expert_gating_func")
+        if gating not in (1, 2):
+            raise UnsupportedFeature(f"metadata '{arch}.expert_gating_func' = {gating} is not "
+                                     f"softmax (1) or sigmoid (2) gating, which is what the native "
+                                     f"{arch} implements; run it with --backend llamacpp")
+    elif gating is not None and int(gating) != (3 if arch == "gpt-oss" else 1):
         raise UnsupportedFeature(f"metadata '{arch}.expert_gating_func' = {int(gating)} is not softmax "
                         f"gating, which is all the native {arch} implements; run it with "
                         "--backend llamacpp")
@@ -315,8 +323,10 @@ def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
     # and qwen2moe graphs hard-code softmax and read no weights scale: a file that says
     # otherwise is left to llama.cpp rather than guessed at
     shared_ok = (0.0, 1.0) if arch == "qwen2moe" else (0.0,)
-    for key, ok in (("expert_shared_count", shared_ok), ("expert_weights_scale", (0.0, 1.0)),
-                    ("expert_group_count", (0.0, 1.0))) + (
+    checks = (("expert_group_count", (0.0, 1.0)),) if arch == "dots1" else (
+        ("expert_shared_count", shared_ok), ("expert_weights_scale", (0.0, 1.0)),
+        ("expert_group_count", (0.0, 1.0)))
+    for key, ok in checks + (
                         (("expert_shared_feed_forward_length", (0.0,)),) if arch == "llama" else ()):
         v = f.metadata.get(f"{arch}.{key}")
         if v is not None and float(v) not in ok:
@@ -335,8 +345,34 @@ def _moe_config(f: GGUFFile, arch: str, n_ff: int) -> dict:
         extra = dict(expert_norm=False, shexp_gate=True, n_ff_shexp=_positive(
             "shared expert feed-forward length",
             _meta(f, arch, "expert_shared_feed_forward_length", n_ff), 1 << 18))
+    if arch == "dots1":
+        extra = _dots1_config(f, arch, n_expert, ff_exp)
     return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=_positive(
         "expert feed-forward length", ff_exp, 1 << 18), **extra)
+
+
+def _dots1_config(f: GGUFFile, arch: str, n_expert: int, ff_exp: int) -> dict:
+    """dots1 as llama.cpp's build_dots1: `leading_dense_block_count` dense layers first; then
+    experts routed by the file's gating (softmax or sigmoid) with the optional selection bias
+    `exp_probs_b`, weights normalized when `expert_weights_norm`, times
+    `expert_weights_scale`; `expert_shared_count` shared experts as one SwiGLU FFN of
+    expert_feed_forward_length x that count."""
+    lead = _meta(f, arch, "leading_dense_block_count", 0)
+    n_layers = _meta(f, arch, "block_count")
+    if not 0 <= lead < n_layers:
+        raise GGUFError(f"metadata '{arch}.leading_dense_block_count' = {lead} leaves no "
+                        "layer with experts")
+    scale = _meta(f, arch, "expert_weights_scale", 0.0, float)
+    if not math.isfinite(scale):
+        raise GGUFError(f"metadata '{arch}.expert_weights_scale' = {scale} is not finite")
+    shared = _meta(f, arch, "expert_shared_count")
+    if not 0 <= shared <= n_expert:
+        raise GGUFError(f"metadata '{arch}.expert_shared_count' = {shared} is implausible")
+    gating = "sigmoid" if _meta(f, arch, "expert_gating_func") == 2 else "softmax"
+    return dict(expert_gating=gating, expert_norm=bool(f.metadata.get(
+                    f"{arch}.expert_weights_norm", False)),
+                expert_scale=scale, n_ff_shexp=ff_exp * shared, n_dense_lead=lead,
+                expert_bias=f"blk.{lead}.exp_probs_b.bias" in f.tensors)
 
 
 def cpu_only_file(f: GGUFFile) -> bool:
@@ -387,7 +423,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             shapes.update({p + "attn_q.weight": (e, q), p + "attn_k.weight": (e, kv),
                            p + "attn_v.weight": (e, kv)})
-        if cfg.n_expert:
+        if cfg.n_expert and i >= cfg.n_dense_lead:
             x, fe = cfg.n_expert, cfg.n_ff_exp
             shapes.update({p + "ffn_gate_inp.weight": (e, x), p + "ffn_gate_exps.weight": (e, fe, x),
                            p + "ffn_up_exps.weight": (e, fe, x),
