@@ -61,6 +61,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# pip writes bytecode for what it installs, but not for an editable install's own sources, and
+# nothing writes it when PYTHONDONTWRITEBYTECODE is set: then every start compiles ~200
+# modules (a tenth of a second or more of each cold start)
+echo "==> compiling edgeinfer's bytecode"
+.venv/bin/python -m compileall -q edgeinfer backends models tui > /dev/null
+
 echo "==> registering the bundled models (qwen2.5-coder:0.5b, gemma3:270m)"
 .venv/bin/python -m edgeinfer.cli.setup_tasks register-bundled
 
