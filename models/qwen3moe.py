@@ -86,45 +86,53 @@ class Qwen3MoeModel(VariantModel):
 
     # -- a step of a few tokens: the attention block's small ops fused ------------------------
     def _fusable(self, batch) -> bool:
-        """Whether this step runs through ops.norm_qkv / ops.out_add_norm (backends/cpu/
-        _layer.py): every layer the plain qwen3moe block (separate q/k/v, QK-norm, full rope,
-        no temperature) with repacked matrices, and few enough tokens (fused_layer_rows)."""
+        """Whether this step runs through the fused layers (ops.fused_layer, backends/cpu/
+        fused.py and _layer.py): every layer the plain qwen3moe block (separate q/k/v,
+        QK-norm, full rope, no temperature) with repacked matrices (decided once), and few
+        enough tokens (ops.fused_layer_rows)."""
         cfg, ops = self.cfg, self.ops
-        if not hasattr(ops, "norm_qkv") or cfg.n_rot or self.mscale != 1.0 or cfg.attn_temp_scale:
-            return False
+        width = max(cfg.n_embd, cfg.q_dim)
         ok = self.__dict__.get("_fused_ok")
         if ok is None:
-            plain = type(self).attention is VariantModel.attention     # no subclass's own
+            plain = (hasattr(ops, "fused_layer") and not cfg.n_rot and self.mscale == 1.0
+                     and not cfg.attn_temp_scale
+                     and type(self).attention is VariantModel.attention)  # no subclass's own
             ok = self._fused_ok = plain and all(
                 w.wqkv is None and w.q_norm is not None and w.k_norm is not None
-                and cfg.uses_rope(i) for i, w in enumerate(self.layers))
-        width = max(cfg.n_embd, cfg.q_dim)
-        return ok and all(ops.fused_layer_rows(batch.num_tokens, width, (w.wq, w.wk, w.wv, w.wo))
-                          for w in self.layers)
+                and cfg.uses_rope(i) and ops.fused_layer_rows(1, width, (w.wq, w.wk, w.wv, w.wo))
+                for i, w in enumerate(self.layers))
+        return ok and ops.fused_layer_rows(batch.num_tokens, width, ())
 
     def forward(self, batch, kv):
         """VariantModel.forward's ops, the same bits; with _fusable, each layer's residual add,
-        norm, q/k/v, QK-norm and rope are one call (norm_qkv), and its output projection,
-        residual add and FFN norm another (out_add_norm): four calls a layer with attention
-        and the experts, where there were eleven."""
+        norm, q/k/v, QK-norm and rope are one kernel call (norm_qkv), and its output
+        projection, residual add and FFN norm another (out_add_norm): with attention and the
+        experts four calls a layer where there were eleven, their arguments bound once per
+        model (ops.fused_layer) and the per-step choices made once per step (ops.layer_step)."""
         if not self._fusable(batch):
             return super().forward(batch, kv)
         cfg, ops = self.cfg, self.ops
-        T, eps = batch.num_tokens, cfg.rms_eps
-        threads = numba.get_num_threads()
-        heads = (cfg.n_head, cfg.n_kv_head)
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        fused = self.__dict__.get("_fused_layers")
+        if fused is None:
+            fused = self._fused_layers = [
+                ops.fused_layer(w.attn_norm, cfg.rms_eps, (w.wq, w.wk, w.wv),
+                                (cfg.n_head, cfg.n_kv_head), w.q_norm, w.k_norm, cfg.rope_neox,
+                                w.wo, w.ffn_norm,
+                                w.moe.bank if type(w.moe) is ExpertFFN else None)
+                for w in self.layers]
+        T = batch.num_tokens
+        step = ops.layer_step(batch, cfg.n_head, cfg.n_kv_head, cfg.head_dim,
+                              1.0 / math.sqrt(cfg.head_dim), cfg.rope_base, cfg.rope_scale,
+                              self.rope_freqs)
+        threads, cos, sin = step.threads, step.cos, step.sin
+        own_ffn = "ffn" not in self.__dict__        # not replaced on the instance (tests)
         x = ops.embed(self.tok_embd, batch.token_ids)
-        f = None                # the previous layer's FFN output, added by the next norm_qkv
-        for i, w in enumerate(self.layers):
-            q, k, v = ops.norm_qkv(x, f, w.attn_norm, eps, (w.wq, w.wk, w.wv), heads, w.q_norm,
-                                   w.k_norm, batch, cfg.rope_base, cfg.rope_scale,
-                                   cfg.rope_neox, self.rope_freqs, threads)
-            a = ops.attention(q.reshape(T, cfg.n_head, cfg.head_dim),
-                              k.reshape(T, cfg.n_kv_head, cfg.head_dim),
-                              v.reshape(T, cfg.n_kv_head, cfg.head_dim), kv, i, batch, scale, 0)
-            h = ops.out_add_norm(a.reshape(T, cfg.q_dim), w.wo, x, w.ffn_norm, eps, threads)
-            f = self.ffn(w, h)
+        f = None                # the previous layer's FFN output, added by the next attn_in
+        for i, (w, fl) in enumerate(zip(self.layers, fused)):
+            q, k, v = fl.attn_in(x, f, cos, sin, threads)
+            a = step.attend(q, k, v, kv, i)
+            h = fl.attn_out(a.reshape(T, cfg.q_dim), x, threads)
+            f = fl.moe(h, w.moe.k, threads) if own_ffn and fl.bank is not None else self.ffn(w, h)
         if f is not None:
             x = ops.add(x, f)
         return final_head(cfg, ops, x, batch, self.output_norm, self.output)

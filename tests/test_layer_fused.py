@@ -161,3 +161,52 @@ def test_qwen3moe_fused_forward_gives_the_same_logits(ftype):
     if _int8.HAVE_SIMD:
         assert n >= 12            # the decode steps (one and two rows) took the fused layers
     assert np.array_equal(fused, plain)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("starts", [(5,), (2100,), (40, 2100)])
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_layer_step_attends_as_ops_attention(threads, starts, kv):
+    """ops.layer_step's attend (the per-step choices made once: split or tiled kernel, heads
+    per item) writes the cache and attends as ops.attention, short and long contexts (a
+    lone token's long context splits over two threads), one sequence or two; a q8_0 cache
+    goes through ops.attention itself."""
+    from edgeinfer.backends.base import ForwardBatch
+    rng = np.random.default_rng(len(starts))
+    H, KVH, D, bs = 8, 1, 64, 16
+    ops = CpuOps(repack=True, kv_cache_type=kv)
+    per_seq = max(starts) // bs + 2
+    caches = [ops.new_kv_cache(1, per_seq * len(starts), bs, KVH, D) for _ in range(2)]
+    pool = caches[0].k[0]
+    if kv == "f16":     # finite halves
+        fills = [rng.uniform(-1, 1, pool.size).astype(np.float16).view(np.uint8) for _ in "kv"]
+    else:               # q8_0 blocks: an f16 scale, 32 int8 codes
+        fills = [rng.integers(0, 256, pool.nbytes, dtype=np.uint8) for _ in "kv"]
+        for f in fills:
+            f.reshape(-1, 34)[:, :2] = np.full((1,), 0.01, np.float16).view(np.uint8)
+    for c in caches:
+        c.k[0].reshape(-1).view(np.uint8)[:] = fills[0]
+        c.v[0].reshape(-1).view(np.uint8)[:] = fills[1]
+    tables = np.arange(per_seq * len(starts), dtype=np.int32).reshape(len(starts), per_seq)
+    T = len(starts)
+    pos = np.array(starts, np.int32)
+    slots = np.array([tables[s, p // bs] * bs + p % bs for s, p in enumerate(starts)], np.int64)
+
+    def batch():
+        return ForwardBatch(np.zeros(T, np.int32), pos, slots, np.arange(T, dtype=np.int32),
+                            tables, np.arange(T, dtype=np.int64))
+    q, k, v = (rng.standard_normal((T, h, D)).astype(np.float32) for h in (H, KVH, KVH))
+    prev = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    try:
+        want = ops.attention(q.copy(), k.copy(), v.copy(), caches[0], 0, batch(), 0.125, 0)
+        step = ops.layer_step(batch(), H, KVH, D, 0.125, 1e4, 1.0)
+        assert step.fast == (kv == "f16")
+        if step.fast:       # the lone long-context token: split over the threads
+            assert step.split == (T == 1 and starts[0] >= 2048 and numba.get_num_threads() > 1)
+        got = step.attend(q.copy(), k.copy(), v.copy(), caches[1], 0)
+    finally:
+        numba.set_num_threads(prev)
+    assert np.array_equal(want, got)
+    assert np.array_equal(caches[0].k[0], caches[1].k[0])
+    assert np.array_equal(caches[0].v[0], caches[1].v[0])

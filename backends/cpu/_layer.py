@@ -103,6 +103,7 @@ def _matmuls(P, Wt, n, qa, da, bsf, zb, o0, o1, o2, nw, counter):
     c0 = (T0 + per - 1) // per
     c1 = (T1 + per - 1) // per
     c2 = (T2 + per - 1) // per
+    counter[0] = 0          # a caller may hand the same counter to every call
     addr = counter.ctypes.data
     for _w in prange(nw):
         while True:
@@ -136,7 +137,7 @@ def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox,
     """x float32[T, X] (updated in place: x += y when add), then h = rms_norm(x) * wn; q, k, v
     float32[T, N_m] = h @ W_m^T for the three matrices of P, Wt; then each head of q
     (H heads) RMS-normed by qn and roped, each head of k (KVH heads) by kn. nw threads for
-    the tiles; counter int64[1] of zero, owned by the caller."""
+    the tiles; counter int64[1], owned by the caller (zeroed here)."""
     T, X = x.shape
     if add:
         for r in range(T):

@@ -354,6 +354,25 @@ class CpuOps:
                                 np.zeros(1, np.int64))
         return h.reshape(x.shape)
 
+    def fused_layer(self, attn_norm: np.ndarray, eps: float, qkv, heads: tuple[int, int],
+                    q_norm: np.ndarray, k_norm: np.ndarray, neox: bool, wo, ffn_norm: np.ndarray,
+                    bank: ExpertBank | None = None):
+        """A layer's norm_qkv, out_add_norm and (a grouped bank with an F32 router) moe
+        with their arguments bound once (fused.FusedLayer): the same calls, less Python."""
+        from edgeinfer.backends.cpu.fused import FusedLayer
+        return FusedLayer(self, attn_norm, eps, qkv, heads, q_norm, k_norm, neox, wo, ffn_norm,
+                          bank)
+
+    def layer_step(self, batch: ForwardBatch, H: int, KVH: int, D: int, scale: float,
+                   rope_base: float, rope_scale: float, freq_factors=None):
+        """What every layer of this step shares, made once (fused.LayerStep): the rope
+        tables (cos, sin), the thread count, and attend(q, k, v, cache, layer), which is
+        ops.attention(q, k, v, cache, layer, batch, scale, 0) with its per-step choices
+        made here instead of in every layer."""
+        from edgeinfer.backends.cpu.fused import LayerStep
+        return LayerStep(self, batch, H, KVH, D, scale, rope_base, rope_scale, freq_factors,
+                         numba.get_num_threads())
+
     # -- mixture of experts (models/qwen3moe.py) ------------------------------------------
     def expert_bank(self, gguf_file, prefix: str, grouped: bool = True) -> ExpertBank:
         """A layer's router and experts (experts.py): grouped int8 tiles run by moe_ffn

@@ -1,0 +1,132 @@
+"""A decoder layer's decode-step calls with their arguments bound once (models/qwen3moe.py).
+
+A decode step of a small mixture-of-experts model spends about as long in Python between
+kernels as in some of the kernels: every op looks up its matrices' tables, allocates, asks
+numba for its thread count, and re-derives per-step choices (parallel or not, heads per work
+item) in every layer; and each step's expert kernel streams megabytes through the caches, so
+every one of those Python steps runs cold. `FusedLayer` holds a layer's arguments to the
+kernels (_layer's fused attention-block kernels, the grouped expert kernel), and
+`LayerStep` what all layers of a step share (rope tables, paged attention's choices); the calls
+are those the ops make (CpuOps.norm_qkv, out_add_norm, attention, moe), with the same
+arguments, so the bits are theirs (tests/test_layer_fused.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _layer, _moe
+from . import attention as A
+from . import kernels as K
+from .packed import SERIAL_MACS, SERIAL_QUANT
+
+
+class LayerStep:
+    """What every layer of one step shares, made once: the rope tables, the thread count,
+    and CpuOps.attention's choices (the longest context, parallel or not, heads per work
+    item, split or tiled kernel). `attend` writes a layer's K/V and attends as
+    ops.attention does; a step with a sliding window, image rows or a rotated (q8_0) cache
+    goes through ops.attention itself."""
+
+    __slots__ = ("ops", "batch", "cos", "sin", "threads", "fast", "tables", "slots",
+                 "token_seq", "positions", "scale", "ggml", "par", "nh", "parts", "split")
+
+    def __init__(self, ops, batch, H: int, KVH: int, D: int, scale: float, rope_base: float,
+                 rope_scale: float, freq_factors, threads: int):
+        from .ops import _par
+        self.ops, self.batch, self.threads = ops, batch, threads
+        self.cos, self.sin = ops._rope_tables(batch, D, rope_base, rope_scale, freq_factors)
+        self.scale = scale
+        self.fast = (ops.kv_cache_type != "q8_0" and batch.attn_until is None
+                     and batch.window_tables is None and D % 16 == 0)
+        if not self.fast:
+            return
+        T = batch.num_tokens
+        self.tables, self.slots = batch.block_tables, batch.slot_mapping
+        self.token_seq, self.positions = batch.token_seq, batch.positions
+        self.scale = np.float32(scale)
+        self.ggml = ops.numerics == "ggml"
+        longest = batch.cache.get("longest")
+        if longest is None:
+            longest = batch.cache["longest"] = int(batch.positions.max()) + 1 if T else 0
+        self.par = _par(T * H * longest * D // 16)
+        self.nh = A.heads_per_item(T, H, KVH, threads if self.par else 1)
+        self.parts = max(1, int(threads)) if self.par else 1      # as paged_attention
+        self.split = self.parts > 1 and T * KVH < self.parts and longest >= A.SPLIT_MIN_KEYS
+
+    def attend(self, q, k, v, cache, layer: int):
+        """ops.attention(q, k, v, cache, layer, batch, scale, window=0)."""
+        if not self.fast:
+            return self.ops.attention(q, k, v, cache, layer, self.batch, self.scale, 0)
+        kc, vc = cache.k[layer], cache.v[layer]
+        K.kv_write(kc, vc, k, v, self.slots)
+        out = np.empty_like(q)
+        if self.split:
+            return A._split_kernel(q, kc, vc, self.tables, self.token_seq, self.positions, 0,
+                                   self.scale, self.ggml, out, self.parts, A._NO_SINKS)
+        return A._run(q, kc, vc, self.tables, self.token_seq, self.positions, 0, self.scale,
+                      self.ggml, out, self.par, self.nh, A.TILE, self.parts, A._NO_SINKS)
+
+
+class FusedLayer:
+    """One layer's bound arguments: `attn_in` is ops.norm_qkv, `attn_out` ops.out_add_norm,
+    `moe` ops.moe (a grouped bank with an F32 router: routing and experts in one call)."""
+
+    __slots__ = ("wn", "eps", "P", "Wt", "N", "qkv_cols", "H", "KVH", "D", "qn", "kn",
+                 "neox", "wo_P", "wo_Wt", "wo_cols", "wn2", "c_qkv", "c_wo", "bank")
+
+    def __init__(self, ops, attn_norm, eps: float, qkv, heads: tuple[int, int], q_norm,
+                 k_norm, neox: bool, wo, ffn_norm, bank=None):
+        self.wn, self.eps = attn_norm, eps
+        self.P, self.Wt, _ = ops._fused_mats(qkv)
+        self.N = tuple(w.N for w in qkv)
+        self.qkv_cols = qkv[0].K * sum(self.N)
+        self.H, self.KVH = heads
+        self.D = q_norm.shape[0]
+        self.qn, self.kn, self.neox = q_norm, k_norm, neox
+        self.wo_P, self.wo_Wt, _ = ops._fused_mats((wo,))
+        self.wo_cols = wo.K * wo.N
+        self.wn2 = ffn_norm
+        # the tile regions' shared counters (each kernel resets its own before a region)
+        self.c_qkv, self.c_wo = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        # a grouped bank with an F32 router (else None: the model runs its FFN itself)
+        self.bank = bank if bank is not None and bank.grouped is not None \
+            and bank.router_f32 is not None else None
+
+    def attn_in(self, x, f, cos, sin, threads: int) -> tuple:
+        """(q [T, H, D], k, v [T, KVH, D]) as ops.norm_qkv; x += f first when f is given."""
+        T = x.shape[0]
+        Nq, Nk, Nv = self.N
+        q = np.empty((T, Nq), np.float32)
+        k = np.empty((T, Nk), np.float32)
+        v = np.empty((T, Nv), np.float32)
+        nw = 1 if T * self.qkv_cols < SERIAL_MACS else threads
+        _layer.norm_qkv(x, x if f is None else f, f is not None, self.wn, self.eps, self.P,
+                        self.Wt, q, k, v, self.H, self.KVH, self.qn, self.kn, cos, sin,
+                        self.neox, nw, self.c_qkv)
+        D = self.D
+        return q.reshape(T, self.H, D), k.reshape(T, self.KVH, D), v.reshape(T, self.KVH, D)
+
+    def attn_out(self, a, x, threads: int):
+        """x += a times wo; rms_norm(x, ffn_norm), as ops.out_add_norm."""
+        T = x.shape[0]
+        nw = 1 if T * self.wo_cols < SERIAL_MACS else threads
+        return _layer.out_add_norm(a, self.wo_P, self.wo_Wt, x, self.wn2, self.eps,
+                                   np.empty_like(x), nw, self.c_wo)
+
+    def moe(self, h, k: int, threads: int):
+        """ops.moe(bank, h, k) of the grouped bank with an F32 router: GroupedExperts' call
+        with routing (experts.py), its arguments made here."""
+        bank = self.bank
+        g = bank.grouped
+        T, X = h.shape
+        ids = np.empty((T, k), np.int64)
+        wts = np.empty((T, k), np.float32)
+        out = np.empty((T, X), np.float32)
+        nw = 1 if T * k * X * g.F < SERIAL_MACS else threads
+        par = threads > 1 and T * X >= SERIAL_QUANT
+        args = (h, bank.router_f32, True, ids, wts, g.Wt, g.P, out, nw, par, g.tiles_read)
+        need = _moe.moe_ffn(*args, np.zeros(2, np.int64), g.work.buf)
+        if need:
+            g.work.buf = np.empty(need + (need >> 2), np.uint8)     # as GroupedExperts
+            _moe.moe_ffn(*args, np.zeros(2, np.int64), g.work.buf)
+        return out
