@@ -291,3 +291,21 @@ def test_moe_refuses_other_backends():
     from edgeinfer.models.moe import MoeModel
     with pytest.raises(ValueError, match="cpu backend only"):
         MoeModel(SimpleNamespace(arch="qwen2moe"), SimpleNamespace(name="torch"), None)
+
+
+def test_the_daemon_runs_a_llama_file_with_experts_on_the_cpu_where_auto_means_a_gpu(
+        monkeypatch, tmp_path):
+    """The daemon's own choice (ModelManager.choose_backend): where auto would pick torch:cuda
+    for a dense llama file, a llama file with experts (native on the CPU backend only) still
+    gets cpu, and a dense one gets the GPU."""
+    from types import SimpleNamespace
+
+    from edgeinfer.runners import choice
+    from edgeinfer.server.model_manager import ModelManager, ServerConfig
+    from edgeinfer.store.model_store import Store
+    monkeypatch.setattr(choice, "auto_backend", lambda: "torch:cuda")
+    mm = ModelManager(ServerConfig(), Store(tmp_path))
+    ref = SimpleNamespace(path=str(variant_model(CACHE, "mixtral", "Q8_0")), manifest={})
+    assert mm.choose_backend(ref, "auto") == "cpu"
+    dense = SimpleNamespace(path=str(variant_model(CACHE, "smollm3", "F32")), manifest={})
+    assert mm.choose_backend(dense, "auto") == "torch:cuda"

@@ -167,22 +167,32 @@ def resolve_for_file(path: str, backend: str, device: str | None = None) -> str:
 def native_for_file(path) -> bool:
     """Whether the native engine runs the file at `path` (its architecture and every feature
     it uses: model_config.native_reason); remembered per path, size and mtime."""
+    return _file_facts(path)[0]
+
+
+def cpu_only_for_file(path) -> bool:
+    """Whether the file's native model runs on the CPU backend only though its architecture's
+    dense files do not (model_config.cpu_only_file: a llama file with experts)."""
+    return _file_facts(path)[1]
+
+
+def _file_facts(path) -> tuple[bool, bool]:
     import os
     from edgeinfer.formats.gguf_file import GGUFError
     try:
         st = os.stat(path)
-        return _native_for_file(str(path), st.st_size, st.st_mtime_ns)
+        return _facts(str(path), st.st_size, st.st_mtime_ns)
     except (OSError, GGUFError):     # unreadable: the load says why
-        return True
+        return True, False
 
 
 @functools.lru_cache(maxsize=64)
-def _native_for_file(path: str, size: int, mtime_ns: int) -> bool:
+def _facts(path: str, size: int, mtime_ns: int) -> tuple[bool, bool]:
     from edgeinfer.formats.gguf_file import read_gguf
-    from edgeinfer.formats.model_config import native_reason
+    from edgeinfer.formats.model_config import cpu_only_file, native_reason
     gf = read_gguf(path)
     try:
-        return native_reason(gf) is None
+        return native_reason(gf) is None, cpu_only_file(gf)
     finally:
         gf.close()
 

@@ -30,8 +30,9 @@ from edgeinfer.engine.remote import LoadFailed, RemoteEngine
 from edgeinfer.engine.warmup import prepare_for_load
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
 from edgeinfer.settings import Settings, check_kv_cache_type, parse_duration
-from edgeinfer.runners.choice import (BackendChoiceError, check, device_of, estimate_memory,
-                                      native_for_file, require_device, resolve, with_defaults)
+from edgeinfer.runners.choice import (BackendChoiceError, check, cpu_only_for_file, device_of,
+                                      estimate_memory, native_for_file, require_device, resolve,
+                                      with_defaults)
 from edgeinfer.store.model_store import ModelNotFound, Store, StoreError
 
 from .errors import APIError, not_found
@@ -296,8 +297,11 @@ class ModelManager:
         if not isinstance(arch, str):
             arch = _arch_of(ref.path)
         try:   # auto: a file using a feature the native engine lacks goes to llama.cpp
-            native = backend.partition(":")[0] != "auto" or native_for_file(ref.path)
-            return resolve(backend, device, arch, native)
+            auto = backend.partition(":")[0] == "auto"
+            native = not auto or native_for_file(ref.path)
+            # a llama file with experts runs natively on the CPU only (not torch:cuda)
+            return resolve(backend, device, arch, native,
+                           cpu_only=auto and cpu_only_for_file(ref.path))
         except BackendChoiceError as e:
             raise APIError(400, str(e), param=e.field, code="invalid_parameter") from None
 
