@@ -133,6 +133,11 @@ class Qwen3MoeModel(VariantModel):
             a = step.attend(q, k, v, kv, i)
             h = fl.attn_out(a.reshape(T, cfg.q_dim), x, threads)
             f = fl.moe(h, w.moe.k, threads) if own_ffn and fl.bank is not None else self.ffn(w, h)
+        head = self.__dict__.get("_fused_head", False)
+        if head is False:
+            head = self._fused_head = ops.fused_head(self.output_norm, cfg.rms_eps, self.output)
+        if head is not None and batch.hidden_indices is None and len(batch.logits_indices) == T:
+            return head(x, f, threads)      # final_head's bits: every row is a logits row
         if f is not None:
             x = ops.add(x, f)
         return final_head(cfg, ops, x, batch, self.output_norm, self.output)

@@ -35,8 +35,12 @@ def test_file_table_rows_are_the_mapped_rows(qwen_coder_path):
     np.testing.assert_array_equal(table.rows(ids), get_rows(mapped, ids))
     assert table.rows(np.array([5], np.int64)).shape == (1, 896)
     # one row (a decode step: decoded on the calling thread) is that row of the big lookup
-    for i in (0, 7, 701):
+    for i in (0, 7, 701, 7):
         np.testing.assert_array_equal(table.rows(ids[i:i + 1]), get_rows(mapped, ids)[i:i + 1])
+    # a recent row comes back as a copy: writing one (the model's residual) changes no other
+    a = table.rows(ids[:1])
+    a += 1.0
+    np.testing.assert_array_equal(table.rows(ids[:1]), get_rows(mapped, ids[:1]))
     with pytest.raises(IndexError):
         table.rows(np.array([table.N]))
     with pytest.raises(IndexError):

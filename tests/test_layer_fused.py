@@ -110,6 +110,16 @@ def test_fused_layer_ops_are_the_ops(types, T, threads):
         h2 = ops.out_add_norm(a, wo, x2, wn2, eps, threads)
         assert np.array_equal(x1, x2)
         assert np.array_equal(h1, h2)
+        # the step's end: the last residual add, final norm and output matrix
+        head = ops.fused_head(wn2, eps, wq)
+        for add in (None, y):
+            x1 = x.copy()
+            if add is not None:
+                x1 = ops.add(x1, add)
+            want = ops.matmul(ops.rms_norm(x1, wn2, eps), wq)
+            x2 = x.copy()
+            assert np.array_equal(head(x2, add, threads), want)
+            assert np.array_equal(x1, x2)
     finally:
         numba.set_num_threads(prev)
 

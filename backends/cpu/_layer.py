@@ -3,12 +3,13 @@
 A decode step of a small model is mostly calls: per layer a residual add, an RMS norm, the
 q/k/v matmuls (quantize, tiles), QK-norm and rope for q and k, the output projection, another
 add and norm, each its own trip through Python and numba's dispatcher. Two kernels here do
-the work of those eight calls in two:
+the work of those eight calls in two (and a third the four at the end of a step):
 
 - `norm_qkv`: x += y (the previous layer's FFN output, when given), h = rms_norm(x) * wn,
   q/k/v = h @ W^T (h quantized once per activation format, the tiles run as packed_matmuls
   runs them), then rms_norm * qn and rope on each head of q, and with kn on each head of k;
-- `out_add_norm`: o = a @ Wo^T, x += o, h = rms_norm(x) * wn.
+- `out_add_norm`: o = a @ Wo^T, x += o, h = rms_norm(x) * wn;
+- `add_norm_matmul` (the step's end): x += y, logits = rms_norm(x) * wn @ W^T.
 
 Each step is the code the separate ops run (the same inlined functions: _norm's row norms,
 _actquant's quantizer, _int8's tile kernels by address, kernels' rope), in the same order, so
@@ -177,3 +178,25 @@ def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
     for g in range((T + 7) // 8):
         _rms_group(x, wn, eps, h, g)
     return h
+
+
+@njit(**_PJIT)
+def add_norm_matmul(x, y, add, wn, eps, P, Wt, out, nw, counter):
+    """x += y in place when add, then out = rms_norm(x) * wn @ W^T (the one matrix of P,
+    Wt): the last residual add, the final norm and the output head of a decode step."""
+    T, X = x.shape
+    if add:
+        for r in range(T):
+            for i in range(X):
+                x[r, i] += y[r, i]
+    h = np.empty((T, X), np.float32)
+    for g in range((T + 7) // 8):
+        _rms_group(x, wn, eps, h, g)
+    nbmax = X // 16
+    qa = np.empty((1, T, X), np.int8)
+    da = np.empty((1, nbmax, T), np.float32)
+    bsf = np.empty((1, nbmax, T), np.float32)
+    zb = np.empty((1, nbmax, T), np.int32)
+    _quantize_for(h, P, 0, qa, da, bsf, zb)
+    _matmuls(P, Wt, 1, qa, da, bsf, zb, out, out, out, nw, counter)
+    return out

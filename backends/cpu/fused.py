@@ -130,3 +130,24 @@ class FusedLayer:
             g.work.buf = np.empty(need + (need >> 2), np.uint8)     # as GroupedExperts
             _moe.moe_ffn(*args, np.zeros(2, np.int64), g.work.buf)
         return out
+
+
+class FusedHead:
+    """The end of a step whose every row wants logits (a decode step): the last layer's
+    FFN output added to the residual, the final norm and the output matrix in one call
+    (_layer.add_norm_matmul): the bits of ops.add, ops.rms_norm and ops.matmul."""
+
+    __slots__ = ("wn", "eps", "P", "Wt", "N", "cols", "counter")
+
+    def __init__(self, ops, norm, eps: float, output):
+        self.wn, self.eps = norm, eps
+        self.P, self.Wt, _ = ops._fused_mats((output,))
+        self.N, self.cols = output.N, output.K * output.N
+        self.counter = np.zeros(1, np.int64)
+
+    def __call__(self, x, f, threads: int):
+        T = x.shape[0]
+        out = np.empty((T, self.N), np.float32)
+        nw = 1 if T * self.cols < SERIAL_MACS else threads
+        return _layer.add_norm_matmul(x, x if f is None else f, f is not None, self.wn,
+                                      self.eps, self.P, self.Wt, out, nw, self.counter)

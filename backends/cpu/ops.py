@@ -77,21 +77,43 @@ class FileTable:
         self.offset = int(t.offset)
         self._fd = os.open(gguf_file.path, os.O_RDONLY)     # held: the file may be replaced
         weakref.finalize(self, os.close, self._fd)
+        # decoded rows of recent one-token lookups (decode steps), oldest first: a step's
+        # read, wrap and decode cost ~80 us with the caches cold from the layers' weights
+        self._recent: dict[int, np.ndarray] = {}
+        self._recent_max = max(1, self.RECENT_BYTES // (4 * self.K))
+
+    RECENT_BYTES = 4 << 20
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size == 1:
+            return self._row(int(ids[0]))
         if ids.size and (ids.min() < 0 or ids.max() >= self.N):
             raise IndexError(f"row id out of range [0, {self.N})")
-        if ids.size == 1:           # a decode step's one token: nothing to deduplicate
-            uniq, inverse = ids, np.zeros(1, np.int64)
-        else:
-            uniq, inverse = np.unique(ids, return_inverse=True)
+        uniq, inverse = np.unique(ids, return_inverse=True)
         rb, fd, off = self.row_bytes, self._fd, self.offset
         raw = b"".join([os.pread(fd, rb, off + int(i) * rb) for i in uniq])
         if len(raw) != uniq.size * rb:
             raise OSError(f"short read of embedding rows from the model file (fd {fd})")
         w = QuantMatrix.from_bytes(np.frombuffer(raw, np.uint8), self.qtype, self.K, uniq.size)
         return get_rows(w, inverse.astype(np.int64))
+
+    def _row(self, i: int) -> np.ndarray:
+        """float32[1, K]: row i, a fresh copy (the caller may write it) of the decoded row,
+        kept among the recent ones (the same decoder's bits as any lookup's)."""
+        row = self._recent.get(i)
+        if row is None:
+            if not 0 <= i < self.N:
+                raise IndexError(f"row id out of range [0, {self.N})")
+            raw = os.pread(self._fd, self.row_bytes, self.offset + i * self.row_bytes)
+            if len(raw) != self.row_bytes:
+                raise OSError(f"short read of embedding rows from the model file (fd {self._fd})")
+            w = QuantMatrix.from_bytes(np.frombuffer(raw, np.uint8), self.qtype, self.K, 1)
+            row = get_rows(w, np.zeros(1, np.int64))
+            if len(self._recent) >= self._recent_max:
+                del self._recent[next(iter(self._recent))]
+            self._recent[i] = row
+        return row.copy()
 
 
 def _repacked_tensor(gguf_file, name: str) -> bool:
@@ -362,6 +384,15 @@ class CpuOps:
         from edgeinfer.backends.cpu.fused import FusedLayer
         return FusedLayer(self, attn_norm, eps, qkv, heads, q_norm, k_norm, neox, wo, ffn_norm,
                           bank)
+
+    def fused_head(self, norm: np.ndarray, eps: float, output):
+        """The residual add, final norm and output matrix of a step whose every row wants
+        logits, in one call (fused.FusedHead), or None when the output matrix is not
+        repacked (fused_layer_rows)."""
+        from edgeinfer.backends.cpu.fused import FusedHead
+        if not self.fused_layer_rows(1, output.K, (output,)):
+            return None
+        return FusedHead(self, norm, eps, output)
 
     def layer_step(self, batch: ForwardBatch, H: int, KVH: int, D: int, scale: float,
                    rope_base: float, rope_scale: float, freq_factors=None):

@@ -176,7 +176,8 @@ def _moe_step() -> None:
 
 def _layer_step(p) -> None:
     """_layer's fused kernels as qwen3moe's decode steps call them (ops.norm_qkv with and
-    without the residual to add, ops.out_add_norm) on a repacked [N, K] matrix p."""
+    without the residual to add, ops.out_add_norm, the bound layer's and the fused head's
+    calls) on a repacked [N, K] matrix p."""
     from types import SimpleNamespace
     from .ops import CpuOps
     ops = CpuOps(repack=True)
@@ -189,6 +190,13 @@ def _layer_step(p) -> None:
     a = np.zeros((1, N), np.float32)
     # p is [N, K]: its output width N is the residual's here
     ops.out_add_norm(np.zeros((1, K), np.float32), p, a, np.ones(N, np.float32), 1e-6, 1)
+    layer = ops.fused_layer(wn, 1e-6, (p, p, p), (2, 2), qn, qn, True, p, wn)
+    layer.attn_in(x, x.copy(), batch.cache[("rope", 1e4, 1.0, N // 2)][0],
+                  batch.cache[("rope", 1e4, 1.0, N // 2)][1], 1)
+    layer.attn_out(np.zeros((1, K), np.float32), a, 1)
+    head = ops.fused_head(wn, 1e-6, p)
+    for f in (None, x.copy()):
+        head(x, f, 1)
 
 
 def _attention_step(kv: str) -> None:
