@@ -139,11 +139,11 @@ def _span(seq: int, start: int, toks, table) -> ScheduledSpan:
     return ScheduledSpan(seq, start, tuple(toks), tuple(int(b) for b in table), True)
 
 
-def _logits(path: Path, fused: bool) -> tuple[np.ndarray, int]:
+def _logits(path: Path, fused: bool, kv: str | None = None) -> tuple[np.ndarray, int]:
     """A prefill, decode steps of one token, then decode steps of two sequences at once; the
     logits of every step, and how many forwards took the fused layers."""
     from edgeinfer.runners.native import ModelRunner
-    r = ModelRunner.load(str(path), kv_budget_bytes=32 << 20)
+    r = ModelRunner.load(str(path), kv_budget_bytes=32 << 20, kv_cache_type=kv)
     model = r.model
     real = model._fusable
     took = []
@@ -163,11 +163,13 @@ def _logits(path: Path, fused: bool) -> tuple[np.ndarray, int]:
     return np.concatenate(rows), sum(took)
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
-def test_qwen3moe_fused_forward_gives_the_same_logits(ftype):
+@pytest.mark.parametrize("ftype,kv", [("Q4_K_M", None), ("Q8_0", None), ("Q4_K_M", "q8_0")])
+def test_qwen3moe_fused_forward_gives_the_same_logits(ftype, kv):
+    """One- and two-token steps with the f16 cache (LayerStep's own attention calls) and
+    the q8_0 one (ops.attention)."""
     path = variant_model(CACHE, "qwen3moe", ftype)
-    fused, n = _logits(path, True)
-    plain, _ = _logits(path, False)
+    fused, n = _logits(path, True, kv)
+    plain, _ = _logits(path, False, kv)
     if _int8.HAVE_SIMD:
         assert n >= 12            # the decode steps (one and two rows) took the fused layers
     assert np.array_equal(fused, plain)
