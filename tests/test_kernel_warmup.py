@@ -50,7 +50,7 @@ def test_a_model_needs_its_weight_types_and_its_family_forward(smollm2_path, qwe
 def test_install_runs_shared_kernels_first_then_two_processes():
     stages = warmup._stages(warmup.install_keys(), 2)
     assert stages[0] == [["int8:Q8_0"], ["float:F32"]]
-    assert stages[1][0] == ["attention:f16"]
+    assert stages[1][0] == ["attention:f16", "attention:q8_0"]
     assert all(k.startswith("model:") for part in stages[2] for k in part)
     assert all(len(stage) <= 2 for stage in stages)
     assert sorted(k for stage in stages for part in stage for k in part) == \

@@ -44,9 +44,11 @@ def float_types() -> list[int]:
 
 
 def all_keys() -> list[str]:
-    """Every step but the attention over a q8_0 KV cache (an opt-in setting)."""
+    """Every step: the attention over a q8_0 KV cache too (an opt-in setting, ~1 min of a
+    2-core install, which would otherwise fall on the first load that asks for it)."""
     return ([f"int8:{type_name(c)}" for c in int8_types()]
-            + [f"float:{type_name(c)}" for c in float_types()] + ["attention:f16", "ops", "mxfp4"]
+            + [f"float:{type_name(c)}" for c in float_types()]
+            + ["attention:f16", "attention:q8_0", "ops", "mxfp4"]
             + (["moe"] if int8_types() else []))
 
 
@@ -200,30 +202,39 @@ def _layer_step(p) -> None:
 
 
 def _attention_step(kv: str) -> None:
-    """ops.attention's kernels for this KV cache type: tiles of query tokens (attention._run)
-    and a lone decode token over many keys split over the threads (_run_split, which long
-    contexts of models with few KV heads reach)."""
+    """ops.attention's kernels for this KV cache type (f32: the f32 numerics' pool): the K/V
+    write (and a q8_0 cache's rotation), tiles of query tokens (attention._run) and a lone decode token over many keys split over the
+    threads (_run_split, which long contexts of models with few KV heads reach), the latter
+    with attention sinks too on the default f16 pool (gpt-oss)."""
+    from . import _rotate as _rot
     from . import attention as A
+    from . import kernels as K
     from .ops import CpuOps
-    ops = CpuOps(kv_cache_type=kv)
+    ops = CpuOps(numerics="f32") if kv == "f32" else CpuOps(kv_cache_type=kv)
     H, D, blocks = 4, 64, 132
     keys = A.SPLIT_MIN_KEYS + 16
     cache = ops.new_kv_cache(1, blocks, 16, 1, D)
     tables = np.arange(blocks, dtype=np.int32).reshape(1, blocks)
     rounding = kv == "f16"           # ggml rounding: f16 caches; a q8_0 one rounds q instead
     q = np.zeros((2, H, D), np.float32)
+    rows = np.zeros((2, 1, D), np.float32)
+    K.kv_write(cache.k[0], cache.v[0], rows, rows, np.arange(2, dtype=np.int64))
+    if ops.kv_cache_type == "q8_0":              # llama.cpp's rotation around a q8_0 cache
+        _rot.rotate(q, False)
     A.paged_attention(q, cache.k[0], cache.v[0], tables, np.zeros(2, np.int32),
                       np.arange(2, dtype=np.int32), 0, np.float32(0.125), rounding,
                       np.empty_like(q), False, 1)
     q = np.zeros((1, H, D), np.float32)
-    A.paged_attention(q, cache.k[0], cache.v[0], tables, np.zeros(1, np.int32),
-                      np.array([keys - 1], np.int32), 0, np.float32(0.125), rounding,
-                      np.empty_like(q), True, 1, threads=2)
+    for sinks in (None, np.zeros(H, np.float32)) if kv == "f16" else (None,):
+        A.paged_attention(q, cache.k[0], cache.v[0], tables, np.zeros(1, np.int32),
+                          np.array([keys - 1], np.int32), 0, np.float32(0.125), rounding,
+                          np.empty_like(q), True, 1, threads=2, sinks=sinks)
 
 
 def _ops_step() -> None:
-    """Kernels a default decoder forward does not reach: f32 numerics' and encoder models'
-    (BERT, EmbeddingGemma) norms, activations and attention."""
+    """Kernels a default decoder forward does not reach: f32 numerics' (their attention over
+    an f32 KV pool included) and encoder models' (BERT, EmbeddingGemma) norms, activations
+    and attention."""
     from . import kernels as K
     from .encoder import encoder_attention, layer_norm, sequence_bounds
     x = np.zeros((3, 64), np.float32)
@@ -235,3 +246,4 @@ def _ops_step() -> None:
     q = np.zeros((3, 2, 32), np.float32)
     encoder_attention(q, q, q, lo, hi, np.arange(3, dtype=np.int32), 0, np.float32(0.1),
                       np.empty_like(q), False)
+    _attention_step("f32")           # the f32 numerics' KV pool

@@ -87,8 +87,6 @@ def label(key: str) -> str:
 def install_keys() -> list[str]:
     """Every step: what install.sh warms."""
     from edgeinfer.backends.cpu import warmup as cpu  # lazy: numba, not in the daemon
-    # the q8_0 KV cache (an opt-in setting) is left to the first load or pull that asks for
-    # it: its attention kernels would add a quarter to the install's warm-up
     return cpu.all_keys() + [f"model:{a}:f16" for a in MODEL_ARCHS]
 
 
