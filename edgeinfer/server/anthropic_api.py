@@ -364,6 +364,8 @@ async def messages(body: MessagesRequest, request: Request):
         chat, tvars = tl.prepare_chat(msgs, tools, choice, parallel, engine.chat_template)
         if spec is None and not harmony:
             spec = tl.auto_spec(tools, choice, parallel, engine.chat_template)
+        if spec is None and harmony:
+            spec = hm.auto_spec(engine, tools, choice)
         spans = None
         try:
             if images:

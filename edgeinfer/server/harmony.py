@@ -248,3 +248,59 @@ def call_grammar(tools: list[Tool], choice, vocab: dict | None = None) -> Gramma
         rules.append(f"call{i}: {json.dumps(t.name + ' ')} {m(CONSTRAIN)} \"json\" "
                      f"{m(MESSAGE)} %json {args_schema(t)}")
     return GrammarSpec("lark", "\n".join(rules) + "\n")
+
+
+def auto_grammar(tools: list[Tool], vocab: dict | None = None, eos_ids=()) -> GrammarSpec | None:
+    """tool_choice auto (tools declared) for a Harmony model: free messages, or a call to a
+    declared function whose arguments follow its schema. A lazy grammar over Harmony's
+    special tokens: every message is free (header text, <|channel|> / <|constrain|>, then
+    <|message|> and any body) except that header text may not name a `functions.` recipient;
+    the one lexeme that does (CALL_TO: header text up to its first `to=functions.`) leaves
+    only the call: a declared name, the rest of the header in a layout the template and
+    HarmonySplitter know, <|message|> and the arguments by the tool's schema (%json). The
+    call ends the output (the model's <|call|> ends it anyway). A reply whose headers name
+    no function is constrained by nothing but the markup's order (one <|message|> per
+    message, <|end|><|start|> between messages), so its tokens are the ones the model would
+    have sampled; bodies are free text, `to=functions.` included.
+
+    None where the vocabulary lacks the markup tokens (gpt-oss has them all): spelled as
+    text, the tags would have to be kept out of free text, and the lexemes that do so are
+    not reliable; such a model's calls are read from free output, as before."""
+    vocab = vocab or {}
+    if not tools or not all(t in vocab for t in (CHANNEL, MESSAGE, START, END, CONSTRAIN)):
+        return None
+    to = r"to=functions\."
+    # a body is any tokens but the markup and the ends, matched as tokens, not text: a text
+    # lexeme holds valid UTF-8 only, and a model may write a character's bytes apart
+    markup = sorted({int(vocab[t]) for t in (CHANNEL, MESSAGE, START, END, CONSTRAIN,
+                                             RETURN, CALL) if t in vocab}
+                    | {int(i) for i in eos_ids})
+    rules = [
+        "start: (msg sep)* (msg | call)",
+        f"sep: {END} {START}",
+        # a message: its header, then <|message|> and the body (a reply that opens with no
+        # header is header text to the grammar, content to the splitter)
+        f"msg: hdr ({MESSAGE} body)?",
+        f"hdr: (HTEXT | {CHANNEL} | {CONSTRAIN})*",
+        f"HTEXT: /(?s:.+)/ & ~/(?s:.*{to}.*)/",
+        "body: <[^" + ",".join(map(str, markup)) + "]>*",
+        # header text up to (and with) its first function recipient: the call's trigger
+        f"CALL_TO: /(?s:.*){to}/ & ~/(?s:.*{to}(?s:.+))/",
+        "call: hdr CALL_TO (" + " | ".join(f"call{i}" for i in range(len(tools))) + ")",
+        # after the name: ` <|constrain|>json` (our template; gpt-oss's usual output),
+        # ` json`, or the channel after the recipient (`<|channel|>commentary json`)
+        f'ctail: " "? {CONSTRAIN} "json" | " json" '
+        f'| {CHANNEL} "commentary" (" json" | " "? {CONSTRAIN} "json")?',
+    ]
+    for i, t in enumerate(tools):
+        rules.append(f"call{i}: {json.dumps(t.name)} ctail {MESSAGE} %json {args_schema(t)}")
+    return GrammarSpec("lark", "\n".join(rules) + "\n")
+
+
+def auto_spec(engine, tools: list[Tool], choice) -> GrammarSpec | None:
+    """The Harmony auto-mode grammar for a request (tools given, tool_choice auto), or None:
+    the one rule every API follows."""
+    if not tools or choice.mode != "auto":
+        return None
+    tok = engine.tokenizer
+    return auto_grammar(tools, getattr(tok, "token_to_id", None), getattr(tok, "eot_ids", ()))

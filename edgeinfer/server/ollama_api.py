@@ -227,6 +227,9 @@ async def _run(request: Request, body: _OllamaBase, build_prompt, shape,
         if spec is None and not harmony and (auto := tl.auto_spec(tools, tl.Choice("auto"), True,
                                                   engine.chat_template)) is not None:
             spec, param = auto, "tools"
+        if spec is None and harmony and (auto := hm.auto_spec(engine, tools,
+                                                           tl.Choice("auto"))) is not None:
+            spec, param = auto, "tools"
         constraints = (await tl.build_constraints(engine, spec, 1, param)
                        if spec is not None else None)
         tok = engine.tokenizer

@@ -299,6 +299,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         if spec is None and not harmony and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
                                                   engine.chat_template)) is not None:
             spec, spec_param = auto, "tools"
+        if spec is None and harmony and (auto := hm.auto_spec(engine, tools, choice)) is not None:
+            spec, spec_param = auto, "tools"
         spans = None
         try:
             if images:

@@ -372,6 +372,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         if spec is None and not harmony and (auto := tl.auto_spec(tools, choice, body.parallel_tool_calls,
                                                   engine.chat_template)) is not None:
             spec, spec_param = auto, "tools"
+        if spec is None and harmony and (auto := hm.auto_spec(engine, tools, choice)) is not None:
+            spec, spec_param = auto, "tools"
         refs = [r for m in messages for r in m.get(IMAGES_KEY, ())]
         spans = None
         try:
