@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import numpy as np
 import ollama
 import openai
@@ -31,7 +32,7 @@ from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tin
 
 pytest.importorskip("llguidance")
 
-MODEL, PLAIN = "harmony:latest", "plain:latest"
+MODEL, PLAIN, TOKENS = "harmony:latest", "plain:latest", "harmony-tokens:latest"
 SPECIALS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
             "<|return|>", "<|call|>")
 TEMPLATE = builtin_template("harmony")
@@ -54,7 +55,9 @@ def daemon(tmp_path_factory):
     paths = {}
     for name, kw in ((MODEL, dict(extra_specials=("<|return|>", "<|call|>"),
                                   chat_template=TEMPLATE)),
-                     (PLAIN, {})):
+                     (PLAIN, {}),
+                     # the markup as special tokens, as gpt-oss has it: auto mode's grammar
+                     (TOKENS, dict(extra_specials=SPECIALS, chat_template=TEMPLATE))):
         p = paths[name] = d / f"{name.split(':')[0]}.gguf"
         write_tiny_gguf(p, "qwen3", SHAPE, random_f32_tensors(np.random.default_rng(0)),
                         file_type=0, name="synthetic-harmony", **kw)
@@ -399,3 +402,50 @@ def test_forced_call_in_process(tmp_path):
             [("pick_city", True)]
     finally:
         e.shutdown()
+
+
+FLAG = {"type": "function", "function": {
+    "name": "set_flag", "description": "",
+    "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}},
+                   "required": ["on"]}}}
+ODD = {"type": "function", "function": {      # a valid schema llguidance cannot compile
+    "name": "odd", "description": "",
+    "parameters": {"type": "object", "properties": {"a": {"type": "string",
+                                                          "format": "no-such-format"}}}}}
+
+
+def test_auto_mode_is_constrained(oa, daemon):
+    # tool_choice auto on a model with Harmony's markup tokens: the auto grammar (see
+    # test_harmony_auto.py) is compiled for the request, so a schema it cannot compile is a
+    # 400 naming tools, on every API; on the model whose markup is text there is no grammar
+    import anthropic
+    for tc in (None, "auto"):
+        kw = {} if tc is None else {"tool_choice": tc}
+        with pytest.raises(openai.BadRequestError, match="no-such-format") as e:
+            oa.chat.completions.create(model=TOKENS, messages=ASK, tools=[CITY, ODD],
+                                       max_tokens=1, **kw)
+        assert e.value.body["param"] == "tools"
+    r = oa.chat.completions.create(model=MODEL, messages=ASK, tools=[ODD], max_tokens=1)
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="no-such-format"):
+        oa.responses.create(model=TOKENS, input="Hi", max_output_tokens=1,
+                            tools=[{"type": "function", **ODD["function"]}])
+    # (raw: the ollama client's tool model drops `format`)
+    r = httpx.post(daemon.url + "/api/chat", timeout=300, json={
+        "model": TOKENS, "messages": ASK, "tools": [ODD], "stream": False,
+        "options": {"num_predict": 1}})
+    assert r.status_code == 400 and "no-such-format" in r.text
+    with anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0) as c, \
+            pytest.raises(anthropic.BadRequestError, match="no-such-format"):
+        c.messages.create(model=TOKENS, max_tokens=1, messages=ASK, tools=[{
+            "name": "odd", "input_schema": ODD["function"]["parameters"]}])
+    # a compilable request runs: whatever the random model writes is an answer or a valid
+    # call of a declared tool
+    for seed in range(2):
+        r = oa.chat.completions.create(model=TOKENS, messages=ASK, tools=[CITY, FLAG],
+                                       max_tokens=40, seed=seed, temperature=1.0)
+        ch = r.choices[0]
+        assert ch.finish_reason in ("stop", "length", "tool_calls"), ch
+        for c in ch.message.tool_calls or []:
+            assert c.function.name in ("pick_city", "set_flag")
+
