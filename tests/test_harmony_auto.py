@@ -167,3 +167,31 @@ def test_answers_are_untouched(engine, seed):
         free = engine.generate(prompt, params, constraint=Steer(prefix, vocab))
         out = engine.generate(prompt, params, constraint=Steer(prefix, vocab, constraint()))
         assert out.token_ids == free.token_ids, (temp, free.text, out.text)
+
+
+def test_free_output_the_grammar_allows_is_kept(engine):
+    # no bias, greedy: where the model's own output (markup tokens and all) is one the
+    # grammar allows, the constrained run gives the same tokens. (Sampled, a mask that takes
+    # out tokens the model gave some weight, markup it may not write here, moves the draw;
+    # test_answers_are_untouched samples with that markup kept out.)
+    from edgeinfer.engine.constraint import ConstraintError
+    from edgeinfer.runners.sampling_params import SamplingParams
+    tok, tools, vocab, constraint = _setup(engine)
+    kept = 0
+    for q in ("Which city?", "Weather in Paris?", "Set the flag.", "Hello", "2+2?", "Why?"):
+        prompt = engine.encode_chat([{"role": "user", "content": q}], tools=[CITY, FLAG])
+        for start in ("<|channel|>analysis<|message|>", "<|channel|>final<|message|>"):
+            prefix = _ids(tok, start)
+            params = SamplingParams(temperature=0, max_tokens=30)
+            free = engine.generate(prompt, params, constraint=Steer(prefix, vocab))
+            c = constraint()
+            try:
+                for i in free.token_ids:
+                    if i not in tok.eot_ids:
+                        c.accept(i)
+            except ConstraintError:
+                continue
+            out = engine.generate(prompt, params, constraint=Steer(prefix, vocab, constraint()))
+            assert out.token_ids == free.token_ids, (q, free.text, out.text)
+            kept += 1
+    assert kept >= 6
