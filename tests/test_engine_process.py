@@ -102,12 +102,12 @@ def test_unload_ends_the_engine_process_and_returns_the_daemons_memory(daemon):
     assert "still referenced" not in d.log_text()
 
 
-def _long_openai_stream(d, model: str):
+def _long_openai_stream(d, model: str, max_tokens: int = 1000):
     import openai
     oc = openai.OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     return oc.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Count from one to a thousand."}],
-        max_tokens=1000, temperature=0, stream=True,
+        max_tokens=max_tokens, temperature=0, stream=True,
         extra_body={"ignore_eos": True, "stop_on_repetition": False})
 
 
@@ -125,7 +125,8 @@ def test_killed_runner_ends_its_streams_and_the_daemon_keeps_serving(daemon):
 
     def read_other():
         try:
-            chunks = list(_long_openai_stream(d, OTHER))
+            # long enough to run across the kill (a second or two in), not to a thousand
+            chunks = list(_long_openai_stream(d, OTHER, 400))
             other["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
         except Exception as e:          # noqa: BLE001 - reported by the assertion below
             other["error"] = repr(e)
@@ -156,8 +157,9 @@ def test_killed_runner_ends_its_streams_and_the_daemon_keeps_serving(daemon):
                 deadline = time.monotonic() + 30
                 while len(ollama_parts) < 2 and time.monotonic() < deadline:
                     time.sleep(0.02)
+                crossing = reader.is_alive()      # the other stream runs across the kill
                 os.kill(victim, signal.SIGKILL)
-    assert got >= 3
+    assert got >= 3 and crossing
     assert "engine process" in str(err.value.message) and "died" in str(err.value.message)
     # Ollama: an NDJSON error line, which the official client raises
     t.join(60)
