@@ -17,7 +17,8 @@ every output is the same bits as the ops it replaces; tests/test_layer_fused.py 
 Everything but the tiles runs on the calling thread: callers use these only for steps too
 small for the ops' parallel norms and quantization (CpuOps.fusable_rows).
 
-A matrix is described by a row of P int64[n, 5] (_P_FIELDS) and its W (_int8.weight_fields).
+A matrix is described by a row of P int64[n, N_FIELDS] and its row of Wt int64[n, W_FIELDS]
+(_int8.weight_fields), n the 1 to 3 matrices of a call.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ _DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py")
 _DEPS_HASH = "21c0c5a96d30f619"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
+_JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 
 # P[m] fields: tile kernel address, activation block, weight block, zero point, output rows
@@ -84,20 +86,15 @@ def _tiles(P, Wt, m, qa, da, bsf, zb, out, t0, t1):
                 out.ctypes.data, qa.shape[1], K, out.shape[1])
 
 
-@njit(inline="always", nogil=True)
-def _matmuls(P, Wt, n, qa, da, bsf, zb, o0, o1, o2, nw, counter):
-    """o_m = the product of matrix m's codes and tiles, m < n (<= 3): on this thread, or with
-    nw > 1 the tiles of all of them in chunks dealt from one counter, as _int8's driver."""
+@njit(**_PJIT)
+def _tiles_parallel(P, Wt, qa, da, bsf, zb, o0, o1, o2, nw, counter):
+    """_matmuls' tiles on nw threads: the tiles of all the matrices of Wt in chunks dealt
+    from one counter, as _int8's driver. A kernel of its own (one compiled signature for
+    all callers), so the callers compile no parallel region themselves."""
+    n = Wt.shape[0]
     T0 = Wt[0, 6]
     T1 = Wt[1, 6] if n > 1 else 0
     T2 = Wt[2, 6] if n > 2 else 0
-    if nw <= 1:
-        _tiles(P, Wt, 0, qa, da, bsf, zb, o0, 0, T0)
-        if n > 1:
-            _tiles(P, Wt, 1, qa, da, bsf, zb, o1, 0, T1)
-        if n > 2:
-            _tiles(P, Wt, 2, qa, da, bsf, zb, o2, 0, T2)
-        return
     per = max(1, (T0 + T1 + T2) // (nw * 16))
     if qa.shape[1] < 8:
         per = max(per, SMALL_M_CHUNK_BYTES // (Wt[0, 7] * Wt[0, 8] * 64))
@@ -122,6 +119,21 @@ def _matmuls(P, Wt, n, qa, da, bsf, zb, o0, o1, o2, nw, counter):
 
 
 @njit(inline="always", nogil=True)
+def _matmuls(P, Wt, qa, da, bsf, zb, o0, o1, o2, nw, counter):
+    """o_m = the product of matrix m's codes and tiles for the n = 1 to 3 matrices of Wt:
+    on this thread, or with nw > 1 by _tiles_parallel."""
+    if nw > 1:
+        _tiles_parallel(P, Wt, qa, da, bsf, zb, o0, o1, o2, nw, counter)
+        return
+    n = Wt.shape[0]
+    _tiles(P, Wt, 0, qa, da, bsf, zb, o0, 0, Wt[0, 6])
+    if n > 1:
+        _tiles(P, Wt, 1, qa, da, bsf, zb, o1, 0, Wt[1, 6])
+    if n > 2:
+        _tiles(P, Wt, 2, qa, da, bsf, zb, o2, 0, Wt[2, 6])
+
+
+@njit(inline="always", nogil=True)
 def _norm_rope_heads(x, H, w, eps, cos, sin, neox):
     """_norm.norm_rope's serial loop on x[T, H*D] seen as [T, H, D]."""
     T = x.shape[0]
@@ -133,7 +145,7 @@ def _norm_rope_heads(x, H, w, eps, cos, sin, neox):
         _rope_head(x3, cos, sin, neox, th // H, th % H)
 
 
-@njit(**_PJIT)
+@njit(**_JIT)
 def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox, nw, counter):
     """x float32[T, X] (updated in place: x += y when add), then h = rms_norm(x) * wn; q, k, v
     float32[T, N_m] = h @ W_m^T for the three matrices of P, Wt; then each head of q
@@ -154,12 +166,12 @@ def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox,
     zb = np.empty((3, nbmax, T), np.int32)
     for m in range(3):
         _quantize_for(h, P, m, qa, da, bsf, zb)
-    _matmuls(P, Wt, 3, qa, da, bsf, zb, q, k, v, nw, counter)
+    _matmuls(P, Wt, qa, da, bsf, zb, q, k, v, nw, counter)
     _norm_rope_heads(q, H, qn, eps, cos, sin, neox)
     _norm_rope_heads(k, KVH, kn, eps, cos, sin, neox)
 
 
-@njit(**_PJIT)
+@njit(**_JIT)
 def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
     """o = a @ W^T (the one matrix of P, Wt), x += o in place, h = rms_norm(x) * wn."""
     T, K = a.shape
@@ -171,7 +183,7 @@ def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
     zb = np.empty((1, nbmax, T), np.int32)
     _quantize_for(a, P, 0, qa, da, bsf, zb)
     o = np.empty((T, X), np.float32)
-    _matmuls(P, Wt, 1, qa, da, bsf, zb, o, o, o, nw, counter)
+    _matmuls(P, Wt, qa, da, bsf, zb, o, o, o, nw, counter)
     for r in range(T):
         for i in range(X):
             x[r, i] += o[r, i]
@@ -180,7 +192,7 @@ def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
     return h
 
 
-@njit(**_PJIT)
+@njit(**_JIT)
 def add_norm_matmul(x, y, add, wn, eps, P, Wt, out, nw, counter):
     """x += y in place when add, then out = rms_norm(x) * wn @ W^T (the one matrix of P,
     Wt): the last residual add, the final norm and the output head of a decode step."""
@@ -198,5 +210,5 @@ def add_norm_matmul(x, y, add, wn, eps, P, Wt, out, nw, counter):
     bsf = np.empty((1, nbmax, T), np.float32)
     zb = np.empty((1, nbmax, T), np.int32)
     _quantize_for(h, P, 0, qa, da, bsf, zb)
-    _matmuls(P, Wt, 1, qa, da, bsf, zb, out, out, out, nw, counter)
+    _matmuls(P, Wt, qa, da, bsf, zb, out, out, out, nw, counter)
     return out
