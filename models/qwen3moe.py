@@ -75,6 +75,7 @@ class Qwen3MoeModel(VariantModel):
             raise ValueError(f"the native {cfg.arch} (mixture of experts) runs on the cpu "
                              f"backend only, not {ops.name!r}: use --backend cpu or llamacpp")
         super().__init__(cfg, ops, gf)
+        self._load_fused_kernels()
 
     def load_layer(self, gf, i: int):
         w = super().load_layer(gf, i)
@@ -85,15 +86,14 @@ class Qwen3MoeModel(VariantModel):
         return w.moe(self.ops, h)
 
     # -- a step of a few tokens: the attention block's small ops fused ------------------------
-    def _fusable(self, batch) -> bool:
-        """Whether this step runs through the fused layers (ops.fused_layer, backends/cpu/
+    def _fused_model(self) -> bool:
+        """Whether this model can take the fused layers (ops.fused_layer, backends/cpu/
         fused.py and _layer.py): every layer the plain qwen3moe block (separate q/k/v,
-        QK-norm, full rope, no temperature) with repacked matrices (decided once), and few
-        enough tokens (ops.fused_layer_rows)."""
-        cfg, ops = self.cfg, self.ops
-        width = max(cfg.n_embd, cfg.q_dim)
+        QK-norm, full rope, no temperature) with repacked matrices. Decided once."""
         ok = self.__dict__.get("_fused_ok")
         if ok is None:
+            cfg, ops = self.cfg, self.ops
+            width = max(cfg.n_embd, cfg.q_dim)
             plain = (hasattr(ops, "fused_layer") and not cfg.n_rot and self.mscale == 1.0
                      and not cfg.attn_temp_scale
                      and type(self).attention is VariantModel.attention)  # no subclass's own
@@ -101,7 +101,45 @@ class Qwen3MoeModel(VariantModel):
                 w.wqkv is None and w.q_norm is not None and w.k_norm is not None
                 and cfg.uses_rope(i) and ops.fused_layer_rows(1, width, (w.wq, w.wk, w.wv, w.wo))
                 for i, w in enumerate(self.layers))
-        return ok and ops.fused_layer_rows(batch.num_tokens, width, ())
+        return ok
+
+    def _fusable(self, batch) -> bool:
+        """Whether this step runs through the fused layers: a _fused_model, and few enough
+        tokens (ops.fused_layer_rows)."""
+        cfg = self.cfg
+        return self._fused_model() and self.ops.fused_layer_rows(
+            batch.num_tokens, max(cfg.n_embd, cfg.q_dim), ())
+
+    def _fused_parts(self) -> tuple:
+        """(the layers' ops.fused_layer, the ops.fused_head or None), made once."""
+        parts = self.__dict__.get("_fused_parts_")
+        if parts is None:
+            cfg, ops = self.cfg, self.ops
+            layers = [ops.fused_layer(w.attn_norm, cfg.rms_eps, (w.wq, w.wk, w.wv),
+                                      (cfg.n_head, cfg.n_kv_head), w.q_norm, w.k_norm,
+                                      cfg.rope_neox, w.wo, w.ffn_norm,
+                                      w.moe.bank if type(w.moe) is ExpertFFN else None)
+                      for w in self.layers]
+            head = ops.fused_head(self.output_norm, cfg.rms_eps, self.output)
+            parts = self._fused_parts_ = (layers, head)
+        return parts
+
+    def _load_fused_kernels(self) -> None:
+        """Load the fused kernels that decode steps take and a prefill does not (from numba's
+        disk cache, which install's warm-up fills) with the model, not inside the first
+        decode step (~25 ms there): one call of each on zeros, on this thread alone (a
+        parallel region here would start an OpenMP team for the loading thread)."""
+        if not self._fused_model():
+            return
+        cfg = self.cfg
+        layers, head = self._fused_parts()
+        x = np.zeros((1, cfg.n_embd), np.float32)
+        cos = sin = np.zeros((1, cfg.head_dim // 2), np.float32)
+        layers[0].attn_in(x, x.copy(), cos, sin, 1)
+        layers[0].attn_out(np.zeros((1, cfg.q_dim), np.float32), x, 1)
+        if head is not None:
+            head(x, x.copy(), 1)
+        self.ops.embed(self.tok_embd, np.zeros(1, np.int32))
 
     def forward(self, batch, kv):
         """VariantModel.forward's ops, the same bits; with _fusable, each layer's residual add,
@@ -112,14 +150,7 @@ class Qwen3MoeModel(VariantModel):
         if not self._fusable(batch):
             return super().forward(batch, kv)
         cfg, ops = self.cfg, self.ops
-        fused = self.__dict__.get("_fused_layers")
-        if fused is None:
-            fused = self._fused_layers = [
-                ops.fused_layer(w.attn_norm, cfg.rms_eps, (w.wq, w.wk, w.wv),
-                                (cfg.n_head, cfg.n_kv_head), w.q_norm, w.k_norm, cfg.rope_neox,
-                                w.wo, w.ffn_norm,
-                                w.moe.bank if type(w.moe) is ExpertFFN else None)
-                for w in self.layers]
+        fused, head = self._fused_parts()
         T = batch.num_tokens
         step = ops.layer_step(batch, cfg.n_head, cfg.n_kv_head, cfg.head_dim,
                               1.0 / math.sqrt(cfg.head_dim), cfg.rope_base, cfg.rope_scale,
@@ -133,9 +164,6 @@ class Qwen3MoeModel(VariantModel):
             a = step.attend(q, k, v, kv, i)
             h = fl.attn_out(a.reshape(T, cfg.q_dim), x, threads)
             f = fl.moe(h, w.moe.k, threads) if own_ffn and fl.bank is not None else self.ffn(w, h)
-        head = self.__dict__.get("_fused_head", False)
-        if head is False:
-            head = self._fused_head = ops.fused_head(self.output_norm, cfg.rms_eps, self.output)
         if head is not None and batch.hidden_indices is None and len(batch.logits_indices) == T:
             return head(x, f, threads)      # final_head's bits: every row is a logits row
         if f is not None:
