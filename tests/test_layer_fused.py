@@ -178,13 +178,14 @@ def test_qwen3moe_fused_forward_gives_the_same_logits(ftype, kv):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("starts", [(5,), (2100,), (40, 2100)])
+@pytest.mark.parametrize("starts", [(5,), (600,), (2100,), (40, 2100)])
 @pytest.mark.parametrize("kv", ["f16", "q8_0"])
 def test_layer_step_attends_as_ops_attention(threads, starts, kv):
     """ops.layer_step's attend (the per-step choices made once: split or tiled kernel, heads
-    per item) writes the cache and attends as ops.attention, short and long contexts (a
-    lone token's long context splits over two threads), one sequence or two; a q8_0 cache
-    goes through ops.attention itself."""
+    per item, parallel from less work than ops.attention) writes the cache and attends as
+    ops.attention, short and long contexts (600 keys: parallel here, serial there; a lone
+    token's long context splits over two threads), one sequence or two; a q8_0 cache goes
+    through ops.attention itself."""
     from edgeinfer.backends.base import ForwardBatch
     rng = np.random.default_rng(len(starts))
     H, KVH, D, bs = 8, 1, 64, 16

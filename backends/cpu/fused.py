@@ -22,17 +22,22 @@ from .packed import SERIAL_MACS, SERIAL_QUANT
 
 class LayerStep:
     """What every layer of one step shares, made once: the rope tables, the thread count,
-    and CpuOps.attention's choices (the longest context, parallel or not, heads per work
-    item, split or tiled kernel). `attend` writes a layer's K/V and attends as
-    ops.attention does; a step with a sliding window, image rows or a rotated (q8_0) cache
-    goes through ops.attention itself."""
+    and CpuOps.attention's choices (the longest context, parallel or not (from a lower
+    bound, PAR_MIN), heads per work item, split or tiled kernel). `attend` writes a
+    layer's K/V and attends as ops.attention does; a step with a sliding window, image rows
+    or a rotated (q8_0) cache goes through ops.attention itself."""
 
     __slots__ = ("ops", "batch", "cos", "sin", "threads", "fast", "tables", "slots",
                  "token_seq", "positions", "scale", "ggml", "par", "nh", "parts", "split")
 
+    # work (T x H x keys x D / 16) from which attention runs on the step's threads: a
+    # quarter of ops.attention's bound (ops._par). One decode token over ~600 keys of
+    # benchmarks/moe.py's model (8 heads of 64): 46 -> 35 us a layer on two threads. The
+    # threads change no bits (attention.py).
+    PAR_MIN = 1 << 13
+
     def __init__(self, ops, batch, H: int, KVH: int, D: int, scale: float, rope_base: float,
                  rope_scale: float, freq_factors, threads: int):
-        from .ops import _par
         self.ops, self.batch, self.threads = ops, batch, threads
         self.cos, self.sin = ops._rope_tables(batch, D, rope_base, rope_scale, freq_factors)
         self.scale = scale
@@ -48,7 +53,7 @@ class LayerStep:
         longest = batch.cache.get("longest")
         if longest is None:
             longest = batch.cache["longest"] = int(batch.positions.max()) + 1 if T else 0
-        self.par = _par(T * H * longest * D // 16)
+        self.par = threads > 1 and T * H * longest * D // 16 >= self.PAR_MIN
         self.nh = A.heads_per_item(T, H, KVH, threads if self.par else 1)
         self.parts = max(1, int(threads)) if self.par else 1      # as paged_attention
         self.split = self.parts > 1 and T * KVH < self.parts and longest >= A.SPLIT_MIN_KEYS
