@@ -225,3 +225,20 @@ def test_layer_step_attends_as_ops_attention(threads, starts, kv):
     assert np.array_equal(want, got)
     assert np.array_equal(caches[0].k[0], caches[1].k[0])
     assert np.array_equal(caches[0].v[0], caches[1].v[0])
+
+
+def test_layer_step_rope_rows_are_rope_tables():
+    """A one-token step's rope rows (kept by position) are kernels.rope_tables' for that
+    position, whether computed for this step or kept from an earlier one."""
+    from edgeinfer.backends.base import ForwardBatch
+    from edgeinfer.backends.cpu.kernels import rope_tables
+    ops = CpuOps(repack=True)
+    pos = np.array([3, 700, 4095], np.int32)
+    for _ in range(2):          # computed, then kept
+        for i, p in enumerate(pos):
+            cos, sin = rope_tables(pos[i:i + 1], 64, 1e6, 1.0)
+            b = ForwardBatch(np.zeros(1, np.int32), pos[i:i + 1], np.zeros(1, np.int64),
+                             np.zeros(1, np.int32), np.zeros((1, 1), np.int32),
+                             np.zeros(1, np.int64))
+            step = ops.layer_step(b, 8, 1, 64, 0.125, 1e6, 1.0)
+            assert np.array_equal(step.cos, cos) and np.array_equal(step.sin, sin)

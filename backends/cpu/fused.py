@@ -20,6 +20,12 @@ from . import kernels as K
 from .packed import SERIAL_MACS, SERIAL_QUANT
 
 
+# rope cos/sin rows of single decode tokens: (head dim, base, scale, position) -> (cos, sin)
+# [1, D/2] as kernels.rope_tables makes them (read-only to every user: the kernels only read)
+_ROPE_ROWS: dict = {}
+_ROPE_ROWS_MAX = 1 << 14
+
+
 class LayerStep:
     """What every layer of one step shares, made once: the rope tables, the thread count,
     and CpuOps.attention's choices (the longest context, parallel or not (from a lower
@@ -39,7 +45,18 @@ class LayerStep:
     def __init__(self, ops, batch, H: int, KVH: int, D: int, scale: float, rope_base: float,
                  rope_scale: float, freq_factors, threads: int):
         self.ops, self.batch, self.threads = ops, batch, threads
-        self.cos, self.sin = ops._rope_tables(batch, D, rope_base, rope_scale, freq_factors)
+        if batch.num_tokens == 1 and freq_factors is None:
+            # a decode token's row, kept by position: the numpy of rope_tables costs ~15-30
+            # us a step, and a row depends on its position alone
+            key = (D, rope_base, rope_scale, int(batch.positions[0]))
+            rows = _ROPE_ROWS.get(key)
+            if rows is None:
+                if len(_ROPE_ROWS) >= _ROPE_ROWS_MAX:
+                    _ROPE_ROWS.clear()
+                rows = _ROPE_ROWS[key] = ops._rope_tables(batch, D, rope_base, rope_scale, None)
+            self.cos, self.sin = rows
+        else:
+            self.cos, self.sin = ops._rope_tables(batch, D, rope_base, rope_scale, freq_factors)
         self.scale = scale
         self.fast = (ops.kv_cache_type != "q8_0" and batch.attn_until is None
                      and batch.window_tables is None and D % 16 == 0)
