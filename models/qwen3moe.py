@@ -94,7 +94,7 @@ class Qwen3MoeModel(VariantModel):
         if ok is None:
             cfg, ops = self.cfg, self.ops
             width = max(cfg.n_embd, cfg.q_dim)
-            plain = (hasattr(ops, "fused_layer") and not cfg.n_rot and self.mscale == 1.0
+            plain = (not cfg.n_rot and self.mscale == 1.0     # (ops: CpuOps, see __init__)
                      and not cfg.attn_temp_scale
                      and type(self).attention is VariantModel.attention)  # no subclass's own
             ok = self._fused_ok = plain and all(
