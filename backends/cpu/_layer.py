@@ -145,12 +145,9 @@ def _norm_rope_heads(x, H, w, eps, cos, sin, neox):
         _rope_head(x3, cos, sin, neox, th // H, th % H)
 
 
-@njit(**_JIT)
-def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox, nw, counter):
-    """x float32[T, X] (updated in place: x += y when add), then h = rms_norm(x) * wn; q, k, v
-    float32[T, N_m] = h @ W_m^T for the three matrices of P, Wt; then each head of q
-    (H heads) RMS-normed by qn and roped, each head of k (KVH heads) by kn. nw threads for
-    the tiles; counter int64[1], owned by the caller (zeroed here)."""
+@njit(inline="always", nogil=True)
+def _add_norm_codes(x, y, add, wn, eps, P, n):
+    """x += y in place when add, h = rms_norm(x) * wn, and h's codes (_codes)."""
     T, X = x.shape
     if add:
         for r in range(T):
@@ -159,13 +156,31 @@ def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox,
     h = np.empty((T, X), np.float32)
     for g in range((T + 7) // 8):
         _rms_group(x, wn, eps, h, g)
+    return _codes(h, P, n)
+
+
+@njit(inline="always", nogil=True)
+def _codes(h, P, n):
+    """h's activation codes for the first n matrices of P (each in its own format's blocks):
+    (qa, da, bsf, zb) as _matmuls takes them."""
+    T, X = h.shape
     nbmax = X // 16
-    qa = np.empty((3, T, X), np.int8)
-    da = np.empty((3, nbmax, T), np.float32)
-    bsf = np.empty((3, nbmax, T), np.float32)
-    zb = np.empty((3, nbmax, T), np.int32)
-    for m in range(3):
+    qa = np.empty((n, T, X), np.int8)
+    da = np.empty((n, nbmax, T), np.float32)
+    bsf = np.empty((n, nbmax, T), np.float32)
+    zb = np.empty((n, nbmax, T), np.int32)
+    for m in range(n):
         _quantize_for(h, P, m, qa, da, bsf, zb)
+    return qa, da, bsf, zb
+
+
+@njit(**_JIT)
+def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox, nw, counter):
+    """x float32[T, X] (updated in place: x += y when add), then h = rms_norm(x) * wn; q, k, v
+    float32[T, N_m] = h @ W_m^T for the three matrices of P, Wt; then each head of q
+    (H heads) RMS-normed by qn and roped, each head of k (KVH heads) by kn. nw threads for
+    the tiles; counter int64[1], owned by the caller (zeroed here)."""
+    qa, da, bsf, zb = _add_norm_codes(x, y, add, wn, eps, P, 3)
     _matmuls(P, Wt, qa, da, bsf, zb, q, k, v, nw, counter)
     _norm_rope_heads(q, H, qn, eps, cos, sin, neox)
     _norm_rope_heads(k, KVH, kn, eps, cos, sin, neox)
@@ -174,14 +189,9 @@ def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox,
 @njit(**_JIT)
 def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
     """o = a @ W^T (the one matrix of P, Wt), x += o in place, h = rms_norm(x) * wn."""
-    T, K = a.shape
+    T = a.shape[0]
     X = x.shape[1]
-    nbmax = K // 16
-    qa = np.empty((1, T, K), np.int8)
-    da = np.empty((1, nbmax, T), np.float32)
-    bsf = np.empty((1, nbmax, T), np.float32)
-    zb = np.empty((1, nbmax, T), np.int32)
-    _quantize_for(a, P, 0, qa, da, bsf, zb)
+    qa, da, bsf, zb = _codes(a, P, 1)
     o = np.empty((T, X), np.float32)
     _matmuls(P, Wt, qa, da, bsf, zb, o, o, o, nw, counter)
     for r in range(T):
@@ -196,19 +206,6 @@ def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
 def add_norm_matmul(x, y, add, wn, eps, P, Wt, out, nw, counter):
     """x += y in place when add, then out = rms_norm(x) * wn @ W^T (the one matrix of P,
     Wt): the last residual add, the final norm and the output head of a decode step."""
-    T, X = x.shape
-    if add:
-        for r in range(T):
-            for i in range(X):
-                x[r, i] += y[r, i]
-    h = np.empty((T, X), np.float32)
-    for g in range((T + 7) // 8):
-        _rms_group(x, wn, eps, h, g)
-    nbmax = X // 16
-    qa = np.empty((1, T, X), np.int8)
-    da = np.empty((1, nbmax, T), np.float32)
-    bsf = np.empty((1, nbmax, T), np.float32)
-    zb = np.empty((1, nbmax, T), np.int32)
-    _quantize_for(h, P, 0, qa, da, bsf, zb)
+    qa, da, bsf, zb = _add_norm_codes(x, y, add, wn, eps, P, 1)
     _matmuls(P, Wt, qa, da, bsf, zb, out, out, out, nw, counter)
     return out
