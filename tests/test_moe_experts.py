@@ -190,6 +190,7 @@ def test_router_logits_and_choice_match_a_float64_reference():
     E, X, T, k = 42, 300, 64, 6     # X not a multiple of 16, E not of 4: the tails count too
     x = rng.standard_normal((T, X)).astype(np.float32)
     wr = rng.standard_normal((E, X)).astype(np.float32)
+    wr.setflags(write=False)        # read-only as the file's map gives it: the kernels warmed
     logits = np.empty((T, E), np.float32)
     ids, w = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
     _router.route(x, wr, k, logits, ids, w, 2, True)          # rows split between threads
