@@ -49,3 +49,21 @@ def assert_greedy_matches(engine, llm, prompt: str, steps: int) -> None:
         row = rows[n]
         mine = max(row[list(e.tokenizer.eot_ids)]) if ours[n] == END else row[ours[n]]
         assert mine > row.max() - NOISE_FLOOR, (*show, ours[n], row.max() - mine)
+
+
+SYNTH_PROMPT = " the a of and in the is to"
+
+
+def assert_file_greedy_matches(path, steps: int = 32, prompt: str = SYNTH_PROMPT) -> None:
+    """assert_greedy_matches for a model file (the synthetic architectures' parity files):
+    our engine and libllama each load it with a 512-token context."""
+    import llama_cpp
+
+    from edgeinfer.engine.core import Engine, EngineConfig
+    engine = Engine(str(path), EngineConfig(max_model_len=512))
+    try:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, n_threads=2,
+                              verbose=False)
+        assert_greedy_matches(engine, llm, prompt, steps)
+    finally:
+        engine.close()

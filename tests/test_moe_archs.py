@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from greedy_parity import assert_greedy_matches
+from greedy_parity import assert_file_greedy_matches
 from synth_archs import VARIANTS, variant_model, write_variant
 from test_arch_parity import TOKENS, our_logits
 from test_engine_parity import check_agreement, llama_logits
@@ -139,15 +139,7 @@ def test_a_wrong_choice_is_caught(name, wrong):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_text_matches(name):
-    from edgeinfer.engine.core import Engine, EngineConfig
-    path = variant_model(CACHE, name, "Q8_0")
-    engine = Engine(str(path), EngineConfig(max_model_len=512))
-    try:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, logits_all=True, n_threads=2,
-                              verbose=False)
-        assert_greedy_matches(engine, llm, " the a of and in the is to", 32)
-    finally:
-        engine.close()
+    assert_file_greedy_matches(variant_model(CACHE, name, "Q8_0"))
 
 
 @pytest.mark.parametrize("name", NAMES)
