@@ -25,7 +25,7 @@ import numpy as np
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.models.llama import final_head
-from edgeinfer.models.qwen3moe import ExpertFFN, Qwen3MoeModel
+from edgeinfer.models.qwen3moe import ExpertFFN, Qwen3MoeModel, softmax_rows
 
 SWIGLU_ALPHA = np.float32(1.702)    # llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants
 SWIGLU_LIMIT = np.float32(7.0)
@@ -38,14 +38,6 @@ def swiglu_oai(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     glu = gate / (np.float32(1.0) + np.exp(-SWIGLU_ALPHA * gate))
     np.multiply(glu, y, out=gate)
     return gate
-
-
-def softmax_rows(x: np.ndarray) -> np.ndarray:
-    """ggml_soft_max of each row: exp(x - max) in float32, summed in float64, times the
-    float32 of 1 / sum."""
-    e = np.exp(x - x.max(axis=1, keepdims=True))
-    inv = (1.0 / e.sum(axis=1, dtype=np.float64, keepdims=True)).astype(np.float32)
-    return e * inv
 
 
 class GptOssExperts(ExpertFFN):

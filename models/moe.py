@@ -39,17 +39,9 @@ from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.models.base import ModelBase
 from edgeinfer.models.llama import attention, final_head, load_head
-from edgeinfer.models.qwen3moe import ExpertFFN
+from edgeinfer.models.qwen3moe import ExpertFFN, require_cpu, softmax_rows
 
 MIN_WEIGHT_SUM = np.float32(6.103515625e-5)     # ggml_clamp of the weights' sum (2^-14)
-
-
-def softmax_rows(x: np.ndarray) -> np.ndarray:
-    """ggml_soft_max of each row: exp(x - max) in float32, summed in float64, times the
-    float32 of 1 / sum."""
-    e = np.exp(x - x.max(axis=1, keepdims=True))
-    inv = (1.0 / e.sum(axis=1, dtype=np.float64, keepdims=True)).astype(np.float32)
-    return e * inv
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -166,9 +158,7 @@ class MoeLayer:
 
 class MoeModel(ModelBase):
     def __init__(self, cfg: ModelConfig, ops, gf):
-        if ops.name != "cpu":
-            raise ValueError(f"the native {cfg.arch} (mixture of experts) runs on the cpu "
-                             f"backend only, not {ops.name!r}: use --backend cpu or llamacpp")
+        require_cpu(cfg, ops)
         self.cfg, self.ops = cfg, ops
         self.tok_embd, self.output_norm, self.output = load_head(cfg, ops, gf)
         self.rope_freqs = ops.vector(gf, "rope_freqs.weight") if cfg.has_rope_freqs else None

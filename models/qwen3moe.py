@@ -18,12 +18,26 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 
 from edgeinfer.formats.model_config import ModelConfig
 from edgeinfer.models.llama import final_head
 from edgeinfer.models.variants import VariantModel
+
+
+def softmax_rows(x: np.ndarray) -> np.ndarray:
+    """ggml_soft_max of each row: exp(x - max) in float32, summed in float64, times the
+    float32 of 1 / sum."""
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    inv = (1.0 / e.sum(axis=1, dtype=np.float64, keepdims=True)).astype(np.float32)
+    return e * inv
+
+
+def require_cpu(cfg: ModelConfig, ops) -> None:
+    """The native mixtures of experts run on the numba CPU backend only."""
+    if ops.name != "cpu":
+        raise ValueError(f"the native {cfg.arch} (mixture of experts) runs on the cpu "
+                         f"backend only, not {ops.name!r}: use --backend cpu or llamacpp")
 
 
 class ExpertFFN:
@@ -71,9 +85,7 @@ class ExpertFFN:
 
 class Qwen3MoeModel(VariantModel):
     def __init__(self, cfg: ModelConfig, ops, gf):
-        if ops.name != "cpu":
-            raise ValueError(f"the native {cfg.arch} (mixture of experts) runs on the cpu "
-                             f"backend only, not {ops.name!r}: use --backend cpu or llamacpp")
+        require_cpu(cfg, ops)
         super().__init__(cfg, ops, gf)
         self._load_fused_kernels()
 
