@@ -119,13 +119,15 @@ class GroupedExperts:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
     def __call__(self, h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                 router: np.ndarray | None = None) -> np.ndarray:
+                 router: np.ndarray | None = None, threads: int | None = None) -> np.ndarray:
         """The FFN of rows h routed to ids with weights; with router (float32[E, X]), ids
-        and weights are first filled by routing h (_router's, in the same kernel call)."""
+        and weights are first filled by routing h (_router's, in the same kernel call).
+        threads: numba's thread count by default (fused.py passes its step's)."""
         x = np.ascontiguousarray(h.reshape(-1, self.X), dtype=np.float32)
         T, k = ids.shape
         out = np.empty((T, self.X), np.float32)
-        threads = numba.get_num_threads()
+        if threads is None:
+            threads = numba.get_num_threads()
         nw = 1 if T * k * self.X * self.F < SERIAL_MACS else threads
         par = threads > 1 and T * self.X >= SERIAL_QUANT
         route = router is not None

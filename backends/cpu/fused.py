@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _layer, _moe
+from . import _layer
 from . import attention as A
 from . import kernels as K
-from .packed import SERIAL_MACS, SERIAL_QUANT
+from .packed import SERIAL_MACS
 
 
 # rope cos/sin rows of single decode tokens: (head dim, base, scale, position) -> (cos, sin)
@@ -136,22 +136,11 @@ class FusedLayer:
                                    np.empty_like(x), nw, self.c_wo)
 
     def moe(self, h, k: int, threads: int):
-        """ops.moe(bank, h, k) of the grouped bank with an F32 router: GroupedExperts' call
-        with routing (experts.py), its arguments made here."""
-        bank = self.bank
-        g = bank.grouped
-        T, X = h.shape
-        ids = np.empty((T, k), np.int64)
-        wts = np.empty((T, k), np.float32)
-        out = np.empty((T, X), np.float32)
-        nw = 1 if T * k * X * g.F < SERIAL_MACS else threads
-        par = threads > 1 and T * X >= SERIAL_QUANT
-        args = (h, bank.router_f32, True, ids, wts, g.Wt, g.P, out, nw, par, g.tiles_read)
-        need = _moe.moe_ffn(*args, np.zeros(2, np.int64), g.work.buf)
-        if need:
-            g.work.buf = np.empty(need + (need >> 2), np.uint8)     # as GroupedExperts
-            _moe.moe_ffn(*args, np.zeros(2, np.int64), g.work.buf)
-        return out
+        """ops.moe(bank, h, k) of the grouped bank with an F32 router: routing and experts in
+        GroupedExperts' one kernel call, on the step's threads."""
+        T = h.shape[0]
+        return self.bank.grouped(h, np.empty((T, k), np.int64), np.empty((T, k), np.float32),
+                                 self.bank.router_f32, threads)
 
 
 class FusedHead:
