@@ -89,51 +89,75 @@ class LayerStep:
                       self.ggml, out, self.par, self.nh, A.TILE, self.parts, A._NO_SINKS)
 
 
-class FusedLayer:
-    """One layer's bound arguments: `attn_in` is ops.norm_qkv, `attn_out` ops.out_add_norm,
-    `moe` ops.moe (a grouped bank with an F32 router: routing and experts in one call)."""
+class FusedQKV:
+    """ops.norm_qkv with its arguments bound: x += f (when f is given), rms_norm, the q/k/v
+    matrices, QK-norm and rope in one _layer.norm_qkv call."""
 
-    __slots__ = ("wn", "eps", "P", "Wt", "N", "qkv_cols", "H", "KVH", "D", "qn", "kn",
-                 "neox", "wo_P", "wo_Wt", "wo_cols", "wn2", "c_qkv", "c_wo", "bank")
+    __slots__ = ("wn", "eps", "P", "Wt", "N", "cols", "H", "KVH", "D", "qn", "kn", "neox",
+                 "counter")
 
     def __init__(self, ops, attn_norm, eps: float, qkv, heads: tuple[int, int], q_norm,
-                 k_norm, neox: bool, wo, ffn_norm, bank=None):
+                 k_norm, neox: bool):
         self.wn, self.eps = attn_norm, eps
         self.P, self.Wt, _ = ops._fused_mats(qkv)
         self.N = tuple(w.N for w in qkv)
-        self.qkv_cols = qkv[0].K * sum(self.N)
+        self.cols = qkv[0].K * sum(self.N)
         self.H, self.KVH = heads
         self.D = q_norm.shape[0]
         self.qn, self.kn, self.neox = q_norm, k_norm, neox
-        self.wo_P, self.wo_Wt, _ = ops._fused_mats((wo,))
-        self.wo_cols = wo.K * wo.N
-        self.wn2 = ffn_norm
-        # the tile regions' shared counters (each kernel resets its own before a region)
-        self.c_qkv, self.c_wo = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        self.counter = np.zeros(1, np.int64)    # the tile region's (the kernel resets it)
+
+    def __call__(self, x, f, cos, sin, threads: int) -> tuple:
+        """(q [T, H * D], k, v [T, KVH * D])."""
+        T = x.shape[0]
+        q, k, v = (np.empty((T, n), np.float32) for n in self.N)
+        nw = 1 if T * self.cols < SERIAL_MACS else threads
+        _layer.norm_qkv(x, x if f is None else f, f is not None, self.wn, self.eps, self.P,
+                        self.Wt, q, k, v, self.H, self.KVH, self.qn, self.kn, cos, sin,
+                        self.neox, nw, self.counter)
+        return q, k, v
+
+
+class FusedOut:
+    """ops.out_add_norm with its arguments bound: x += a times wo, then rms_norm(x)."""
+
+    __slots__ = ("P", "Wt", "cols", "wn", "eps", "counter")
+
+    def __init__(self, ops, wo, ffn_norm, eps: float):
+        self.P, self.Wt, _ = ops._fused_mats((wo,))
+        self.cols = wo.K * wo.N
+        self.wn, self.eps = ffn_norm, eps
+        self.counter = np.zeros(1, np.int64)
+
+    def __call__(self, a, x, threads: int):
+        nw = 1 if x.shape[0] * self.cols < SERIAL_MACS else threads
+        return _layer.out_add_norm(a, self.P, self.Wt, x, self.wn, self.eps, np.empty_like(x),
+                                   nw, self.counter)
+
+
+class FusedLayer:
+    """One layer's bound calls: `qkv` (ops.norm_qkv), `out` (ops.out_add_norm) and `moe`
+    (ops.moe of a grouped bank with an F32 router: routing and experts in one call)."""
+
+    __slots__ = ("qkv", "out", "bank")
+
+    def __init__(self, ops, attn_norm, eps: float, qkv, heads: tuple[int, int], q_norm,
+                 k_norm, neox: bool, wo, ffn_norm, bank=None):
+        self.qkv = FusedQKV(ops, attn_norm, eps, qkv, heads, q_norm, k_norm, neox)
+        self.out = FusedOut(ops, wo, ffn_norm, eps)
         # a grouped bank with an F32 router (else None: the model runs its FFN itself)
         self.bank = bank if bank is not None and bank.grouped is not None \
             and bank.router_f32 is not None else None
 
     def attn_in(self, x, f, cos, sin, threads: int) -> tuple:
         """(q [T, H, D], k, v [T, KVH, D]) as ops.norm_qkv; x += f first when f is given."""
-        T = x.shape[0]
-        Nq, Nk, Nv = self.N
-        q = np.empty((T, Nq), np.float32)
-        k = np.empty((T, Nk), np.float32)
-        v = np.empty((T, Nv), np.float32)
-        nw = 1 if T * self.qkv_cols < SERIAL_MACS else threads
-        _layer.norm_qkv(x, x if f is None else f, f is not None, self.wn, self.eps, self.P,
-                        self.Wt, q, k, v, self.H, self.KVH, self.qn, self.kn, cos, sin,
-                        self.neox, nw, self.c_qkv)
-        D = self.D
-        return q.reshape(T, self.H, D), k.reshape(T, self.KVH, D), v.reshape(T, self.KVH, D)
+        q, k, v = self.qkv(x, f, cos, sin, threads)
+        T, c = x.shape[0], self.qkv
+        return (q.reshape(T, c.H, c.D), k.reshape(T, c.KVH, c.D), v.reshape(T, c.KVH, c.D))
 
     def attn_out(self, a, x, threads: int):
         """x += a times wo; rms_norm(x, ffn_norm), as ops.out_add_norm."""
-        T = x.shape[0]
-        nw = 1 if T * self.wo_cols < SERIAL_MACS else threads
-        return _layer.out_add_norm(a, self.wo_P, self.wo_Wt, x, self.wn2, self.eps,
-                                   np.empty_like(x), nw, self.c_wo)
+        return self.out(a, x, threads)
 
     def moe(self, h, k: int, threads: int):
         """ops.moe(bank, h, k) of the grouped bank with an F32 router: routing and experts in

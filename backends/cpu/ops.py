@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import attention as A
-from edgeinfer.backends.cpu import _geglu, _layer, _norm
+from edgeinfer.backends.cpu import _geglu, _norm
 from edgeinfer.backends.cpu import _rotate as _rot
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu import _int8
@@ -21,7 +21,7 @@ from edgeinfer.backends.cpu._int8 import HAVE_SIMD
 from edgeinfer.backends.cpu.experts import ExpertBank, Workspace, groupable
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows, row_bytes
-from edgeinfer.backends.cpu.packed import SERIAL_MACS, SERIAL_QUANT, packed_matmul, packed_matmuls
+from edgeinfer.backends.cpu.packed import SERIAL_QUANT, packed_matmul, packed_matmuls
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
 from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE, check_kv_cache_type
@@ -351,29 +351,19 @@ class CpuOps:
         """x += y (when y is given) in place; h = rms_norm(x, w_norm); q, k, v = h times the
         three matrices (wq, wk, wv); then norm_rope of q (heads[0] heads) with q_norm and of k
         (heads[1]) with k_norm. The bits of those ops, in one call (fused_layer_rows)."""
+        from edgeinfer.backends.cpu.fused import FusedQKV
         x2 = x.reshape(-1, x.shape[-1])
-        T = x2.shape[0]
-        P, Wt, _ = self._fused_mats(mats)
-        D = q_norm.shape[0]
-        cos, sin = self._rope_tables(batch, D, base, scale, freq_factors)
-        q, k, v = (np.empty((T, w.N), np.float32) for w in mats)
-        nw = 1 if T * x2.shape[1] * int(P[:, 4].sum()) < SERIAL_MACS else threads
-        _layer.norm_qkv(x2, x2 if y is None else y.reshape(x2.shape), y is not None, w_norm,
-                        eps, P, Wt, q, k, v, heads[0], heads[1], q_norm, k_norm, cos, sin,
-                        neox, nw, np.zeros(1, np.int64))
-        return q, k, v
+        cos, sin = self._rope_tables(batch, q_norm.shape[0], base, scale, freq_factors)
+        return FusedQKV(self, w_norm, eps, mats, heads, q_norm, k_norm, neox)(
+            x2, None if y is None else y.reshape(x2.shape), cos, sin, threads)
 
     def out_add_norm(self, a: np.ndarray, wo, x: np.ndarray, w_norm: np.ndarray, eps: float,
                      threads: int) -> np.ndarray:
         """x += a times wo, in place; returns rms_norm(x, w_norm): the bits of matmul, add
         and rms_norm, in one call (fused_layer_rows)."""
-        P, Wt, _ = self._fused_mats((wo,))
-        a2 = a.reshape(-1, a.shape[-1])
+        from edgeinfer.backends.cpu.fused import FusedOut
         x2 = x.reshape(-1, x.shape[-1])
-        T = x2.shape[0]
-        nw = 1 if T * a2.shape[1] * wo.N < SERIAL_MACS else threads
-        h = _layer.out_add_norm(a2, P, Wt, x2, w_norm, eps, np.empty_like(x2), nw,
-                                np.zeros(1, np.int64))
+        h = FusedOut(self, wo, w_norm, eps)(a.reshape(-1, a.shape[-1]), x2, threads)
         return h.reshape(x.shape)
 
     def fused_layer(self, attn_norm: np.ndarray, eps: float, qkv, heads: tuple[int, int],
