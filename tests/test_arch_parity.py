@@ -213,10 +213,17 @@ def test_moe_batch_gives_each_sequence_its_solo_logits(ftype):
     rest (repacked: every row of the model, router and grouped experts included, is
     computed alike for any batch, so the ops report rows_exact)."""
     from edgeinfer.runners.native import ModelRunner
-    from edgeinfer.runners.base import ScheduledSpan
     path = str(variant_model(CACHE, "qwen3moe", ftype))
     r = ModelRunner.load(path, kv_budget_bytes=16 << 20, repack=True)
     assert r.ops.rows_exact
+    assert_solo_logits_in_a_batch(r)
+
+
+def assert_solo_logits_in_a_batch(r) -> None:
+    """On runner r (16-token blocks, at least 10 free): two sequences in one step get exactly
+    the logits each gets alone, and a prefill's last row equals that token decoded after the
+    rest."""
+    from edgeinfer.runners.base import ScheduledSpan
     a, b = TOKENS[:24], TOKENS[30:50]
 
     def span(sid, start, toks, table):
@@ -226,7 +233,7 @@ def test_moe_batch_gives_each_sequence_its_solo_logits(ftype):
     both = r.forward([span(0, 0, a, (4, 5)), span(1, 0, b, (6, 7))])
     assert np.array_equal(both[0], solo_a[0])
     assert np.array_equal(both[1], solo_b[0])
-    r.forward([span(0, 0, a[:-1], (8, 9), )])
+    r.forward([span(0, 0, a[:-1], (8, 9))])
     step = r.forward([span(0, len(a) - 1, a[-1:], (8, 9))])
     assert np.array_equal(step[0], solo_a[0])
 

@@ -20,7 +20,7 @@ import pytest
 
 from greedy_parity import assert_file_greedy_matches
 from synth_archs import VARIANTS, variant_model, write_variant
-from test_arch_parity import TOKENS, our_logits
+from test_arch_parity import TOKENS, assert_solo_logits_in_a_batch, our_logits
 from test_engine_parity import check_agreement, llama_logits
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -147,7 +147,6 @@ def test_batch_gives_each_sequence_its_solo_logits(name):
     """Two sequences in one step get exactly the logits each gets alone, and a prefill's
     last row equals the same token decoded after the rest (repacked: routing, grouped
     experts and the shared expert compute each row alike for any batch)."""
-    from edgeinfer.runners.base import ScheduledSpan
     from edgeinfer.runners.native import ModelRunner
     from edgeinfer.models.moe import GatedExperts
     r = ModelRunner.load(str(variant_model(CACHE, name, "Q8_0")), kv_budget_bytes=16 << 20,
@@ -157,18 +156,7 @@ def test_batch_gives_each_sequence_its_solo_logits(name):
         layers = r.model.layers[VARIANTS[name].n_dense_lead:]
         assert all(isinstance(w.moe, GatedExperts) and w.moe.bank.grouped is not None
                    for w in layers)
-    a, b = TOKENS[:24], TOKENS[30:50]
-
-    def span(sid, start, toks, table):
-        return ScheduledSpan(sid, start, tuple(toks), tuple(table), True)
-    solo_a = r.forward([span(0, 0, a, (0, 1))])
-    solo_b = r.forward([span(1, 0, b, (2, 3))])
-    both = r.forward([span(0, 0, a, (4, 5)), span(1, 0, b, (6, 7))])
-    assert np.array_equal(both[0], solo_a[0])
-    assert np.array_equal(both[1], solo_b[0])
-    r.forward([span(0, 0, a[:-1], (8, 9))])
-    step = r.forward([span(0, len(a) - 1, a[-1:], (8, 9))])
-    assert np.array_equal(step[0], solo_a[0])
+    assert_solo_logits_in_a_batch(r)
 
 
 def test_qwen2moe_grouped_gives_the_per_expert_bits_and_reads_only_the_chosen():
