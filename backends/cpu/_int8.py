@@ -785,7 +785,7 @@ def _half_bits(blocks, r, b, off):
     return np.uint16(blocks[r, b, off]) | (np.uint16(blocks[r, b, off + 1]) << np.uint16(8))
 
 
-@njit(**_JIT)
+@njit(**_PJIT)
 def tile_legacy(blocks, qs_off, qh_off, has_min, q, h, s, o):
     """Q4_0, Q4_1, Q5_0, Q5_1 blocks uint8[16 T, nb, bytes] -> the tile layout in one pass,
     the same bytes as tile_codes on unpack_parts' codes: in a 32-column block the low nibbles
@@ -793,7 +793,7 @@ def tile_legacy(blocks, qs_off, qh_off, has_min, q, h, s, o):
     code plane is those bytes; the fifth bits (qh, bit c of column c) go to h in groups of
     four columns, two lanes a byte. The half scales (and minimums) are copied as they are."""
     T, nb = q.shape[0], q.shape[1]
-    for t in range(T):
+    for t in prange(T):         # tiles are independent: repack on every thread
         for b in range(nb):
             for lane in range(LANES):
                 r = t * LANES + lane
@@ -815,12 +815,12 @@ def tile_legacy(blocks, qs_off, qh_off, has_min, q, h, s, o):
                         h[t, b, j, lane >> 1] |= np.uint8(((qh >> np.uint32(4 * j)) & np.uint32(15)) << shift)
 
 
-@njit(**_JIT)
+@njit(**_PJIT)
 def tile_q8_0(blocks, q, s):
     """Q8_0 blocks uint8[16 T, nb, 34] -> codes q + 128 and the half scales (uint16 s) in
     the tile layout, in one pass."""
     T, nb = q.shape[0], q.shape[1]
-    for t in range(T):
+    for t in prange(T):         # tiles are independent: repack on every thread
         for b in range(nb):
             for lane in range(LANES):
                 s[t, b, lane] = _half_bits(blocks, t * LANES + lane, b, 0)
@@ -848,14 +848,14 @@ def _put_code(q, h, t, b, lane, col, c, bits, B):
         q[t, b, half + j // 4, lane, k] |= ((c >> np.uint8(4)) & np.uint8(3)) << np.uint8(2 * (j % 4))
 
 
-@njit(**_JIT)
+@njit(**_PJIT)
 def tile_q4_k(blocks, q, s, o, d, dm):
     """Q4_K super-blocks uint8[16 T, K/256, 144] -> the tile layout in one pass: the bytes
     unpack_parts + tile_codes give (codes, 6-bit scales and minimums as int8, the two halves
     d and dmin copied as they are). In a super-block, qs byte 32 c + i holds column 64 c + i
     in its low nibble and 64 c + 32 + i in its high one."""
     T, nsb = d.shape[0], d.shape[1]
-    for t in range(T):
+    for t in prange(T):         # tiles are independent: repack on every thread
         for sb in range(nsb):
             for lane in range(LANES):
                 r = t * LANES + lane
@@ -877,7 +877,7 @@ def tile_q4_k(blocks, q, s, o, d, dm):
                         _put_code(q, q, t, 8 * sb + 2 * c + 1, lane, i, byte >> np.uint8(4), 4, 32)
 
 
-@njit(**_JIT)
+@njit(**_PJIT)
 def tile_q6_k(blocks, q, s, d):
     """Q6_K super-blocks uint8[16 T, K/256, 210] -> the tile layout in one pass, the bytes
     unpack_parts + tile_codes give (6-bit codes q + 32 in 16-column blocks, int8 scales, the
@@ -885,7 +885,7 @@ def tile_q6_k(blocks, q, s, d):
     and 128 n + 64 + l (high), the bits of qh byte l (l < 32) columns l, l + 32, l + 64,
     l + 96 of that half, two each."""
     T, nsb = d.shape[0], d.shape[1]
-    for t in range(T):
+    for t in prange(T):         # tiles are independent: repack on every thread
         for sb in range(nsb):
             for lane in range(LANES):
                 r = t * LANES + lane

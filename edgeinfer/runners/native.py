@@ -7,6 +7,8 @@ table, and the logits of the spans that sample go to the sampling stage.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -78,6 +80,25 @@ def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int,
     return batch
 
 
+def _build_tokenizer(metadata: dict):
+    from edgeinfer.formats.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(metadata)
+
+
+def _start_thread(fn, *args) -> "concurrent.futures.Future":
+    """fn(*args) on a thread of its own (not a pool that outlives it); .result() joins and
+    re-raises what it raised."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:        # handed to whoever asks for the result
+            fut.set_exception(e)
+    threading.Thread(target=run, name="edgeinfer-tokenizer", daemon=True).start()
+    return fut
+
+
 class ModelRunner:
     """Implements edgeinfer.runners.base.Runner with a native model on `ops`."""
     prefix_caching = True
@@ -87,6 +108,10 @@ class ModelRunner:
         self.gf, self.cfg, self.ops, self.kv_plan = gf, cfg, ops, kv_plan
         self.kind = ops.name
         self._weights_bytes = ops.weights_nbytes(gf)
+        # the vocabulary (Python objects, a few tenths of a second for 150k tokens) is built
+        # on a thread while the weights repack in GIL-free kernels: part of the cold start
+        self._tokenizer = None
+        self._tokenizer_job = _start_thread(_build_tokenizer, gf.metadata)
         self.model: Model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now
@@ -103,7 +128,6 @@ class ModelRunner:
         else:
             self.kv = ops.new_kv_cache(cfg.n_layers, kv_plan.num_blocks, kv_plan.block_size,
                                        cfg.n_kv_head, cfg.head_dim)
-        self._tokenizer = None
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
         self._prompts: dict[int, tuple[int, ...]] = {}   # prompt logprobs' targets
         self._images: dict[int, tuple] = {}     # request id -> its prompt's ImageSpans
@@ -153,8 +177,7 @@ class ModelRunner:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from edgeinfer.formats.tokenizer import Tokenizer
-            self._tokenizer = Tokenizer.from_gguf(self.gf.metadata)
+            self._tokenizer = self._tokenizer_job.result()
         return self._tokenizer
 
     @property
