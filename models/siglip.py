@@ -122,6 +122,32 @@ class _Block:
     b_up: Any
     w_down: Any
     b_down: Any
+    amx: Any = None         # _AmxBlock: the matrices split for the AMX-BF16 kernel
+
+
+@dataclass
+class _AmxBlock:
+    """A block's matrices for backends/cpu/_amx_bf16.py: q, k and v as one [3 e, e] matrix
+    (one product, its input split once), their biases added by the kernel."""
+    wqkv: Any
+    bqkv: Any
+    wo: Any
+    w_up: Any
+    w_down: Any
+    f16: bool               # activations rounded to f16 first (ggml's f16 matrices)
+
+
+def _amx_tower(ops, gf, names) -> bool:
+    """Whether the tower's matrices take the AMX-BF16 split-precision kernel: numpy CPU ops,
+    float32 / f16 matrices (quantized ones keep their kernels), and a CPU and OS with
+    AMX-BF16 (EDGEINFER_NO_AMX=1 keeps the float32 path)."""
+    if getattr(ops, "name", None) != "cpu":
+        return False
+    kinds = {int(gf.tensors[n].ggml_type) for n in names}
+    if not kinds or not kinds <= {0, 1} or len(kinds) > 1:      # all F32 or all F16
+        return False
+    from edgeinfer.backends.cpu import _amx_bf16
+    return _amx_bf16.available()
 
 
 class SiglipVision:
@@ -141,7 +167,14 @@ class SiglipVision:
         self.pre = ((ops.vector(gf, "v.pre_ln.weight"), ops.vector(gf, "v.pre_ln.bias"))
                     if cfg.pre_ln else None)
         self.blocks = []
-        for i in range(cfg.layers_run or cfg.n_layers):
+        n_run = cfg.layers_run or cfg.n_layers
+        mats = [f"v.blk.{i}.{m}.weight" for i in range(n_run)
+                for m in ("attn_q", "attn_k", "attn_v", "attn_out", cfg.ffn_up_name,
+                          cfg.ffn_down_name)]
+        if _amx_tower(ops, gf, mats):
+            self._load_amx(gf, n_run)
+            return self._load_tail(gf)
+        for i in range(n_run):
             b = f"v.blk.{i}."
             self.blocks.append(_Block(
                 wq=ops.matrix(gf, b + "attn_q.weight"), wk=ops.matrix(gf, b + "attn_k.weight"),
@@ -154,6 +187,38 @@ class SiglipVision:
                 b_up=ops.vector(gf, b + cfg.ffn_up_name + ".bias"),
                 w_down=ops.matrix(gf, b + cfg.ffn_down_name + ".weight"),
                 b_down=ops.vector(gf, b + cfg.ffn_down_name + ".bias")))
+        self._load_tail(gf)
+
+    def _load_amx(self, gf, n_run: int) -> None:
+        """The blocks' matrices split for the AMX-BF16 kernel (see _AmxBlock)."""
+        from edgeinfer.backends.cpu._amx_bf16 import AmxMatrix
+        cfg, ops = self.cfg, self.ops
+        ggml_numerics = getattr(ops, "numerics", "f32") == "ggml"
+        for i in range(n_run):
+            b = f"v.blk.{i}."
+
+            def f16(name):
+                return ggml_numerics and int(gf.tensors[b + name + ".weight"].ggml_type) == 1
+            up, down = cfg.ffn_up_name, cfg.ffn_down_name
+            names = ("attn_q", "attn_k", "attn_v", "attn_out", up, down)
+            amx = _AmxBlock(
+                wqkv=AmxMatrix(np.concatenate([_dense(gf, b + n + ".weight") for n in names[:3]])),
+                bqkv=np.concatenate([ops.vector(gf, b + n + ".bias") for n in names[:3]]),
+                wo=AmxMatrix(_dense(gf, b + "attn_out.weight")),
+                w_up=AmxMatrix(_dense(gf, b + up + ".weight")),
+                w_down=AmxMatrix(_dense(gf, b + down + ".weight")),
+                f16=(f16("attn_q"), f16("attn_out"), f16(up), f16(down)))
+            self.blocks.append(_Block(
+                wq=None, wk=None, wv=None, wo=None, bq=None, bk=None, bv=None,
+                bo=ops.vector(gf, b + "attn_out.bias"),
+                ln1_w=ops.vector(gf, b + "ln1.weight"), ln1_b=ops.vector(gf, b + "ln1.bias"),
+                ln2_w=ops.vector(gf, b + "ln2.weight"), ln2_b=ops.vector(gf, b + "ln2.bias"),
+                w_up=None, b_up=ops.vector(gf, b + up + ".bias"),
+                w_down=None, b_down=ops.vector(gf, b + down + ".bias"), amx=amx))
+
+    def _load_tail(self, gf) -> None:
+        cfg, ops = self.cfg, self.ops
+        e = cfg.n_embd
         self.post_w = ops.vector(gf, "v.post_ln.weight") if cfg.post_ln else None
         self.post_b = ops.vector(gf, "v.post_ln.bias") if cfg.post_ln else None
         if cfg.projector == "mlp":
@@ -206,6 +271,9 @@ class SiglipVision:
             x = ops.layer_norm(x, self.pre[0], self.pre[1], cfg.eps)
         scale = 1.0 / math.sqrt(D)
         for w in self.blocks:
+            if w.amx is not None:
+                x = self._amx_block(x, w, T, H, D, scale)
+                continue
             h = ops.layer_norm(x, w.ln1_w, w.ln1_b, cfg.eps)
             q, k, v = ops.matmuls(h, (w.wq, w.wk, w.wv))
             q, k, v = ops.add_bias(q, w.bq), ops.add_bias(k, w.bk), ops.add_bias(v, w.bv)
@@ -225,6 +293,19 @@ class SiglipVision:
         if self.post_w is not None:
             x = ops.layer_norm(x, self.post_w, self.post_b, cfg.eps)
         return self.project(ops.to_numpy(x))
+
+    def _amx_block(self, x, w: _Block, T: int, H: int, D: int, scale: float):
+        """One block with its matrices on the AMX-BF16 kernel (biases added in the kernel)."""
+        ops, cfg, m = self.ops, self.cfg, w.amx
+        h = ops.layer_norm(x, w.ln1_w, w.ln1_b, cfg.eps)
+        qkv = m.wqkv.matmul(h, m.bqkv, f16=m.f16[0])
+        e = H * D
+        a = attention_np(qkv[:, :e].reshape(T, H, D), qkv[:, e:2 * e].reshape(T, H, D),
+                         qkv[:, 2 * e:].reshape(T, H, D), scale)
+        x = ops.add(x, m.wo.matmul(a.reshape(T, e), w.bo, f16=m.f16[1]))
+        h = ops.layer_norm(x, w.ln2_w, w.ln2_b, cfg.eps)
+        f = self._act(m.w_up.matmul(h, w.b_up, f16=m.f16[2]))
+        return ops.add(x, m.w_down.matmul(f, w.b_down, f16=m.f16[3]))
 
     def _act(self, x):
         """The feed-forward's activation: GELU (tanh) through the ops, or CLIP's quick GELU

@@ -1,0 +1,444 @@
+"""Float32 matmuls on AMX-BF16 tiles, split-precision ("bf16x3"), for the vision towers.
+
+Each float32 operand is split into two bfloat16 halves, hi = bf16(x) (round to nearest even)
+and lo = bf16(x - hi), so x = hi + lo to about 2^-16 relative. A product then takes three
+bf16 tile products,
+
+    a . b  ~=  hi_a . hi_b + hi_a . lo_b + lo_a . hi_b          (lo_a . lo_b ~ 2^-16 dropped)
+
+each bf16 x bf16 product exact in float32 and summed in the tile's float32 accumulators
+(tdpbf16ps: 16 x 16 float32 outputs += 16 x 32 bf16 times 32 x 16 bf16). The error is about
+1e-5 of the largest product term, two orders below the 1e-3 the vision parity tests allow,
+and AMX's bf16 rate (1024 flops a cycle a core) leaves the three products several times faster
+than float32 FMAs. f16 inputs (f16 weights, activations rounded to f16 as ggml does for f16
+matrices) split exactly: 11 mantissa bits fit hi's 8 and lo's 8.
+
+Layouts (bf16 as uint16 bit patterns):
+- activations: hi, lo uint16[Mp / 32, KC, 32, 32], Mp = M rounded up to 32, KC = K / 32
+  rounded up, zero padded (split_rows): block mb, chunk c is rows 32 mb .. 32 mb + 31, K
+  values 32 c .. 32 c + 31, so its two A tiles (16 rows x 32 values, 64 bytes a row) are
+  contiguous 1 KB each (strided rows would fall in a few L1 sets);
+- weights (W[N, K], y = x @ W^T): hi, lo uint16[NT, KC, 16, 16, 2], NT = N / 16 rounded up
+  (to an even count), KC = Kp / 32: the B tile of output columns 16 j .. 16 j + 15 and K
+  values 32 c .. 32 c + 31 is [16 pairs of K][16 columns][2], AMX's pair-interleaved layout,
+  1 KB, split once at load (split_weight).
+
+The kernel computes 32 x 32 output blocks (four C tiles, two A tiles and two B tiles: all
+eight tile registers) over the K chunks in a fixed order, so every output value is the same
+sequence of operations whatever the number of threads or which thread takes the block:
+results are bit-identical run to run and for any thread count. Work items (32 rows x a panel
+of columns, panels sized so their weights stay in L2) are dealt from a shared counter.
+
+AMX needs the CPU flags (amx-tile, amx-bf16) and Linux's permission for the tile state
+(arch_prctl ARCH_REQ_XCOMP_PERM); `available()` says whether both hold, and callers keep their
+float32 path otherwise. EDGEINFER_NO_AMX=1 turns it off.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import errors
+from numba.extending import intrinsic
+
+_JIT = dict(nogil=True, cache=True)
+_PJIT = dict(nogil=True, cache=True, parallel=True)
+
+# Column panels: at most this many bytes of split weights (hi + lo) per panel, so a panel
+# stays in the core's L2 while a thread runs its 32-row blocks over it.
+PANEL_BYTES = 1 << 20
+# K chunks (32 values each) per pass over a panel: the two A tiles' rows of a pass
+# (32 rows x KB x 32 values x 2 halves x 2 bytes = 16 KB at 4) stay in L1 across the panel's
+# column blocks; the C tiles are stored and reloaded between passes.
+K_CHUNKS = 8
+
+
+# -- availability ---------------------------------------------------------------------------
+
+def _host_features() -> dict:
+    try:
+        import llvmlite.binding as llb
+        return dict(llb.get_host_cpu_features())
+    except Exception:
+        return {}
+
+
+def _permitted() -> bool:
+    """Linux hands AMX's tile data state only to a process that asks for it (the permission
+    covers the whole process); without it the first tile instruction faults (SIGILL)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        import platform
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0     # SYS_arch_prctl, XFEATURE_XTILEDATA
+    except Exception:
+        return False
+
+
+_AVAILABLE: bool | None = None
+
+
+def available() -> bool:
+    """Whether this process can run the AMX-BF16 kernel (checked once)."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        f = _host_features()
+        _AVAILABLE = (not os.environ.get("EDGEINFER_NO_AMX")
+                      and bool(f.get("amx-tile")) and bool(f.get("amx-bf16"))
+                      and _permitted())
+    return _AVAILABLE
+
+
+# -- tile instructions (LLVM's AMX intrinsics; tile registers are immediates) ----------------
+
+_i8 = ir.IntType(8)
+_i64 = ir.IntType(64)
+_i8p = ir.PointerType(_i8)
+
+
+def _fn(builder, name, argtys):
+    f = builder.module.globals.get(name)
+    if f is None:
+        f = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), argtys), name)
+    return f
+
+
+def _lit(*ts):
+    for t in ts:
+        if not isinstance(t, types.IntegerLiteral):
+            raise errors.RequireLiteralValue(t)
+
+
+@intrinsic
+def _tile_config(typingctx, addr):
+    """ldtilecfg from the 64 bytes at addr."""
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.ldtilecfg", [_i8p]), [builder.inttoptr(args[0], _i8p)])
+        return context.get_dummy_value()
+    return types.none(types.intp), codegen
+
+
+@intrinsic
+def _tile_release(typingctx):
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.tilerelease", []), [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def _tload(typingctx, t, addr, stride):
+    """Tile t <- 16 rows of 64 bytes at addr, rows stride bytes apart."""
+    _lit(t)
+
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.tileloadd64", [_i8, _i8p, _i64]),
+                     [ir.Constant(_i8, sig.args[0].literal_value),
+                      builder.inttoptr(args[1], _i8p), args[2]])
+        return context.get_dummy_value()
+    return types.none(t, types.intp, types.intp), codegen
+
+
+@intrinsic
+def _tstore(typingctx, t, addr, stride):
+    _lit(t)
+
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.tilestored64", [_i8, _i8p, _i64]),
+                     [ir.Constant(_i8, sig.args[0].literal_value),
+                      builder.inttoptr(args[1], _i8p), args[2]])
+        return context.get_dummy_value()
+    return types.none(t, types.intp, types.intp), codegen
+
+
+@intrinsic
+def _tzero(typingctx, t):
+    _lit(t)
+
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.tilezero", [_i8]),
+                     [ir.Constant(_i8, sig.args[0].literal_value)])
+        return context.get_dummy_value()
+    return types.none(t), codegen
+
+
+@intrinsic
+def _tdp(typingctx, c, a, b):
+    """Tile c (16 x 16 float32) += tile a (16 x 32 bf16) times tile b (32 x 16 bf16, pairs)."""
+    _lit(c, a, b)
+
+    def codegen(context, builder, sig, args):
+        builder.call(_fn(builder, "llvm.x86.tdpbf16ps", [_i8, _i8, _i8]),
+                     [ir.Constant(_i8, s.literal_value) for s in sig.args])
+        return context.get_dummy_value()
+    return types.none(c, a, b), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, addr, value):
+    """Atomically add value to the int64 at addr; returns the previous value."""
+    def codegen(context, builder, sig, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
+    return types.int64(types.intp, types.int64), codegen
+
+
+def tile_config() -> np.ndarray:
+    """Palette 1, all eight tiles 16 rows x 64 bytes (C: 16 x 16 float32; A: 16 x 32 bf16;
+    B: 16 pairs x 16 columns x 2 bf16)."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    cfg[16:32].view(np.uint16)[:] = 64
+    cfg[48:56] = 16
+    return cfg
+
+
+_CFG = tile_config()
+
+
+# -- splitting --------------------------------------------------------------------------------
+
+def split_array(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 x -> (hi, lo) bf16 bit patterns (uint16), hi = bf16(x), lo = bf16(x - hi),
+    both rounded to nearest even (numpy; for weights, once at load)."""
+    x = np.ascontiguousarray(x, np.float32)
+    u = x.view(np.uint32)
+    h = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    hi_f = (h << np.uint32(16)).view(np.float32)
+    r = (x - hi_f).view(np.uint32)
+    lo = (r + np.uint32(0x7FFF) + ((r >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return h.astype(np.uint16), lo.astype(np.uint16)
+
+
+def split_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """W float32[N, K] -> (hi, lo) uint16[NT, KC, 16, 16, 2] (see the module doc), zero padded."""
+    N, K = w.shape
+    NT = (N + 31) // 32 * 2
+    Kp = (K + 31) // 32 * 32
+    wp = np.zeros((NT * 16, Kp), np.float32)
+    wp[:N, :K] = w
+    out = []
+    for half in split_array(wp):
+        # [NT, 16 cols, KC, 16 pairs, 2] -> [NT, KC, 16 pairs, 16 cols, 2]
+        b = half.reshape(NT, 16, Kp // 32, 16, 2).transpose(0, 2, 3, 1, 4)
+        out.append(np.ascontiguousarray(b))
+    return out[0], out[1]
+
+
+@njit(**_PJIT)
+def split_rows(x, hi, lo, f16):
+    """x float32[M, K] (C-contiguous) -> hi, lo uint16[Mp / 32, KC, 32, 32] (see split_array
+    and the module doc), padding rows and columns zero; 32-row blocks in parallel. f16: x
+    rounded to float16 first (ggml's activations for f16 matrices; then hi + lo is exact)."""
+    M, K = x.shape
+    nmb, KC = hi.shape[0], hi.shape[1]
+    for mb in prange(nmb):
+        for r in range(32):
+            i = mb * 32 + r
+            for c in range(KC):
+                for kk in range(32):
+                    k = c * 32 + kk
+                    if i < M and k < K:
+                        v = x[i, k]
+                        if f16:
+                            v = _f16_round(v)
+                        u = _f32_bits(v)
+                        h = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) \
+                            & np.uint32(0xFFFF0000)
+                        # v - hi is exact in float32; its bits, rounded again
+                        ru = _f32_bits(v - _bits_f32(h))
+                        lb = (ru + np.uint32(0x7FFF) + ((ru >> np.uint32(16)) & np.uint32(1))) \
+                            >> np.uint32(16)
+                        hi[mb, c, r, kk] = np.uint16(h >> np.uint32(16))
+                        lo[mb, c, r, kk] = np.uint16(lb)
+                    else:
+                        hi[mb, c, r, kk] = 0
+                        lo[mb, c, r, kk] = 0
+
+
+@intrinsic
+def _f16_round(typingctx, x):
+    """float32 -> nearest float16 (ties to even) -> float32 (vcvtps2ph / vcvtph2ps)."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, u):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, f):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+# -- the product ------------------------------------------------------------------------------
+
+@njit(inline="always", nogil=True)
+def _block(ahi, alo, sa, bhi, blo, sbt, c0, c1, out, so, init, bias):
+    """out[32 x 32 block at address out, row stride so bytes] (+)= the block's product over K
+    chunks c0 .. c1 - 1. ahi/alo: address of the block's A tiles at chunk 0 (sa = 64: rows
+    of a tile are contiguous, the second tile 1 KB on); bhi/blo: address of its first B tile at chunk 0 (the second n tile sbt bytes on).
+    init: 0 start from zero, 1 from bias (float32 at address bias, 32 values), 2 from out."""
+    if init == 0:
+        _tzero(0)
+        _tzero(1)
+        _tzero(2)
+        _tzero(3)
+    elif init == 1:
+        _tload(0, bias, 0)
+        _tload(1, bias + 64, 0)
+        _tload(2, bias, 0)
+        _tload(3, bias + 64, 0)
+    else:
+        _tload(0, out, so)
+        _tload(1, out + 64, so)
+        _tload(2, out + 16 * so, so)
+        _tload(3, out + 16 * so + 64, so)
+    a16 = 16 * sa
+    for c in range(c0, c1):
+        ao = c * 2048
+        bo = c * 1024
+        _tload(4, ahi + ao, sa)
+        _tload(5, ahi + ao + a16, sa)
+        _tload(6, bhi + bo, 64)
+        _tload(7, bhi + bo + sbt, 64)
+        _tdp(0, 4, 6)
+        _tdp(1, 4, 7)
+        _tdp(2, 5, 6)
+        _tdp(3, 5, 7)
+        _tload(6, blo + bo, 64)
+        _tload(7, blo + bo + sbt, 64)
+        _tdp(0, 4, 6)
+        _tdp(1, 4, 7)
+        _tdp(2, 5, 6)
+        _tdp(3, 5, 7)
+        _tload(4, alo + ao, sa)
+        _tload(5, alo + ao + a16, sa)
+        _tload(6, bhi + bo, 64)
+        _tload(7, bhi + bo + sbt, 64)
+        _tdp(0, 4, 6)
+        _tdp(1, 4, 7)
+        _tdp(2, 5, 6)
+        _tdp(3, 5, 7)
+    _tstore(0, out, so)
+    _tstore(1, out + 64, so)
+    _tstore(2, out + 16 * so, so)
+    _tstore(3, out + 16 * so + 64, so)
+
+
+@njit(**_PJIT)
+def _gemm(cfg, ahi, alo, bhi, blo, bias, has_bias, out, panel, kb, nw, counter):
+    """out[Mp, Np] = A @ W^T (+ bias) from the split halves (module doc); panel: 32-column
+    blocks per work item; kb: K chunks per pass; nw threads take items from counter."""
+    nmb = ahi.shape[0]
+    NT, KC = bhi.shape[0], bhi.shape[1]
+    Np = out.shape[1]
+    nnb = NT // 2
+    npn = (nnb + panel - 1) // panel
+    items = nmb * npn
+    sa = 64
+    so = Np * 4
+    sbt = KC * 1024
+    a_hi, a_lo = ahi.ctypes.data, alo.ctypes.data
+    b_hi, b_lo = bhi.ctypes.data, blo.ctypes.data
+    o0 = out.ctypes.data
+    bz = bias.ctypes.data
+    cnt = counter.ctypes.data
+    cfga = cfg.ctypes.data
+    for _w in prange(nw):
+        _tile_config(cfga)
+        while True:
+            it = _fetch_add(cnt, np.int64(1))
+            if it >= items:
+                break
+            p = it // nmb            # consecutive items: the same panel, the next rows
+            mb = it - p * nmb
+            j0 = p * panel
+            j1 = min(nnb, j0 + panel)
+            arow = mb * KC * 2048
+            orow = o0 + mb * 32 * so
+            for k0 in range(0, KC, kb):
+                k1 = min(KC, k0 + kb)
+                for j in range(j0, j1):
+                    if k0 > 0:
+                        init = 2
+                    elif has_bias:
+                        init = 1
+                    else:
+                        init = 0
+                    boff = 2 * j * sbt
+                    _block(a_hi + arow, a_lo + arow, sa, b_hi + boff, b_lo + boff, sbt,
+                           k0, k1, orow + j * 128, so, init, bz + j * 128)
+        _tile_release()
+
+
+class AmxMatrix:
+    """A float32 (or f16) matrix W[N, K] split for the AMX kernel; y = x @ W^T."""
+
+    def __init__(self, w: np.ndarray):
+        w = np.asarray(w, np.float32)
+        self.N, self.K = w.shape
+        self.hi, self.lo = split_weight(w)
+        self.Np = self.hi.shape[0] * 16
+        self.Kp = self.hi.shape[1] * 32
+        # 32-column blocks per work item: about PANEL_BYTES of split weights
+        per_block = 32 * self.Kp * 4
+        self.panel = max(1, min(self.Np // 32, PANEL_BYTES // per_block))
+
+    def matmul(self, x: np.ndarray, bias: np.ndarray | None = None, nw: int | None = None,
+               split=None, f16: bool = False) -> np.ndarray:
+        """float32[M, N] = x @ W^T (+ bias). split: (hi, lo) of x from split_x, to share one
+        split between matrices of the same input; f16: x rounded to float16 first."""
+        if not available():        # also asks for the tile permission, once per process
+            raise RuntimeError("AMX-BF16 is not available in this process")
+        hi, lo = split if split is not None else split_x(x, self.K, f16)
+        M = x.shape[0]
+        Mp = hi.shape[0] * 32
+        if hi.shape[1] * 32 != self.Kp:
+            raise ValueError(f"amx matmul: x has {hi.shape[1] * 32} padded columns, W {self.Kp}")
+        out = np.empty((Mp, self.Np), np.float32)
+        if bias is not None:
+            b = np.zeros(self.Np, np.float32)
+            b[:self.N] = bias
+        else:
+            b = np.zeros(32, np.float32)
+        if nw is None:
+            import numba
+            nw = numba.get_num_threads()
+        _gemm(_CFG, hi, lo, self.hi, self.lo, b, bias is not None, out, self.panel, K_CHUNKS,
+              nw, np.zeros(1, np.int64))
+        if self.Np == self.N:
+            return out[:M]
+        return np.ascontiguousarray(out[:M, :self.N])
+
+
+def split_x(x: np.ndarray, K: int | None = None,
+            f16: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Activations float32[M, K] -> (hi, lo) for AmxMatrix.matmul (f16: rounded to float16
+    first)."""
+    x = np.ascontiguousarray(x, np.float32)
+    M, Kx = x.shape
+    if K is not None and Kx != K:
+        raise ValueError(f"amx matmul: x has {Kx} columns but the weight rows have {K}")
+    Mp = (M + 31) // 32 * 32
+    Kp = (Kx + 31) // 32 * 32
+    hi = np.empty((Mp // 32, Kp // 32, 32, 32), np.uint16)
+    lo = np.empty((Mp // 32, Kp // 32, 32, 32), np.uint16)
+    if not x.flags.writeable:
+        x = x.copy()
+    split_rows(x, hi, lo, bool(f16))
+    return hi, lo
