@@ -296,13 +296,12 @@ class SiglipVision:
 
     def _amx_block(self, x, w: _Block, T: int, H: int, D: int, scale: float):
         """One block with its matrices on the AMX-BF16 kernel (biases added in the kernel)."""
+        from edgeinfer.backends.cpu import _amx_bf16
         ops, cfg, m = self.ops, self.cfg, w.amx
         h = ops.layer_norm(x, w.ln1_w, w.ln1_b, cfg.eps)
         qkv = m.wqkv.matmul(h, m.bqkv, f16=m.f16[0])
-        e = H * D
-        a = attention_np(qkv[:, :e].reshape(T, H, D), qkv[:, e:2 * e].reshape(T, H, D),
-                         qkv[:, 2 * e:].reshape(T, H, D), scale)
-        x = ops.add(x, m.wo.matmul(a.reshape(T, e), w.bo, f16=m.f16[1]))
+        a = _amx_bf16.attention(qkv, T, H, D, scale)          # [T, H D], on the tiles too
+        x = ops.add(x, m.wo.matmul(a, w.bo, f16=m.f16[1]))
         h = ops.layer_norm(x, w.ln2_w, w.ln2_b, cfg.eps)
         f = self._act(m.w_up.matmul(h, w.b_up, f16=m.f16[2]))
         return ops.add(x, m.w_down.matmul(f, w.b_down, f16=m.f16[3]))

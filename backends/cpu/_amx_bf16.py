@@ -442,3 +442,226 @@ def split_x(x: np.ndarray, K: int | None = None,
         x = x.copy()
     split_rows(x, hi, lo, bool(f16))
     return hi, lo
+
+
+# -- attention --------------------------------------------------------------------------------
+
+_VF = ir.VectorType(ir.FloatType(), 16)
+_VI = ir.VectorType(ir.IntType(32), 16)
+_VH = ir.VectorType(ir.IntType(16), 16)
+
+
+def _vptr(builder, addr, vty):
+    return builder.inttoptr(addr, vty.as_pointer())
+
+
+def _vsplat(builder, x, vty):
+    u = ir.Constant(vty, ir.Undefined)
+    v = builder.insert_element(u, x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, u, ir.Constant(_VI, [0] * 16))
+
+
+def _vround_bf16(builder, u):
+    """Round-to-nearest-even of float32 bits u (<16 x i32>) to bf16, in the high 16 bits."""
+    one = ir.Constant(_VI, [1] * 16)
+    b = builder.and_(builder.lshr(u, ir.Constant(_VI, [16] * 16)), one)
+    return builder.and_(builder.add(builder.add(u, ir.Constant(_VI, [0x7FFF] * 16)), b),
+                        ir.Constant(_VI, [-65536] * 16))
+
+
+@intrinsic
+def _vmax16(typingctx, acc, src):
+    """16 floats at acc = max(those, the 16 at src) (in place)."""
+    def codegen(context, builder, sig, args):
+        pa, ps = _vptr(builder, args[0], _VF), _vptr(builder, args[1], _VF)
+        a = builder.load(pa, align=4)
+        x = builder.load(ps, align=4)
+        builder.store(builder.select(builder.fcmp_ordered(">", x, a), x, a), pa, align=4)
+        return context.get_dummy_value()
+    return types.none(types.intp, types.intp), codegen
+
+
+@intrinsic
+def _vexp_split16(typingctx, src, scale, mx, acc, hi, lo):
+    """e = exp(x scale - mx) of the 16 floats x at src (0 where that is below -88); the 16
+    floats at acc += e; e split (see split_array) into 16 bf16 at hi and 16 at lo."""
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        mod = builder.module
+
+        def c(v):
+            return ir.Constant(_VF, [float(v)] * 16)
+
+        def fma(a, b, d):
+            f = mod.globals.get("llvm.fma.v16f32") or ir.Function(
+                mod, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+            return builder.call(f, [a, b, d])
+        x = builder.load(_vptr(builder, args[0], _VF), align=4)
+        v = fma(x, _vsplat(builder, args[1], _VF),
+                builder.fneg(_vsplat(builder, args[2], _VF)))
+        under = builder.fcmp_ordered("<", v, c(-88.0))
+        v = builder.select(under, c(-88.0), v)
+        rint = mod.globals.get("llvm.rint.v16f32") or ir.Function(
+            mod, ir.FunctionType(_VF, [_VF]), "llvm.rint.v16f32")
+        n = builder.call(rint, [builder.fmul(v, c(1.44269504088896341))])
+        r = fma(n, c(-0.693359375), v)
+        r = fma(n, c(2.12194440e-4), r)
+        y = c(1.9875691500e-4)
+        for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+                  5.0000001201e-1):
+            y = fma(y, r, c(k))
+        y = fma(y, builder.fmul(r, r), r)
+        y = builder.fadd(y, c(1.0))
+        bits = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * 16)),
+                           ir.Constant(_VI, [23] * 16))
+        e = builder.fmul(y, builder.bitcast(bits, _VF))
+        e = builder.select(under, c(0.0), e)
+        pa = _vptr(builder, args[3], _VF)
+        builder.store(builder.fadd(builder.load(pa, align=4), e), pa, align=4)
+        h = _vround_bf16(builder, builder.bitcast(e, _VI))
+        rem = builder.fsub(e, builder.bitcast(h, _VF))
+        lo = _vround_bf16(builder, builder.bitcast(rem, _VI))
+        sh = ir.Constant(_VI, [16] * 16)
+        builder.store(builder.trunc(builder.lshr(h, sh), _VH), _vptr(builder, args[4], _VH),
+                      align=2)
+        builder.store(builder.trunc(builder.lshr(lo, sh), _VH), _vptr(builder, args[5], _VH),
+                      align=2)
+        return context.get_dummy_value()
+    return types.none(types.intp, types.float32, types.float32, types.intp, types.intp,
+                      types.intp), codegen
+
+
+@njit(inline="always", nogil=True)
+def _split1(v):
+    """(hi, lo) bf16 bits of a float32 (see split_array)."""
+    u = _f32_bits(v)
+    h = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    ru = _f32_bits(v - _bits_f32(h))
+    lb = (ru + np.uint32(0x7FFF) + ((ru >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.uint16(h >> np.uint32(16)), np.uint16(lb)
+
+
+@njit(**_PJIT)
+def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counter):
+    """out[T, H D] = softmax(scale Q K^T) V per head, Q, K, V the column thirds of qkv
+    [>= T, 3 H D] (head h: columns h D .. h D + D - 1 of each third). qh..vl: scratch for the
+    split operands (attention's doc); items (head, 32 query rows) dealt from counter."""
+    nmb, KCd = qh.shape[1], qh.shape[2]
+    KCt = vh.shape[2]
+    Tp, Dp = nmb * 32, KCd * 32
+    e = H * D
+    # the operands split: Q as A tiles, K and V^T as B tiles (a weight's layout)
+    for it in prange(H * nmb):
+        h = it // nmb
+        tb = it - h * nmb
+        for r in range(32):
+            t = tb * 32 + r
+            for d in range(Dp):
+                if t < T and d < D:
+                    q0, q1 = _split1(qkv[t, h * D + d])
+                    k0, k1 = _split1(qkv[t, e + h * D + d])
+                    v0, v1 = _split1(qkv[t, 2 * e + h * D + d])
+                else:
+                    q0 = q1 = k0 = k1 = v0 = v1 = np.uint16(0)
+                c, dd = d // 32, d % 32
+                qh[h, tb, c, r, dd] = q0
+                ql[h, tb, c, r, dd] = q1
+                kh[h, t // 16, c, dd // 2, t % 16, dd % 2] = k0
+                kl[h, t // 16, c, dd // 2, t % 16, dd % 2] = k1
+                vh[h, d // 16, tb, r // 2, d % 16, r % 2] = v0
+                vl[h, d // 16, tb, r // 2, d % 16, r % 2] = v1
+    items = H * nmb
+    cnt = counter.ctypes.data
+    cfga = cfg.ctypes.data
+    sbk = KCd * 1024                    # a K n-tile's bytes (all its chunks)
+    sbv = KCt * 1024
+    hk = (Tp // 16) * sbk               # a head's K (or V^T) bytes
+    hv = (Dp // 16) * sbv
+    hq = nmb * KCd * 2048
+    scl = np.float32(scale)
+    for _w in prange(nw):
+        S = np.empty((32, Tp), np.float32)
+        ph = np.empty((KCt, 32, 32), np.uint16)
+        pl = np.empty((KCt, 32, 32), np.uint16)
+        o = np.empty((32, Dp), np.float32)
+        inv = np.empty(32, np.float32)
+        acc = np.empty(16, np.float32)
+        acca = acc.ctypes.data
+        sa, pa, pla, oa = S.ctypes.data, ph.ctypes.data, pl.ctypes.data, o.ctypes.data
+        _tile_config(cfga)
+        while True:
+            it = _fetch_add(cnt, np.int64(1))
+            if it >= items:
+                break
+            h = it // nmb
+            mb = it - h * nmb
+            qa = qh.ctypes.data + h * hq + mb * KCd * 2048
+            qla = ql.ctypes.data + h * hq + mb * KCd * 2048
+            for j in range(Tp // 32):
+                _block(qa, qla, 64, kh.ctypes.data + h * hk + 2 * j * sbk,
+                       kl.ctypes.data + h * hk + 2 * j * sbk, sbk, 0, KCd,
+                       sa + j * 128, Tp * 4, 0, sa)
+            for r in range(32):
+                row = S[r]
+                for t in range(T, Tp):
+                    row[t] = -np.inf
+                ra = sa + r * Tp * 4
+                # the row's max and sum in 16 lanes (a fixed order: the same bits always)
+                for l in range(16):
+                    acc[l] = row[l]
+                for t0 in range(16, Tp, 16):
+                    _vmax16(acca, ra + t0 * 4)
+                mx = acc[0]
+                for l in range(1, 16):
+                    mx = acc[l] if acc[l] > mx else mx
+                mx *= scl
+                for l in range(16):
+                    acc[l] = np.float32(0.0)
+                for t0 in range(0, Tp, 16):
+                    # P's A tiles: chunk t0 // 32, row r, values t0 % 32 ..
+                    po = ((t0 // 32) * 1024 + r * 32 + t0 % 32) * 2
+                    _vexp_split16(ra + t0 * 4, scl, mx, acca, pa + po, pla + po)
+                s = np.float32(0.0)
+                for l in range(16):
+                    s += acc[l]
+                inv[r] = np.float32(1.0) / s
+            for j in range(Dp // 32):
+                _block(pa, pla, 64, vh.ctypes.data + h * hv + 2 * j * sbv,
+                       vl.ctypes.data + h * hv + 2 * j * sbv, sbv, 0, KCt,
+                       oa + j * 128, Dp * 4, 0, oa)
+            for r in range(32):
+                t = mb * 32 + r
+                if t < T:
+                    for d in range(D):
+                        out[t, h * D + d] = o[r, d] * inv[r]
+        _tile_release()
+
+
+def attention(qkv: np.ndarray, T: int, H: int, D: int, scale: float,
+              nw: int | None = None) -> np.ndarray:
+    """Full (non-causal) attention of T positions, float32[T, H D], from the q/k/v product
+    qkv float32[>= T, 3 H D] (q, k, v: its column thirds), every product on the AMX-BF16
+    tiles split as the matmuls are: per head and 32 query rows, S = Q K^T (C tiles), a
+    softmax of the rows in float32, P split, then P V. The scores of one block (32 x T)
+    stay in a thread's scratch; K and V^T are split once per call into B tiles."""
+    if not available():
+        raise RuntimeError("AMX-BF16 is not available in this process")
+    if qkv.dtype != np.float32 or qkv.ndim != 2 or qkv.shape[0] < T or \
+            qkv.shape[1] < 3 * H * D or qkv.strides[1] != 4:
+        raise ValueError("amx attention: qkv must be float32[>= T, 3 H D], rows contiguous")
+    nmb = (T + 31) // 32
+    KCd = (D + 31) // 32
+    Tp, Dp = nmb * 32, KCd * 32
+    qh = np.empty((H, nmb, KCd, 32, 32), np.uint16)
+    ql = np.empty_like(qh)
+    kh = np.empty((H, Tp // 16, KCd, 16, 16, 2), np.uint16)
+    kl = np.empty_like(kh)
+    vh = np.empty((H, Dp // 16, nmb, 16, 16, 2), np.uint16)
+    vl = np.empty_like(vh)
+    out = np.empty((T, H * D), np.float32)
+    if nw is None:
+        import numba
+        nw = numba.get_num_threads()
+    _attention(_CFG, qkv, T, H, D, np.float32(scale), qh, ql, kh, kl, vh, vl, out, nw,
+               np.zeros(1, np.int64))
+    return out
