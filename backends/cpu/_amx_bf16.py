@@ -13,21 +13,26 @@ and AMX's bf16 rate (1024 flops a cycle a core) leaves the three products severa
 than float32 FMAs. f16 inputs (f16 weights, activations rounded to f16 as ggml does for f16
 matrices) split exactly: 11 mantissa bits fit hi's 8 and lo's 8.
 
-Layouts (bf16 as uint16 bit patterns):
-- activations: hi, lo uint16[Mp / 32, KC, 32, 32], Mp = M rounded up to 32, KC = K / 32
-  rounded up, zero padded (split_rows): block mb, chunk c is rows 32 mb .. 32 mb + 31, K
-  values 32 c .. 32 c + 31, so its two A tiles (16 rows x 32 values, 64 bytes a row) are
-  contiguous 1 KB each (strided rows would fall in a few L1 sets);
-- weights (W[N, K], y = x @ W^T): hi, lo uint16[NT, KC, 16, 16, 2], NT = N / 16 rounded up
-  (to an even count), KC = Kp / 32: the B tile of output columns 16 j .. 16 j + 15 and K
-  values 32 c .. 32 c + 31 is [16 pairs of K][16 columns][2], AMX's pair-interleaved layout,
-  1 KB, split once at load (split_weight).
+Layouts (bf16 as uint16 bit patterns; a tile is 16 rows of 64 bytes, 1 KB):
+- activations (split_rows, per call): uint16[Mp / 32, KC, 2, 32, 32], Mp = M rounded up to
+  32, KC = K / 32 rounded up, zero padded: block mb, chunk c, half (hi, lo) is rows
+  32 mb .. 32 mb + 31 by K values 32 c .. 32 c + 31, i.e. two A tiles (rows 0-15, 16-31)
+  contiguous, and a block's four tiles of a chunk 4 KB in a row (a strided A, rows K * 2
+  bytes apart, puts a tile's 16 rows in a few L1 sets);
+- weights (split_weight, once at load; W[N, K], y = x @ W^T): uint16[N / 32, KC, 2, 2, 16,
+  16, 2]: 32 output columns, chunk c, half, n tile (columns 16 t .. 16 t + 15), then AMX's
+  pair-interleaved B tile [16 pairs of K][16 columns][2].
 
 The kernel computes 32 x 32 output blocks (four C tiles, two A tiles and two B tiles: all
 eight tile registers) over the K chunks in a fixed order, so every output value is the same
 sequence of operations whatever the number of threads or which thread takes the block:
 results are bit-identical run to run and for any thread count. Work items (32 rows x a panel
-of columns, panels sized so their weights stay in L2) are dealt from a shared counter.
+of columns, panels sized so their weights stay in L2) are dealt from a shared counter; an
+item's blocks accumulate in a thread's scratch, in passes of K_CHUNKS chunks.
+
+The attention (`attention`) runs its two products per head on the same 32 x 32 blocks: Q
+split as A tiles, K and V^T as B tiles (split per call), the scores' softmax in 16-lane
+vector code that splits P for the second product as it goes.
 
 AMX needs the CPU flags (amx-tile, amx-bf16) and Linux's permission for the tile state
 (arch_prctl ARCH_REQ_XCOMP_PERM); `available()` says whether both hold, and callers keep their
@@ -54,6 +59,7 @@ PANEL_BYTES = 1 << 20
 # (32 rows x KB x 32 values x 2 halves x 2 bytes = 16 KB at 4) stay in L1 across the panel's
 # column blocks; the C tiles are stored and reloaded between passes.
 K_CHUNKS = 8
+M_GROUP = 1
 
 
 # -- availability ---------------------------------------------------------------------------
@@ -217,28 +223,29 @@ def split_array(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return h.astype(np.uint16), lo.astype(np.uint16)
 
 
-def split_weight(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """W float32[N, K] -> (hi, lo) uint16[NT, KC, 16, 16, 2] (see the module doc), zero padded."""
+def split_weight(w: np.ndarray) -> np.ndarray:
+    """W float32[N, K] -> uint16[N / 32, KC, 2 (hi, lo), 2 (n tile), 16 pairs, 16, 2] (see
+    the module doc), zero padded."""
     N, K = w.shape
-    NT = (N + 31) // 32 * 2
+    NB = (N + 31) // 32
     Kp = (K + 31) // 32 * 32
-    wp = np.zeros((NT * 16, Kp), np.float32)
+    wp = np.zeros((NB * 32, Kp), np.float32)
     wp[:N, :K] = w
-    out = []
-    for half in split_array(wp):
-        # [NT, 16 cols, KC, 16 pairs, 2] -> [NT, KC, 16 pairs, 16 cols, 2]
-        b = half.reshape(NT, 16, Kp // 32, 16, 2).transpose(0, 2, 3, 1, 4)
-        out.append(np.ascontiguousarray(b))
-    return out[0], out[1]
+    hi, lo = split_array(wp)
+    # [NB, 2 n tiles, 16 cols, KC, 16 pairs, 2] -> [NB, KC, 2 n tiles, 16 pairs, 16 cols, 2]
+    hl = np.stack([h.reshape(NB, 2, 16, Kp // 32, 16, 2) for h in (hi, lo)], axis=1)
+    # [NB, hl, nt, col, KC, pair, e] -> [NB, KC, hl, nt, pair, col, e]
+    return np.ascontiguousarray(hl.transpose(0, 4, 1, 2, 5, 3, 6))
 
 
 @njit(**_PJIT)
-def split_rows(x, hi, lo, f16):
-    """x float32[M, K] (C-contiguous) -> hi, lo uint16[Mp / 32, KC, 32, 32] (see split_array
-    and the module doc), padding rows and columns zero; 32-row blocks in parallel. f16: x
-    rounded to float16 first (ggml's activations for f16 matrices; then hi + lo is exact)."""
+def split_rows(x, a, f16):
+    """x float32[M, K] (C-contiguous) -> a uint16[Mp / 32, KC, 2, 32, 32] (hi, lo: see
+    split_array and the module doc), padding rows and columns zero; 32-row blocks in
+    parallel. f16: x rounded to float16 first (ggml's activations for f16 matrices; then
+    hi + lo is exact)."""
     M, K = x.shape
-    nmb, KC = hi.shape[0], hi.shape[1]
+    nmb, KC = a.shape[0], a.shape[1]
     for mb in prange(nmb):
         for r in range(32):
             i = mb * 32 + r
@@ -256,11 +263,11 @@ def split_rows(x, hi, lo, f16):
                         ru = _f32_bits(v - _bits_f32(h))
                         lb = (ru + np.uint32(0x7FFF) + ((ru >> np.uint32(16)) & np.uint32(1))) \
                             >> np.uint32(16)
-                        hi[mb, c, r, kk] = np.uint16(h >> np.uint32(16))
-                        lo[mb, c, r, kk] = np.uint16(lb)
+                        a[mb, c, 0, r, kk] = np.uint16(h >> np.uint32(16))
+                        a[mb, c, 1, r, kk] = np.uint16(lb)
                     else:
-                        hi[mb, c, r, kk] = 0
-                        lo[mb, c, r, kk] = 0
+                        a[mb, c, 0, r, kk] = 0
+                        a[mb, c, 1, r, kk] = 0
 
 
 @intrinsic
@@ -288,11 +295,12 @@ def _f32_bits(typingctx, f):
 # -- the product ------------------------------------------------------------------------------
 
 @njit(inline="always", nogil=True)
-def _block(ahi, alo, sa, bhi, blo, sbt, c0, c1, out, so, init, bias):
-    """out[32 x 32 block at address out, row stride so bytes] (+)= the block's product over K
-    chunks c0 .. c1 - 1. ahi/alo: address of the block's A tiles at chunk 0 (sa = 64: rows
-    of a tile are contiguous, the second tile 1 KB on); bhi/blo: address of its first B tile at chunk 0 (the second n tile sbt bytes on).
-    init: 0 start from zero, 1 from bias (float32 at address bias, 32 values), 2 from out."""
+def _block(ahi, alo, acs, bhi, blo, bcs, bts, c0, c1, out, so, init, bias):
+    """The 32 x 32 float32 block at address out (rows so bytes apart) (+)= its product over
+    K chunks c0 .. c1 - 1. A: the two tiles of chunk c at ahi + c acs (rows 16-31 1 KB
+    after rows 0-15), the lo halves at alo + c acs. B: the two n tiles of chunk c at
+    bhi + c bcs and bts bytes further, the lo halves at blo + c bcs. init: 0 start from
+    zero, 1 from bias (32 float32 at address bias, every row), 2 from out."""
     if init == 0:
         _tzero(0)
         _tzero(1)
@@ -308,28 +316,29 @@ def _block(ahi, alo, sa, bhi, blo, sbt, c0, c1, out, so, init, bias):
         _tload(1, out + 64, so)
         _tload(2, out + 16 * so, so)
         _tload(3, out + 16 * so + 64, so)
-    a16 = 16 * sa
     for c in range(c0, c1):
-        ao = c * 2048
-        bo = c * 1024
-        _tload(4, ahi + ao, sa)
-        _tload(5, ahi + ao + a16, sa)
-        _tload(6, bhi + bo, 64)
-        _tload(7, bhi + bo + sbt, 64)
+        ah = ahi + c * acs
+        al = alo + c * acs
+        bh = bhi + c * bcs
+        bl = blo + c * bcs
+        _tload(4, ah, 64)
+        _tload(5, ah + 1024, 64)
+        _tload(6, bh, 64)
+        _tload(7, bh + bts, 64)
         _tdp(0, 4, 6)
         _tdp(1, 4, 7)
         _tdp(2, 5, 6)
         _tdp(3, 5, 7)
-        _tload(6, blo + bo, 64)
-        _tload(7, blo + bo + sbt, 64)
+        _tload(6, bl, 64)
+        _tload(7, bl + bts, 64)
         _tdp(0, 4, 6)
         _tdp(1, 4, 7)
         _tdp(2, 5, 6)
         _tdp(3, 5, 7)
-        _tload(4, alo + ao, sa)
-        _tload(5, alo + ao + a16, sa)
-        _tload(6, bhi + bo, 64)
-        _tload(7, bhi + bo + sbt, 64)
+        _tload(4, al, 64)
+        _tload(5, al + 1024, 64)
+        _tload(6, bh, 64)
+        _tload(7, bh + bts, 64)
         _tdp(0, 4, 6)
         _tdp(1, 4, 7)
         _tdp(2, 5, 6)
@@ -341,48 +350,60 @@ def _block(ahi, alo, sa, bhi, blo, sbt, c0, c1, out, so, init, bias):
 
 
 @njit(**_PJIT)
-def _gemm(cfg, ahi, alo, bhi, blo, bias, has_bias, out, panel, kb, nw, counter):
-    """out[Mp, Np] = A @ W^T (+ bias) from the split halves (module doc); panel: 32-column
-    blocks per work item; kb: K chunks per pass; nw threads take items from counter."""
-    nmb = ahi.shape[0]
-    NT, KC = bhi.shape[0], bhi.shape[1]
+def _gemm(cfg, a, b, bias, has_bias, out, panel, kb, mg, nw, counter):
+    """out[Mp, Np] = A @ W^T (+ bias) from the split operands a (split_rows) and b
+    (split_weight): see the module doc. A work item is mg
+    32-row blocks times a panel of `panel` 32-column blocks; per pass of kb K chunks the
+    item's A chunks stay in L1 across the panel, each column block's B chunks across the mg
+    row blocks. nw threads take items from counter."""
+    nmb = a.shape[0]
+    nnb, KC = b.shape[0], b.shape[1]
     Np = out.shape[1]
-    nnb = NT // 2
     npn = (nnb + panel - 1) // panel
-    items = nmb * npn
-    sa = 64
+    nmg = (nmb + mg - 1) // mg
+    items = nmg * npn
     so = Np * 4
-    sbt = KC * 1024
-    a_hi, a_lo = ahi.ctypes.data, alo.ctypes.data
-    b_hi, b_lo = bhi.ctypes.data, blo.ctypes.data
-    o0 = out.ctypes.data
+    a0, b0 = a.ctypes.data, b.ctypes.data
     bz = bias.ctypes.data
     cnt = counter.ctypes.data
     cfga = cfg.ctypes.data
     for _w in prange(nw):
+        # the item's C blocks accumulate here, 32 x 32 float32 each (rows 128 bytes apart:
+        # out's own rows are Np * 4 bytes apart, a multiple of 4 KB for the usual widths,
+        # which would put a tile's 16 rows in one L1 set)
+        cs = np.empty((panel * mg, 32, 32), np.float32)
+        csa = cs.ctypes.data
         _tile_config(cfga)
         while True:
             it = _fetch_add(cnt, np.int64(1))
             if it >= items:
                 break
-            p = it // nmb            # consecutive items: the same panel, the next rows
-            mb = it - p * nmb
+            p = it // nmg            # consecutive items: the same panel, the next rows
+            g = it - p * nmg
             j0 = p * panel
             j1 = min(nnb, j0 + panel)
-            arow = mb * KC * 2048
-            orow = o0 + mb * 32 * so
+            m0 = g * mg
+            m1 = min(nmb, m0 + mg)
             for k0 in range(0, KC, kb):
                 k1 = min(KC, k0 + kb)
+                if k0 > 0:
+                    init = 2
+                elif has_bias:
+                    init = 1
+                else:
+                    init = 0
                 for j in range(j0, j1):
-                    if k0 > 0:
-                        init = 2
-                    elif has_bias:
-                        init = 1
-                    else:
-                        init = 0
-                    boff = 2 * j * sbt
-                    _block(a_hi + arow, a_lo + arow, sa, b_hi + boff, b_lo + boff, sbt,
-                           k0, k1, orow + j * 128, so, init, bz + j * 128)
+                    bj = b0 + j * KC * 4096
+                    for mb in range(m0, m1):
+                        am = a0 + mb * KC * 4096
+                        _block(am, am + 2048, 4096, bj, bj + 2048, 4096, 1024, k0, k1,
+                               csa + ((j - j0) * mg + mb - m0) * 4096, 128, init,
+                               bz + j * 128)
+            for j in range(j0, j1):
+                for mb in range(m0, m1):
+                    blk = cs[(j - j0) * mg + mb - m0]
+                    for r in range(32):
+                        out[mb * 32 + r, j * 32:j * 32 + 32] = blk[r]
         _tile_release()
 
 
@@ -392,24 +413,24 @@ class AmxMatrix:
     def __init__(self, w: np.ndarray):
         w = np.asarray(w, np.float32)
         self.N, self.K = w.shape
-        self.hi, self.lo = split_weight(w)
-        self.Np = self.hi.shape[0] * 16
-        self.Kp = self.hi.shape[1] * 32
+        self.b = split_weight(w)
+        self.Np = self.b.shape[0] * 32
+        self.Kp = self.b.shape[1] * 32
         # 32-column blocks per work item: about PANEL_BYTES of split weights
         per_block = 32 * self.Kp * 4
         self.panel = max(1, min(self.Np // 32, PANEL_BYTES // per_block))
 
     def matmul(self, x: np.ndarray, bias: np.ndarray | None = None, nw: int | None = None,
                split=None, f16: bool = False) -> np.ndarray:
-        """float32[M, N] = x @ W^T (+ bias). split: (hi, lo) of x from split_x, to share one
+        """float32[M, N] = x @ W^T (+ bias). split: x's split_x, to share one
         split between matrices of the same input; f16: x rounded to float16 first."""
         if not available():        # also asks for the tile permission, once per process
             raise RuntimeError("AMX-BF16 is not available in this process")
-        hi, lo = split if split is not None else split_x(x, self.K, f16)
+        a = split if split is not None else split_x(x, self.K, f16)
         M = x.shape[0]
-        Mp = hi.shape[0] * 32
-        if hi.shape[1] * 32 != self.Kp:
-            raise ValueError(f"amx matmul: x has {hi.shape[1] * 32} padded columns, W {self.Kp}")
+        Mp = a.shape[0] * 32
+        if a.shape[1] * 32 != self.Kp:
+            raise ValueError(f"amx matmul: x has {a.shape[1] * 32} padded columns, W {self.Kp}")
         out = np.empty((Mp, self.Np), np.float32)
         if bias is not None:
             b = np.zeros(self.Np, np.float32)
@@ -419,16 +440,16 @@ class AmxMatrix:
         if nw is None:
             import numba
             nw = numba.get_num_threads()
-        _gemm(_CFG, hi, lo, self.hi, self.lo, b, bias is not None, out, self.panel, K_CHUNKS,
-              nw, np.zeros(1, np.int64))
+        _gemm(_CFG, a, self.b, b, bias is not None, out, self.panel, K_CHUNKS,
+              M_GROUP, nw, np.zeros(1, np.int64))
         if self.Np == self.N:
             return out[:M]
         return np.ascontiguousarray(out[:M, :self.N])
 
 
 def split_x(x: np.ndarray, K: int | None = None,
-            f16: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Activations float32[M, K] -> (hi, lo) for AmxMatrix.matmul (f16: rounded to float16
+            f16: bool = False) -> np.ndarray:
+    """Activations float32[M, K] -> their split for AmxMatrix.matmul (f16: rounded to float16
     first)."""
     x = np.ascontiguousarray(x, np.float32)
     M, Kx = x.shape
@@ -436,12 +457,11 @@ def split_x(x: np.ndarray, K: int | None = None,
         raise ValueError(f"amx matmul: x has {Kx} columns but the weight rows have {K}")
     Mp = (M + 31) // 32 * 32
     Kp = (Kx + 31) // 32 * 32
-    hi = np.empty((Mp // 32, Kp // 32, 32, 32), np.uint16)
-    lo = np.empty((Mp // 32, Kp // 32, 32, 32), np.uint16)
+    a = np.empty((Mp // 32, Kp // 32, 2, 32, 32), np.uint16)
     if not x.flags.writeable:
         x = x.copy()
-    split_rows(x, hi, lo, bool(f16))
-    return hi, lo
+    split_rows(x, a, bool(f16))
+    return a
 
 
 # -- attention --------------------------------------------------------------------------------
@@ -598,8 +618,8 @@ def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counte
             qa = qh.ctypes.data + h * hq + mb * KCd * 2048
             qla = ql.ctypes.data + h * hq + mb * KCd * 2048
             for j in range(Tp // 32):
-                _block(qa, qla, 64, kh.ctypes.data + h * hk + 2 * j * sbk,
-                       kl.ctypes.data + h * hk + 2 * j * sbk, sbk, 0, KCd,
+                _block(qa, qla, 2048, kh.ctypes.data + h * hk + 2 * j * sbk,
+                       kl.ctypes.data + h * hk + 2 * j * sbk, 1024, sbk, 0, KCd,
                        sa + j * 128, Tp * 4, 0, sa)
             for r in range(32):
                 row = S[r]
@@ -626,8 +646,8 @@ def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counte
                     s += acc[l]
                 inv[r] = np.float32(1.0) / s
             for j in range(Dp // 32):
-                _block(pa, pla, 64, vh.ctypes.data + h * hv + 2 * j * sbv,
-                       vl.ctypes.data + h * hv + 2 * j * sbv, sbv, 0, KCt,
+                _block(pa, pla, 2048, vh.ctypes.data + h * hv + 2 * j * sbv,
+                       vl.ctypes.data + h * hv + 2 * j * sbv, 1024, sbv, 0, KCt,
                        oa + j * 128, Dp * 4, 0, oa)
             for r in range(32):
                 t = mb * 32 + r
