@@ -13,7 +13,8 @@ Step keys:
 - "attention:KV": paged attention over a KV cache of type KV (f16, q8_0): the tiled kernel
   and the one that splits a lone token's long context over the threads.
 - "ops": what a decoder model's forward does not reach with the default settings: f32
-  numerics' and encoder (BERT) kernels.
+  numerics' and encoder (BERT) kernels, and on CPUs with AMX-BF16 the vision towers'
+  split-precision products and attention (_amx_bf16.py).
 - "mxfp4": the MXFP4 kernels (mxfp4.py: gpt-oss's experts, read in place, never repacked).
 - "moe": the grouped expert kernels of repacked mixture-of-experts layers (experts.py:
   _moe's one call per layer, _router's routing), and the fused attention-block kernels
@@ -234,7 +235,7 @@ def _attention_step(kv: str) -> None:
 def _ops_step() -> None:
     """Kernels a default decoder forward does not reach: f32 numerics' (their attention over
     an f32 KV pool included) and encoder models' (BERT, EmbeddingGemma) norms, activations
-    and attention."""
+    and attention; the vision towers' AMX-BF16 kernels where the CPU has them."""
     from . import kernels as K
     from .encoder import encoder_attention, layer_norm, sequence_bounds
     x = np.zeros((3, 64), np.float32)
@@ -247,3 +248,10 @@ def _ops_step() -> None:
     encoder_attention(q, q, q, lo, hi, np.arange(3, dtype=np.int32), 0, np.float32(0.1),
                       np.empty_like(q), False)
     _attention_step("f32")           # the f32 numerics' KV pool
+    from . import _amx_bf16
+    if _amx_bf16.available():        # vision towers' split-precision products (AMX-BF16 CPUs)
+        w = _amx_bf16.AmxMatrix(np.zeros((32, 32), np.float32))
+        x = np.zeros((3, 32), np.float32)
+        w.matmul(x, np.zeros(32, np.float32))
+        w.matmul(x, f16=True)
+        _amx_bf16.attention(np.zeros((3, 96), np.float32), 3, 1, 32, 0.1)
