@@ -63,6 +63,18 @@ def smollm2_path() -> Path:
     return _test_model("smollm2-135m-instruct-q4_1.gguf")
 
 
+@pytest.fixture(scope="session")
+def daemon_pool(tmp_path_factory, gemma3_path):
+    """The daemons behind daemon_fixture.shared_daemon / backend_daemon: one per backend for
+    the session, restored between the modules that share it (daemon_fixture.DaemonPool)."""
+    from daemon_fixture import DaemonPool
+    pool = DaemonPool(tmp_path_factory, gemma3_path)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture()
 def edgeinfer_home(tmp_path, monkeypatch) -> Path:
     """A fresh, empty model store for one test."""

@@ -1,11 +1,16 @@
 """A real daemon for tests: `python -m edgeinfer serve --port <free>` in a subprocess with a
 temporary EDGEINFER_HOME where gemma3:270m is registered (hard link to the cached file).
 
-`shared_daemon` is module-scoped: each test module that imports it gets one daemon for all
-its tests, on the native (numba) backend. `backend_daemon` is the same daemon parametrized
-over the default backend (EDGEINFER_BACKEND): `cpu` reuses `shared_daemon`, `llamacpp` starts
-a second one for the module's tests that use it, so those run against both backends.
-`start_daemon()` starts extra ones with other settings.
+`shared_daemon` is module-scoped: each test module that imports it gets a daemon on the
+native (numba) backend for all its tests. `backend_daemon` is the same daemon parametrized
+over the default backend (EDGEINFER_BACKEND): `cpu` reuses `shared_daemon`, `llamacpp` a
+second one, so those tests run against both backends. Both come from the session's
+`daemon_pool` (tests/conftest.py): one daemon per backend serves every module in turn, as a
+start and model load costs seconds each. At the end of each module the pool puts the daemon
+back as it found it (only gemma3:270m in the store, loaded on the daemon's backend, nothing
+running) or, where it cannot, stops it so that the next module gets a fresh one.
+`start_daemon()` starts extra ones with other settings (tests that change a daemon's
+settings, kill its processes or need a store of their own take one of those).
 """
 from __future__ import annotations
 
@@ -165,13 +170,76 @@ def _start_shared(tmp_path_factory, gemma3_path, **env_extra: str) -> Daemon:
     return d
 
 
+class DaemonPool:
+    """One daemon per backend (started on first use, store: gemma3:270m only), lent to one
+    module at a time and restored between modules."""
+
+    MODEL = "gemma3:270m"
+
+    def __init__(self, tmp_path_factory, gemma3_path):
+        self._tmp = tmp_path_factory
+        self._gemma3 = gemma3_path
+        self._daemons: dict[str, Daemon] = {}
+
+    def acquire(self, backend: str) -> Daemon:
+        d = self._daemons.get(backend)
+        if d is not None and not self._ready(d):
+            d.stop()
+            d = None
+        if d is None:
+            env = {} if backend == "cpu" else {"EDGEINFER_BACKEND": backend}
+            d = self._daemons[backend] = _start_shared(self._tmp, self._gemma3, **env)
+        return d
+
+    def release(self, d: Daemon) -> None:
+        """Put the daemon back as a fresh one is (see _ready), or stop it."""
+        if not self._ready(d):
+            d.stop()
+            self._daemons = {k: v for k, v in self._daemons.items() if v is not d}
+
+    def _loaded(self, d: Daemon) -> list[tuple[str, str]]:
+        return [(m["name"], m["backend"]) for m in d.get("/api/ps").json()["models"]]
+
+    def _ready(self, d: Daemon) -> bool:
+        """Alive, idle, the store holding gemma3:270m only, which is loaded (once, on the
+        daemon's own backend) and nothing else: unloads other models and loads it where
+        needed. False where that cannot be had."""
+        try:
+            if d.proc.poll() is not None:
+                return False
+            deadline = time.monotonic() + 60
+            while any(m["running"] or m["waiting"] or m["active_requests"]
+                      for m in d.stats()["models"]) or \
+                    any(m["state"] != "loaded" for m in d.get("/api/ps").json()["models"]):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.1)
+            if [m["name"] for m in d.get("/api/tags").json()["models"]] != [self.MODEL]:
+                return False
+            want = [(self.MODEL, d.backend)]
+            if self._loaded(d) != want:
+                for name in {n for n, _ in self._loaded(d)}:       # every copy of each
+                    r = d.post("/api/generate", {"model": name, "keep_alive": 0})
+                    if r.status_code != 200:
+                        return False
+                warm(d)
+            return self._loaded(d) == want
+        except (httpx.HTTPError, AssertionError, KeyError, ValueError):
+            return False
+
+    def close(self) -> None:
+        for d in self._daemons.values():
+            d.stop()
+        self._daemons.clear()
+
+
 @pytest.fixture(scope="module")
-def shared_daemon(tmp_path_factory, gemma3_path):
-    d = _start_shared(tmp_path_factory, gemma3_path)
+def shared_daemon(daemon_pool):
+    d = daemon_pool.acquire("cpu")
     try:
         yield d
     finally:
-        d.stop()
+        daemon_pool.release(d)
 
 
 # The API tests that must hold on every backend take `backend_daemon` (issue 8: "the
@@ -184,12 +252,12 @@ API_BACKENDS = [
 
 
 @pytest.fixture(scope="module", params=API_BACKENDS)
-def backend_daemon(request, tmp_path_factory, gemma3_path):
+def backend_daemon(request, daemon_pool):
     if request.param == "cpu":       # the native daemon the module's other tests use too
         yield request.getfixturevalue("shared_daemon")
         return
-    d = _start_shared(tmp_path_factory, gemma3_path, EDGEINFER_BACKEND=request.param)
+    d = daemon_pool.acquire(request.param)
     try:
         yield d
     finally:
-        d.stop()
+        daemon_pool.release(d)
