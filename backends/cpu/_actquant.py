@@ -28,7 +28,7 @@ from . import _stamp
 from .kernels import quantize_act_block, round_f16
 
 _DEPS = ("kernels.py", "_simd.py")     # inlined here (quantize_act_block and its deps)
-_DEPS_HASH = "f88594a317ceb15c"
+_DEPS_HASH = "7afdbf157da21fb7"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)

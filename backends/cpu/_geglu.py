@@ -17,7 +17,7 @@ from . import _stamp
 from .kernels import gelu_f16_at
 
 _DEPS = ("kernels.py", "_simd.py")     # inlined here (gelu_f16_at, with kernels.py's own deps)
-_DEPS_HASH = "f88594a317ceb15c"
+_DEPS_HASH = "7afdbf157da21fb7"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)

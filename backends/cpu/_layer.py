@@ -32,8 +32,8 @@ from ._norm import _rms_group, _rms_row
 from .kernels import _rope_head
 
 # inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
-_DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py")
-_DEPS_HASH = "21c0c5a96d30f619"
+_DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py", "_swiglu.py")
+_DEPS_HASH = "1ea7c41435c5d3d9"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)

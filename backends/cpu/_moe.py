@@ -11,7 +11,7 @@ in a prefill every expert's tiles are read once for every token routed to it. Pe
    p0 holds its [nb, n] at offset p0 * nb).
 2. gate and up of every group in one parallel region: work items (group, matrix, tiles) dealt
    from a shared counter, each run by the format's tile kernel (_int8's cfuncs, by address).
-3. SwiGLU per row (silu(g) * u, the float ops of kernels.silu_mul), quantized for down's
+3. SwiGLU per row (silu(g) * u: _swiglu.swiglu_row, as the ops), quantized for down's
    format into the group layout.
 4. down of every group, one parallel region as 2.
 5. out[t] = y[t, slot 0] * w0, then += y[t, slot j] * wj slot by slot (llama.cpp's order).
@@ -34,11 +34,12 @@ from numba.extending import intrinsic
 from . import _stamp
 from ._actquant import _quantize_block_vec
 from ._router import route_rows
+from ._swiglu import swiglu_row
 
 # inlined here (quantize_act_block's vector form and its deps): see _stamp.py. _int8's tile
 # kernels are called by address, so their source is not compiled in.
-_DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py")
-_DEPS_HASH = "06cfb84ed5032791"
+_DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py", "_swiglu.py")
+_DEPS_HASH = "88e963bd85ce8bb7"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
@@ -166,11 +167,9 @@ def _run_items(items, P, Wt, acts, outs, gstart, glen, gexp, stats, nw, counter,
 
 @njit(inline="always", nogil=True)
 def _silu_quantize(g, u, A, B, zp, qd, dd, bd, zd, gstart, glen, grp, p):
-    """Row p: g = silu(g) * u (kernels.silu_mul's float ops), then its codes for down into
-    the group layout."""
-    for i in range(g.shape[1]):
-        v = g[p, i]
-        g[p, i] = v / (np.float32(1.0) + np.exp(-v)) * u[p, i]
+    """Row p: g = silu(g) * u (_swiglu.swiglu_row, the ops' SwiGLU), then its codes for
+    down into the group layout."""
+    swiglu_row(g, u, g, p)
     q = grp[p]
     s, n = gstart[q], glen[q]
     nb = g.shape[1] // B

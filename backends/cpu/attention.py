@@ -43,7 +43,7 @@ from ._simd import f16x, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vsub, v
 from .kernels import kv_scalar, kv_vec, round_f16
 
 _DEPS = ("_simd.py", "kernels.py")        # inlined here: see _stamp.py
-_DEPS_HASH = "15e32fe80e2f2990"
+_DEPS_HASH = "3983f1adddb50217"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 

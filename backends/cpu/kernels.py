@@ -152,25 +152,6 @@ def gelu_tanh_mul(gate, up, out, par):
     return out
 
 
-@njit(inline="always", nogil=True)
-def _silu_row(gate, up, out, r):
-    for i in range(gate.shape[1]):
-        g = gate[r, i]
-        out[r, i] = g / (np.float32(1.0) + np.exp(-g)) * up[r, i]
-
-
-@njit(**_PJIT)
-def silu_mul(gate, up, out, par):
-    """SwiGLU: silu(gate) * up (llama / qwen feed-forward)."""
-    if par:
-        for r in prange(gate.shape[0]):
-            _silu_row(gate, up, out, r)
-    else:
-        for r in range(gate.shape[0]):
-            _silu_row(gate, up, out, r)
-    return out
-
-
 # -- KV pools ------------------------------------------------------------------------------
 # Three pool layouts, told apart by dtype, each [num_blocks, block_size, KVH, row]:
 #   float32: the values (numerics "f32");

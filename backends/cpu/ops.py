@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import attention as A
-from edgeinfer.backends.cpu import _geglu, _norm
+from edgeinfer.backends.cpu import _geglu, _norm, _swiglu
 from edgeinfer.backends.cpu import _rotate as _rot
 from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu import _int8
@@ -494,7 +494,7 @@ class CpuOps:
         return K.gelu_tanh_mul(gate, up, gate, _par(gate.size))
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        return K.silu_mul(gate, up, gate, _par(gate.size))
+        return _swiglu.swiglu(gate, np.ascontiguousarray(up), gate, _par(gate.size))
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         x += y
