@@ -10,7 +10,9 @@ its keys through the block table, and
    registers;
 2. takes each row's softmax over that row's own keys (its causal / sliding-window range);
 3. sums the V rows in blocks of 4 (or 2, 1) rows x 64 columns held in registers across
-   all keys, so the output row is stored once, not loaded and stored again for every key.
+   all keys, so the output row is stored once, not loaded and stored again for every key;
+   the keys every token of the tile sees go through all its rows at once (4-row blocks even
+   where a token has 7 heads, Qwen2.5's group), then each token's own last keys.
 
 Every query row's numbers come from one fixed sequence of operations, whatever tile, block or
 batch it lands in, so a token's output is the same bits alone (decode), in a prefill chunk of
@@ -56,7 +58,7 @@ TILE = 16           # query tokens per tile (consecutive positions of one sequen
 VBLOCK = 64         # keys per block of the V sums
 PREFETCH = 16       # K rows asked for this many keys ahead of the scores
 SPLIT_MIN_KEYS = 2048   # a lone token's keys from which its work is split over the threads
-WIDE_KEYS = 256         # keys widened to float32 at a time in a tile of many rows
+WIDE_KEYS = 128         # keys widened to float32 at a time in a tile of many rows (32 KB: L1)
 WIDE_MIN_ROWS = 16      # rows (tokens x heads) from which a tile widens its K and V first
 
 
@@ -778,7 +780,7 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
           t0, nt, h0, nh, qv, sc, kb, sinks, wf, kw):
     """Tokens t0..t0+nt-1 (consecutive positions of one sequence) x heads h0..h0+nh-1 (one
     KV head). qv, sc, kb, kw: scratch of at least nt*nh x D, nt*nh x (keys + 16), keys,
-    keys; wf: WIDE_KEYS x D floats (or fewer: then K and V are read from the pool)."""
+    keys; wf: _wide_floats (or fewer: then K and V are read from the pool)."""
     T, H, D = q.shape
     KVH = kc.shape[2]
     lo = _window_start(positions[t0], window)
@@ -805,7 +807,28 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
         _softmax_row(sc, r, _window_start(pos, window) - lo, pos - lo, ggml_rounding,
                      _sink(sinks, h0 + r % nh))
     # 3. weighted V sums, per token (its heads share the keys)
-    if wide:
+    if wide and _window_start(positions[t0 + nt - 1], window) == lo and \
+            wf.shape[0] >= (WIDE_KEYS + R) * D:
+        # every token's keys start at key 0: the keys all tokens see (up to the first
+        # token's position) go through all R rows in 4-row blocks at once, into ob (rows
+        # in sc's order), then each token's own last keys; each row still adds its keys in
+        # order, so the bits are those of the per-token sums below
+        ob = wf[WIDE_KEYS * D:]
+        shared = positions[t0] - lo
+        for j0 in range(0, nk, WIDE_KEYS):
+            j1 = min(nk, j0 + WIDE_KEYS) - 1
+            _widen(vc, kb, j0, j1, D, wf, kw)
+            if j0 <= shared:
+                _vsums(sc, 0, R, wf, kw, j0, min(shared, j1), 0, D, ob, 0, D, exact, j0 == 0)
+            for ti in range(nt):
+                a, b = max(j0, shared + 1), min(positions[t0 + ti] - lo, j1)
+                if a <= b:
+                    _vsums(sc, ti * nh, nh, wf, kw, a, b, 0, D, ob, ti * nh * D, D, exact,
+                           False)
+        for r in range(R):
+            for d in range(D):
+                out[t0 + r // nh, h0 + r % nh, d] = ob[r * D + d]
+    elif wide:
         for j0 in range(0, nk, WIDE_KEYS):
             j1 = min(nk, j0 + WIDE_KEYS) - 1
             _widen(vc, kb, j0, j1, D, wf, kw)
@@ -929,6 +952,12 @@ def _plan(token_seq, positions, window, H, nh, tile, parts):
     return it_t0, it_nt, it_h0, first, max_rows, max_keys
 
 
+@njit(inline="always", nogil=True)
+def _wide_floats(max_rows, D):
+    """_tile's wf: WIDE_KEYS widened K or V rows, then max_rows output rows (or a stub)."""
+    return (WIDE_KEYS + max_rows) * D if max_rows >= WIDE_MIN_ROWS else 16
+
+
 @njit(**_PJIT)
 def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
          ggml_rounding, out, par, nh, tile, parts, sinks):
@@ -941,7 +970,7 @@ def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
             sc = np.empty((max_rows, max_keys + 16), np.float32)
             kb = np.empty(max_keys, np.int64)
             kw = np.empty(max_keys, np.int64)
-            wf = np.empty(WIDE_KEYS * D if max_rows >= WIDE_MIN_ROWS else 16, np.float32)
+            wf = np.empty(_wide_floats(max_rows, D), np.float32)
             for k in range(first[p], first[p + 1]):
                 _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
                       ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks,
@@ -951,7 +980,7 @@ def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
         sc = np.empty((max_rows, max_keys + 16), np.float32)
         kb = np.empty(max_keys, np.int64)
         kw = np.empty(max_keys, np.int64)
-        wf = np.empty(WIDE_KEYS * D if max_rows >= WIDE_MIN_ROWS else 16, np.float32)
+        wf = np.empty(_wide_floats(max_rows, D), np.float32)
         for k in range(first[0], first[parts]):
             _tile(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
                   ggml_rounding, out, it_t0[k], it_nt[k], it_h0[k], nh, qv, sc, kb, sinks,
