@@ -137,11 +137,12 @@ def test_one_compiled_signature_per_kernel():
         matmul(xr[0], w)
         matmul(xr, w)
         matmul(rng.standard_normal((3, 128))[:, ::2], w)
-        ids = np.array([1, 2], np.int32)
-        ids.flags.writeable = False
-        get_rows(w, ids)
-    for kernel in (_kernels.rows_driver, _kernels.matvec_driver, _kernels.matmul_driver,
-                   *_kernels.SERIAL[int(T.Q8_0)]):
+        for ids in (np.array([1, 2], np.int32), np.arange(_kernels.SERIAL_ROWS + 4) % 8):
+            ids = ids.astype(np.int32)          # a decode step's ids, then a prompt's
+            ids.flags.writeable = False
+            get_rows(w, ids)
+    for kernel in (_kernels.rows_serial, _kernels.rows_driver, _kernels.matvec_driver,
+                   _kernels.matmul_driver, *_kernels.SERIAL[int(T.Q8_0)]):
         assert len(kernel.signatures) == 1, kernel.signatures
 
 
