@@ -205,3 +205,35 @@ def test_released_pages_read_back_the_same_bytes(gemma3_path):
     for n in names:
         np.testing.assert_array_equal(gf.raw(n), before[n])
     np.testing.assert_array_equal(view, before["blk.0.attn_q.weight"])
+
+
+def _string_array(strings: list[bytes], claimed: int | None = None) -> bytes:
+    """A GGUF with one metadata key: an array of strings (count `claimed` if given)."""
+    body = b"".join(struct.pack("<Q", len(s)) + s for s in strings)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"v"
+    return head + struct.pack("<IIQ", 9, 8, len(strings) if claimed is None else claimed) + body
+
+
+def test_long_string_arrays_walk_compiled_with_the_same_strings_and_errors(tmp_path):
+    """Arrays of 4096 strings and more follow their lengths in numba (_string_heads): the
+    same strings as the Python loop (invalid UTF-8 and an embedded NUL included), and the
+    same errors for a truncated array or an implausible length."""
+    from edgeinfer.formats import gguf_file
+    rng = np.random.default_rng(0)
+    strings = [bytes(rng.integers(32, 127, int(rng.integers(0, 12)), dtype=np.uint8))
+               for _ in range(5000)]
+    strings[7], strings[4000] = b"\xff\xfe bad utf-8", "é—ok".encode()
+    want = [s.decode("utf-8", errors="surrogateescape") for s in strings]
+    p = _write(tmp_path, _string_array(strings))
+    assert read_gguf(p).metadata["v"] == want
+    with_nul = list(strings)
+    with_nul[9] = b"a\x00b"             # the string-by-string way
+    p = _write(tmp_path, _string_array(with_nul))
+    assert read_gguf(p).metadata["v"][9] == "a\x00b"
+    for data, message in [(_string_array(strings)[:-3], "runs past the end"),
+                          (_string_array(strings, claimed=5001) + bytes(4), "runs past the end"),
+                          (_string_array(strings[:4999], claimed=5000)
+                           + struct.pack("<Q", 2**40) + bytes(16), "plausible")]:
+        with pytest.raises(GGUFError, match=message):
+            read_gguf(_write(tmp_path, data))
+    assert len(strings) >= gguf_file._COMPILED_WALK

@@ -1,6 +1,4 @@
 """The native CPU backend (numba kernels)."""
-from ._blasprobe import skip_scipy_blas_probe
-from ._cachelock import guard_numba_cache
+from edgeinfer.formats.numba_setup import prepare_numba
 
-guard_numba_cache()
-skip_scipy_blas_probe()
+prepare_numba()

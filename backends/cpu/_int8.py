@@ -654,7 +654,7 @@ def kernel_for(fmt: int, isa: int):
     compiled, or loaded from numba's disk cache, on first use."""
     fn = _TILES.get((fmt, isa))
     if fn is None:
-        from ._cachelock import cache_lock
+        from edgeinfer.formats.numba_setup import cache_lock
         with cache_lock("int8-tiles"):     # every format's entry is in one index file
             fn = _make_tiles(fmt, isa)
         _TILES[(fmt, isa)] = fn

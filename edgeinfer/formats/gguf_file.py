@@ -109,6 +109,7 @@ class GGUFFile:
 
 
 _U64 = struct.Struct("<Q")
+_COMPILED_WALK = 4096          # string arrays from this long walk their lengths in numba
 
 
 class _Cursor:
@@ -157,9 +158,17 @@ class _Cursor:
         each 8-byte length into one NUL, and the bytes are decoded and split once (a NUL inside
         a string, which no vocabulary has, takes the string-by-string way)."""
         buf, pos, end = self.buf, self.pos, self.end
-        unpack = _U64.unpack_from
         first = pos
-        heads = [0] * count             # where each length field starts
+        if count >= _COMPILED_WALK:
+            from edgeinfer.formats._string_heads import string_heads
+            h = np.empty(count, np.int64)
+            stop = string_heads(np.frombuffer(buf, np.uint8, count=end), pos, count,
+                                MAX_STRING, h)
+            if stop >= 0:
+                self.pos = stop
+                return self._split(buf, first, stop, h, count)
+        unpack = _U64.unpack_from
+        heads = [0] * count             # where each length field starts (and which is bad)
         for i in range(count):
             if pos + 8 > end:
                 self.pos = pos
@@ -175,8 +184,13 @@ class _Cursor:
         self.pos = pos
         if not count:
             return []
+        return self._split(buf, first, pos, np.asarray(heads, np.int64), count)
+
+    @staticmethod
+    def _split(buf, first: int, pos: int, heads: np.ndarray, count: int) -> list[str]:
+        """The strings whose length fields start at `heads`, in buf[first:pos]."""
         region = np.frombuffer(buf, np.uint8, count=pos - first, offset=first).copy()
-        h = np.asarray(heads, np.int64) - first
+        h = heads - first
         keep = np.ones(len(region), bool)
         keep[(h[:, None] + np.arange(7)).reshape(-1)] = False     # each length's last byte
         region[h + 7] = 0                                        # stays, as a NUL
@@ -187,7 +201,7 @@ class _Cursor:
         if len(out) != count:
             ends = list(h[1:] + first) + [pos]
             out = [bytes(buf[a + 8:b]).decode("utf-8", errors="surrogateescape")
-                   for a, b in zip(heads, ends)]
+                   for a, b in zip(heads.tolist(), ends)]
         return out
 
     def value(self, vtype: int, key: str, depth: int = 0) -> Any:
