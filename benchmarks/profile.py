@@ -1,7 +1,8 @@
 """Where a step's time goes: prefill of 512 and 2,048 tokens, decode at 0, 2K and 8K context.
 
     .venv/bin/python benchmarks/profile.py [--model PATH] [--threads 2] [--repeats 3]
-        [--scenarios prefill512,prefill2048,decode0,decode2k,decode8k] [--markdown FILE]
+        [--scenarios prefill512,prefill2048,prefill512@2048,decode0,decode2k,decode8k]
+        [--markdown FILE]
         [--baseline per-matrix]
 
 Each op of the CPU backend is timed on its own (a wrapper on the ops object; the int8 path's
@@ -110,9 +111,14 @@ def scenario(engine, timers: Timers, name: str, repeats: int) -> dict[str, float
     rows = []
     for r in range(repeats):
         if name.startswith("prefill"):
-            n = int(name[len("prefill"):])
-            engine.submit(prompt_of(engine, n, 100 + r), SamplingParams(temperature=0, max_tokens=1),
-                          lambda o: None)
+            # prefillN, or prefillN@D: N new tokens after D already in the context (the
+            # context's blocks come from the prefix cache, as in generate.py's pp512@2048)
+            n, _, depth = name[len("prefill"):].partition("@")
+            n, depth = int(n), int(depth or 0)
+            prompt = prompt_of(engine, depth + n, 100 + r)
+            if depth:
+                engine.generate(prompt[:depth], SamplingParams(temperature=0, max_tokens=1))
+            engine.submit(prompt, SamplingParams(temperature=0, max_tokens=1), lambda o: None)
             engine._drain_commands()
             rows.append(one_step(engine, timers))       # one step: the budget covers n tokens
             while engine.scheduler.has_work():
