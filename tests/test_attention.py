@@ -53,9 +53,29 @@ def _attend(q, kc, vc, tables, seq, pos, window, rounding, par=True, nh=None, **
                              np.empty_like(q), par, nh, **kw)
 
 
-def _ref(q, kc, vc, tables, seq, pos, window, rounding, par=False, nh=1):
-    return A.paged_attention_ref(q, kc, vc, tables, seq, pos, window, SCALE, rounding,
-                                 np.empty_like(q), par, nh)
+# The per-token kernel (attention._attend_heads, one token x nh heads per work item) in the
+# serial loop of paged_attention_ref, without its parallel loop and second inlined copy: the
+# same bits, and a third of the compile time on an empty kernel cache (~4 s instead of ~10 s
+# per pool type here). test_gpt_oss checks paged_attention_ref itself against the tiled
+# kernel. Compiled as if defined in attention.py, so that numba's disk cache is keyed on that
+# file (and its _DEPS_HASH) like the kernels it inlines: an edit there cannot leave a stale
+# reference in the cache, and a warm cache need not compile it again.
+_PER_TOKEN = """
+def _per_token(q, kc, vc, tables, seq, pos, window, scale, rounding, out, nh, sinks):
+    T, H = q.shape[0], q.shape[1]
+    for it in range(T * (H // nh)):
+        _attend_heads(q, kc, vc, tables, seq, pos, window, scale, rounding, out,
+                      it // (H // nh), (it % (H // nh)) * nh, nh, sinks)
+    return out
+"""
+_ns = {"__name__": __name__, "_attend_heads": A._attend_heads}    # a cached copy's module
+exec(compile(_PER_TOKEN, A.__file__, "exec"), _ns)
+_per_token = njit(nogil=True, cache=A._CACHE)(_ns["_per_token"])
+
+
+def _ref(q, kc, vc, tables, seq, pos, window, rounding, nh=1):
+    return _per_token(q, kc, vc, tables, seq, pos, window, SCALE, rounding, np.empty_like(q),
+                      nh, A._sinks(None))
 
 
 # (T per sequence, H, KVH, D, window): Gemma 3 270M's shape, GQA groups, multi-head, odd sizes
