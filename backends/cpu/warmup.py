@@ -235,7 +235,8 @@ def _attention_step(kv: str) -> None:
 def _ops_step() -> None:
     """Kernels a default decoder forward does not reach: f32 numerics' (their attention over
     an f32 KV pool included) and encoder models' (BERT, EmbeddingGemma) norms, activations
-    and attention; the vision towers' AMX-BF16 kernels where the CPU has them."""
+    and attention; the GGUF reader's walk of a vocabulary (no tiny test model has one long
+    enough to take it); the vision towers' AMX-BF16 kernels where the CPU has them."""
     from . import kernels as K
     from .encoder import encoder_attention, layer_norm, sequence_bounds
     x = np.zeros((3, 64), np.float32)
@@ -248,6 +249,10 @@ def _ops_step() -> None:
     encoder_attention(q, q, q, lo, hi, np.arange(3, dtype=np.int32), 0, np.float32(0.1),
                       np.empty_like(q), False)
     _attention_step("f32")           # the f32 numerics' KV pool
+    from edgeinfer.formats._string_heads import string_heads
+    raw = np.zeros(64, np.uint8)
+    raw.flags.writeable = False      # as a read-only map gives it
+    string_heads(raw, 0, 4, 1 << 30, np.empty(4, np.int64))    # a vocabulary's GGUF walk
     from . import _amx_bf16
     if _amx_bf16.available():        # vision towers' split-precision products (AMX-BF16 CPUs)
         w = _amx_bf16.AmxMatrix(np.zeros((32, 32), np.float32))
