@@ -411,6 +411,8 @@ class AmxMatrix:
     """A float32 (or f16) matrix W[N, K] split for the AMX kernel; y = x @ W^T."""
 
     def __init__(self, w: np.ndarray):
+        if not available():        # also asks for the tile permission, once per process
+            raise RuntimeError("AMX-BF16 is not available in this process")
         w = np.asarray(w, np.float32)
         self.N, self.K = w.shape
         self.b = split_weight(w)
@@ -424,8 +426,6 @@ class AmxMatrix:
                split=None, f16: bool = False) -> np.ndarray:
         """float32[M, N] = x @ W^T (+ bias). split: x's split_x, to share one
         split between matrices of the same input; f16: x rounded to float16 first."""
-        if not available():        # also asks for the tile permission, once per process
-            raise RuntimeError("AMX-BF16 is not available in this process")
         a = split if split is not None else split_x(x, self.K, f16)
         M = x.shape[0]
         Mp = a.shape[0] * 32
@@ -600,7 +600,10 @@ def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counte
     hq = nmb * KCd * 2048
     scl = np.float32(scale)
     for _w in prange(nw):
-        S = np.empty((32, Tp), np.float32)
+        # scores: rows Tp + 16 floats apart (Tp * 4 bytes, a multiple of 4 KB at T = 1024,
+        # would put each stored C tile's 16 rows in one L1 set)
+        St = Tp + 16
+        S = np.empty((32, St), np.float32)
         ph = np.empty((KCt, 32, 32), np.uint16)
         pl = np.empty((KCt, 32, 32), np.uint16)
         o = np.empty((32, Dp), np.float32)
@@ -620,12 +623,12 @@ def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counte
             for j in range(Tp // 32):
                 _block(qa, qla, 2048, kh.ctypes.data + h * hk + 2 * j * sbk,
                        kl.ctypes.data + h * hk + 2 * j * sbk, 1024, sbk, 0, KCd,
-                       sa + j * 128, Tp * 4, 0, sa)
+                       sa + j * 128, St * 4, 0, sa)
             for r in range(32):
                 row = S[r]
                 for t in range(T, Tp):
                     row[t] = -np.inf
-                ra = sa + r * Tp * 4
+                ra = sa + r * St * 4
                 # the row's max and sum in 16 lanes (a fixed order: the same bits always)
                 for l in range(16):
                     acc[l] = row[l]
