@@ -246,25 +246,27 @@ def split_rows(x, a, f16):
     hi + lo is exact)."""
     M, K = x.shape
     nmb, KC = a.shape[0], a.shape[1]
+    KF = K // 32                        # chunks without padding
     for mb in prange(nmb):
         for r in range(32):
             i = mb * 32 + r
             for c in range(KC):
+                if i < M and c < KF:
+                    src = x[i, c * 32:].ctypes.data
+                    hi = a[mb, c, 0, r].ctypes.data
+                    lo = a[mb, c, 1, r].ctypes.data
+                    _vsplit16(src, hi, lo, f16)
+                    _vsplit16(src + 64, hi + 32, lo + 32, f16)
+                    continue
                 for kk in range(32):
                     k = c * 32 + kk
                     if i < M and k < K:
                         v = x[i, k]
                         if f16:
                             v = _f16_round(v)
-                        u = _f32_bits(v)
-                        h = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) \
-                            & np.uint32(0xFFFF0000)
-                        # v - hi is exact in float32; its bits, rounded again
-                        ru = _f32_bits(v - _bits_f32(h))
-                        lb = (ru + np.uint32(0x7FFF) + ((ru >> np.uint32(16)) & np.uint32(1))) \
-                            >> np.uint32(16)
-                        a[mb, c, 0, r, kk] = np.uint16(h >> np.uint32(16))
-                        a[mb, c, 1, r, kk] = np.uint16(lb)
+                        h, lb = _split1(v)
+                        a[mb, c, 0, r, kk] = h
+                        a[mb, c, 1, r, kk] = lb
                     else:
                         a[mb, c, 0, r, kk] = 0
                         a[mb, c, 1, r, kk] = 0
@@ -551,6 +553,27 @@ def _vexp_split16(typingctx, src, scale, mx, acc, hi, lo):
                       types.intp), codegen
 
 
+@intrinsic
+def _vsplit16(typingctx, src, hi, lo, f16):
+    """The 16 floats at src (rounded to float16 first if f16) split (see split_array) into
+    16 bf16 at hi and 16 at lo."""
+    def codegen(context, builder, sig, args):
+        x = builder.load(_vptr(builder, args[0], _VF), align=4)
+        r16 = builder.fpext(builder.fptrunc(x, ir.VectorType(ir.HalfType(), 16)), _VF)
+        x = builder.select(builder.icmp_unsigned("!=", args[3], ir.Constant(args[3].type, 0)),
+                           r16, x)
+        h = _vround_bf16(builder, builder.bitcast(x, _VI))
+        rem = builder.fsub(x, builder.bitcast(h, _VF))
+        lo_ = _vround_bf16(builder, builder.bitcast(rem, _VI))
+        sh = ir.Constant(_VI, [16] * 16)
+        builder.store(builder.trunc(builder.lshr(h, sh), _VH), _vptr(builder, args[1], _VH),
+                      align=2)
+        builder.store(builder.trunc(builder.lshr(lo_, sh), _VH), _vptr(builder, args[2], _VH),
+                      align=2)
+        return context.get_dummy_value()
+    return types.none(types.intp, types.intp, types.intp, types.boolean), codegen
+
+
 @njit(inline="always", nogil=True)
 def _split1(v):
     """(hi, lo) bf16 bits of a float32 (see split_array)."""
@@ -576,16 +599,29 @@ def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counte
         tb = it - h * nmb
         for r in range(32):
             t = tb * 32 + r
+            for c in range(KCd):            # Q: whole chunks 16 lanes at a time
+                if t < T and (c + 1) * 32 <= D:
+                    src = qkv[t, h * D + c * 32:].ctypes.data
+                    _vsplit16(src, qh[h, tb, c, r].ctypes.data, ql[h, tb, c, r].ctypes.data,
+                              False)
+                    _vsplit16(src + 64, qh[h, tb, c, r].ctypes.data + 32,
+                              ql[h, tb, c, r].ctypes.data + 32, False)
+                    continue
+                for dd in range(32):
+                    d = c * 32 + dd
+                    if t < T and d < D:
+                        q0, q1 = _split1(qkv[t, h * D + d])
+                    else:
+                        q0 = q1 = np.uint16(0)
+                    qh[h, tb, c, r, dd] = q0
+                    ql[h, tb, c, r, dd] = q1
             for d in range(Dp):
                 if t < T and d < D:
-                    q0, q1 = _split1(qkv[t, h * D + d])
                     k0, k1 = _split1(qkv[t, e + h * D + d])
                     v0, v1 = _split1(qkv[t, 2 * e + h * D + d])
                 else:
-                    q0 = q1 = k0 = k1 = v0 = v1 = np.uint16(0)
+                    k0 = k1 = v0 = v1 = np.uint16(0)
                 c, dd = d // 32, d % 32
-                qh[h, tb, c, r, dd] = q0
-                ql[h, tb, c, r, dd] = q1
                 kh[h, t // 16, c, dd // 2, t % 16, dd % 2] = k0
                 kl[h, t // 16, c, dd // 2, t % 16, dd % 2] = k1
                 vh[h, d // 16, tb, r // 2, d % 16, r % 2] = v0
