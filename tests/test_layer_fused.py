@@ -218,7 +218,7 @@ def test_layer_step_attends_as_ops_attention(threads, starts, kv):
         step = ops.layer_step(batch(), H, KVH, D, 0.125, 1e4, 1.0)
         assert step.fast == (kv == "f16")
         if step.fast:       # the lone long-context token: split over the threads
-            assert step.split == (T == 1 and starts[0] >= 2048 and numba.get_num_threads() > 1)
+            assert step.plan.split == (T == 1 and starts[0] >= 2048 and numba.get_num_threads() > 1)
         got = step.attend(q.copy(), k.copy(), v.copy(), caches[1], 0)
     finally:
         numba.set_num_threads(prev)

@@ -34,6 +34,8 @@ so the result is also the same bits as before.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -988,9 +990,43 @@ def _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
     return out
 
 
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one call runs, chosen once per step (a fused layer step makes it for all its
+    layers): parallel or not, query heads per work item, how many lists of work the
+    parallel loop deals, and whether the threads split each token's work (_run_split)
+    instead of taking whole tiles. None of it changes the result."""
+    par: bool
+    nh: int
+    parts: int
+    split: bool
+
+
+def kernel_plan(T: int, H: int, KVH: int, keys: int, par: bool, threads: int,
+                nh: int | None = None) -> KernelPlan:
+    """The plan for T query tokens of H heads (KVH KV heads) over at most `keys` keys.
+    nh: heads per work item (heads_per_item's choice when None). With fewer (token, KV
+    head) pairs than threads (a lone decode token) and at least SPLIT_MIN_KEYS keys, the
+    threads share each pair's work."""
+    parts = max(1, int(threads)) if par else 1
+    if nh is None:
+        nh = heads_per_item(T, H, KVH, parts)
+    return KernelPlan(par, nh, parts, parts > 1 and T * KVH < parts and keys >= SPLIT_MIN_KEYS)
+
+
+def run_plan(plan: KernelPlan, q, k_cache, v_cache, block_tables, token_seq, positions, window,
+             scale, ggml_rounding, out, sinks=None, tile=TILE):
+    """paged_attention's kernels as `plan` says (D a multiple of 16)."""
+    if plan.split:
+        return _run_split(q, k_cache, v_cache, block_tables, token_seq, positions, window,
+                          scale, ggml_rounding, out, plan.parts, sinks)
+    return _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
+                ggml_rounding, out, plan.par, plan.nh, tile, plan.parts, _sinks(sinks))
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
                     ggml_rounding, out, par, heads_per_item=1, threads=None, tile=TILE,
-                    sinks=None):
+                    sinks=None, keys=None):
     """Causal attention for a flat batch of query tokens, reading K/V through block tables.
 
     q[T, H, D]; k_cache/v_cache[num_blocks, block_size, KVH, D]; token t belongs to sequence
@@ -1000,30 +1036,28 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_seq, positions, win
     result is the same bits in any batch (see the module docstring).
     ggml_rounding: round q and the softmax weights to f16 as llama.cpp's f16-cache matmuls do.
     heads_per_item: query heads of one KV head handled together (a divisor of H / KVH): more
-    reads each K/V row once for more heads, fewer leaves more work items for the threads.
+    reads each K/V row once for more heads, fewer leaves more work items for the threads
+    (None: heads_per_item's choice for the threads).
     threads: how many lists of work the parallel loop deals (numba's thread count by
     default); tile: query tokens per tile. Neither changes the result.
     sinks: float32[H], per query head a logit that joins its softmax's denominator (gpt-oss's
-    attention sinks); None: no sinks. With fewer (token,
-    KV head) pairs than threads (a lone decode token) and at least SPLIT_MIN_KEYS keys, the
-    threads share each pair's work instead (_run_split), whatever heads_per_item says.
+    attention sinks); None: no sinks. See kernel_plan for when the threads split a token's
+    work instead (_run_split), whatever heads_per_item says.
+    keys: the most keys a token sees (the caller's, once per step), else from positions.
     """
-    D = q.shape[2]
+    T, H, D = q.shape
     if D % 16:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, token_seq, positions,
                                    window, scale, ggml_rounding, out, par, heads_per_item, sinks)
     if threads is None:
         import numba
         threads = numba.get_num_threads()
-    parts = max(1, int(threads)) if par else 1
-    if parts > 1 and q.shape[0] * k_cache.shape[2] < parts:
-        top = int(positions.max()) + 1
-        if (min(top, window) if window > 0 else top) >= SPLIT_MIN_KEYS:
-            # fewer (token, KV head) tiles than threads, and long: split each over the threads
-            return _run_split(q, k_cache, v_cache, block_tables, token_seq, positions,
-                              window, scale, ggml_rounding, out, parts, sinks)
-    return _run(q, k_cache, v_cache, block_tables, token_seq, positions, window, scale,
-                ggml_rounding, out, par, heads_per_item, tile, parts, _sinks(sinks))
+    if keys is None:
+        top = int(positions.max()) + 1 if T else 0
+        keys = min(top, window) if window > 0 else top
+    plan = kernel_plan(T, H, k_cache.shape[2], keys, par, threads, heads_per_item)
+    return run_plan(plan, q, k_cache, v_cache, block_tables, token_seq, positions, window,
+                    scale, ggml_rounding, out, sinks, tile)
 
 
 def heads_per_item(T: int, H: int, KVH: int, threads: int) -> int:

@@ -28,13 +28,13 @@ _ROPE_ROWS_MAX = 1 << 14
 
 class LayerStep:
     """What every layer of one step shares, made once: the rope tables, the thread count,
-    and CpuOps.attention's choices (the longest context, parallel or not (from a lower
-    bound, PAR_MIN), heads per work item, split or tiled kernel). `attend` writes a
-    layer's K/V and attends as ops.attention does; a step with a sliding window, image rows
-    or a rotated (q8_0) cache goes through ops.attention itself."""
+    and the attention kernels' plan (attention.kernel_plan, parallel from a lower bound than
+    CpuOps.attention's: PAR_MIN). `attend` writes a layer's K/V and attends as
+    ops.attention does; a step with a sliding window, image rows or a rotated (q8_0) cache
+    goes through ops.attention itself."""
 
     __slots__ = ("ops", "batch", "cos", "sin", "threads", "fast", "tables", "slots",
-                 "token_seq", "positions", "scale", "ggml", "par", "nh", "parts", "split")
+                 "token_seq", "positions", "scale", "ggml", "plan")
 
     # work (T x H x keys x D / 16) from which attention runs on the step's threads: a
     # quarter of ops.attention's bound (ops._par). One decode token over ~600 keys of
@@ -70,10 +70,8 @@ class LayerStep:
         longest = batch.cache.get("longest")
         if longest is None:
             longest = batch.cache["longest"] = int(batch.positions.max()) + 1 if T else 0
-        self.par = threads > 1 and T * H * longest * D // 16 >= self.PAR_MIN
-        self.nh = A.heads_per_item(T, H, KVH, threads if self.par else 1)
-        self.parts = max(1, int(threads)) if self.par else 1      # as paged_attention
-        self.split = self.parts > 1 and T * KVH < self.parts and longest >= A.SPLIT_MIN_KEYS
+        par = threads > 1 and T * H * longest * D // 16 >= self.PAR_MIN
+        self.plan = A.kernel_plan(T, H, KVH, longest, par, threads)
 
     def attend(self, q, k, v, cache, layer: int):
         """ops.attention(q, k, v, cache, layer, batch, scale, window=0)."""
@@ -81,12 +79,8 @@ class LayerStep:
             return self.ops.attention(q, k, v, cache, layer, self.batch, self.scale, 0)
         kc, vc = cache.k[layer], cache.v[layer]
         K.kv_write(kc, vc, k, v, self.slots)
-        out = np.empty_like(q)
-        if self.split:
-            return A._split_kernel(q, kc, vc, self.tables, self.token_seq, self.positions, 0,
-                                   self.scale, self.ggml, out, self.parts, A._NO_SINKS)
-        return A._run(q, kc, vc, self.tables, self.token_seq, self.positions, 0, self.scale,
-                      self.ggml, out, self.par, self.nh, A.TILE, self.parts, A._NO_SINKS)
+        return A.run_plan(self.plan, q, kc, vc, self.tables, self.token_seq, self.positions, 0,
+                          self.scale, self.ggml, np.empty_like(q))
 
 
 class FusedQKV:

@@ -567,8 +567,6 @@ class CpuOps:
             longest = batch.cache["longest"] = int(batch.positions.max()) + 1 if T else 0
         keys = min(longest, window) if window > 0 else longest
         par = _par(T * H * keys * D // 16)
-        KVH = cache.k[layer].shape[2]
-        nh = A.heads_per_item(T, H, KVH, numba.get_num_threads() if par else 1)
         ggml_rounding = self.numerics == "ggml"
         if ggml_rounding and self.kv_cache_type == "q8_0":
             # llama.cpp's flash attention over a q8_0 K cache: Q in q8_0 blocks (K's dot
@@ -578,7 +576,7 @@ class CpuOps:
             ggml_rounding = False
         out = A.paged_attention(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
                                 batch.token_seq, batch.positions, window, np.float32(scale),
-                                ggml_rounding, out, par, nh, sinks=sinks)
+                                ggml_rounding, out, par, None, sinks=sinks, keys=keys)
         if batch.attn_until is not None:       # image rows see their whole image
             from edgeinfer.backends.cpu.image_attention import image_rows
             image_rows(q, cache.k[layer], cache.v[layer], batch.tables_for(layer),
