@@ -303,8 +303,13 @@ class SiglipVision:
         a = _amx_bf16.attention(qkv, T, H, D, scale)          # [T, H D], on the tiles too
         x = ops.add(x, m.wo.matmul(a, w.bo, f16=m.f16[1]))
         h = ops.layer_norm(x, w.ln2_w, w.ln2_b, cfg.eps)
-        f = self._act(m.w_up.matmul(h, w.b_up, f16=m.f16[2]))
-        return ops.add(x, m.w_down.matmul(f, w.b_down, f16=m.f16[3]))
+        f = m.w_up.matmul(h, w.b_up, f16=m.f16[2])
+        if cfg.ffn_op == "gelu" and getattr(ops, "numerics", None) == "ggml":
+            # ggml's table GELU (ops.gelu's values) applied as the down product splits f
+            from edgeinfer.backends.cpu.kernels import gelu_f16_table
+            return ops.add(x, m.w_down.matmul(f, w.b_down, f16=m.f16[3],
+                                              gelu=gelu_f16_table()))
+        return ops.add(x, m.w_down.matmul(self._act(f), w.b_down, f16=m.f16[3]))
 
     def _act(self, x):
         """The feed-forward's activation: GELU (tanh) through the ops, or CLIP's quick GELU

@@ -75,6 +75,22 @@ def test_matmul_f16_activations():
 
 
 @needs_amx
+@pytest.mark.parametrize("K", [96, 100])
+def test_matmul_gelu_input(K):
+    """gelu=table: the product of ggml's table GELU of x (ops.gelu's values), in the split."""
+    from edgeinfer.backends.cpu import kernels as Kn
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((45, K)) * 6).astype(np.float32)
+    x[0, :4] = [-12, 12, -10, 10]
+    w = rng.standard_normal((33, K)).astype(np.float32)
+    g = Kn.gelu_tanh_mul_f16(x, np.ones_like(x), np.empty_like(x), Kn.gelu_f16_table(), False)
+    m = amx.AmxMatrix(w)
+    got = m.matmul(x, gelu=Kn.gelu_f16_table())
+    assert _rel(got, _ref(g, w)) < 2e-5
+    assert np.array_equal(got, m.matmul(g))
+
+
+@needs_amx
 def test_matmul_deterministic_over_threads():
     """Every output is one fixed sequence of tile operations: same bits for 1 or 2 threads
     and run to run."""

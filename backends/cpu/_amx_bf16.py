@@ -239,20 +239,26 @@ def split_weight(w: np.ndarray) -> np.ndarray:
 
 
 @njit(**_PJIT)
-def split_rows(x, a, f16):
+def split_rows(x, a, f16, gelu, table):
     """x float32[M, K] (C-contiguous) -> a uint16[Mp / 32, KC, 2, 32, 32] (hi, lo: see
     split_array and the module doc), padding rows and columns zero; 32-row blocks in
-    parallel. f16: x rounded to float16 first (ggml's activations for f16 matrices; then
-    hi + lo is exact)."""
+    parallel. gelu: x replaced by ggml's GELU of it first (_gelu_f16, from `table`: the
+    GELU at every float16, kernels.gelu_f16_table). f16: x rounded to float16 (ggml's
+    activations for f16 matrices; then hi + lo is exact)."""
     M, K = x.shape
     nmb, KC = a.shape[0], a.shape[1]
     KF = K // 32                        # chunks without padding
     for mb in prange(nmb):
+        g = np.empty(32, np.float32)
         for r in range(32):
             i = mb * 32 + r
             for c in range(KC):
                 if i < M and c < KF:
                     src = x[i, c * 32:].ctypes.data
+                    if gelu:
+                        for kk in range(32):
+                            g[kk] = _gelu_f16(x[i, c * 32 + kk], table)
+                        src = g.ctypes.data
                     hi = a[mb, c, 0, r].ctypes.data
                     lo = a[mb, c, 1, r].ctypes.data
                     _vsplit16(src, hi, lo, f16)
@@ -262,6 +268,8 @@ def split_rows(x, a, f16):
                     k = c * 32 + kk
                     if i < M and k < K:
                         v = x[i, k]
+                        if gelu:
+                            v = _gelu_f16(v, table)
                         if f16:
                             v = _f16_round(v)
                         h, lb = _split1(v)
@@ -278,6 +286,25 @@ def _f16_round(typingctx, x):
     def codegen(context, builder, sig, args):
         return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
     return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _f16_bits(typingctx, x):
+    """float32 -> the bit pattern of the nearest float16 (ties to even)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.uint16(types.float32), codegen
+
+
+@njit(inline="always", nogil=True)
+def _gelu_f16(v, table):
+    """ggml's GELU of one value (as kernels.gelu_f16_at): its shortcuts beyond +-10, else the
+    table's entry at the value rounded to float16."""
+    if v <= np.float32(-10.0):
+        return np.float32(0.0)
+    if v >= np.float32(10.0):
+        return v
+    return table[_f16_bits(v)]
 
 
 @intrinsic
@@ -425,10 +452,11 @@ class AmxMatrix:
         self.panel = max(1, min(self.Np // 32, PANEL_BYTES // per_block))
 
     def matmul(self, x: np.ndarray, bias: np.ndarray | None = None, nw: int | None = None,
-               split=None, f16: bool = False) -> np.ndarray:
-        """float32[M, N] = x @ W^T (+ bias). split: x's split_x, to share one
-        split between matrices of the same input; f16: x rounded to float16 first."""
-        a = split if split is not None else split_x(x, self.K, f16)
+               split=None, f16: bool = False, gelu: np.ndarray | None = None) -> np.ndarray:
+        """float32[M, N] = x @ W^T (+ bias). split: x's split_x, to share one split between
+        matrices of the same input; f16: x rounded to float16 first; gelu: ggml's GELU
+        table (kernels.gelu_f16_table): the product of GELU(x) instead, in the same pass."""
+        a = split if split is not None else split_x(x, self.K, f16, gelu)
         M = x.shape[0]
         Mp = a.shape[0] * 32
         if a.shape[1] * 32 != self.Kp:
@@ -449,10 +477,12 @@ class AmxMatrix:
         return np.ascontiguousarray(out[:M, :self.N])
 
 
-def split_x(x: np.ndarray, K: int | None = None,
-            f16: bool = False) -> np.ndarray:
-    """Activations float32[M, K] -> their split for AmxMatrix.matmul (f16: rounded to float16
-    first)."""
+_NO_TABLE = np.zeros(1, np.float32)
+
+
+def split_x(x: np.ndarray, K: int | None = None, f16: bool = False,
+            gelu: np.ndarray | None = None) -> np.ndarray:
+    """Activations float32[M, K] -> their split for AmxMatrix.matmul (gelu, f16: see it)."""
     x = np.ascontiguousarray(x, np.float32)
     M, Kx = x.shape
     if K is not None and Kx != K:
@@ -462,7 +492,7 @@ def split_x(x: np.ndarray, K: int | None = None,
     a = np.empty((Mp // 32, Kp // 32, 2, 32, 32), np.uint16)
     if not x.flags.writeable:
         x = x.copy()
-    split_rows(x, a, bool(f16))
+    split_rows(x, a, bool(f16), gelu is not None, _NO_TABLE if gelu is None else gelu)
     return a
 
 

@@ -259,4 +259,6 @@ def _ops_step() -> None:
         x = np.zeros((3, 32), np.float32)
         w.matmul(x, np.zeros(32, np.float32))
         w.matmul(x, f16=True)
+        from .kernels import gelu_f16_table
+        w.matmul(x, gelu=gelu_f16_table())
         _amx_bf16.attention(np.zeros((3, 96), np.float32), 3, 1, 32, 0.1)
