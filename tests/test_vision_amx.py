@@ -29,7 +29,8 @@ def test_split_is_hi_plus_lo():
     assert np.abs(back - x).max() <= 2.0 ** -16 * np.abs(x).max()
     h = x.astype(np.float16).astype(np.float32)
     hi, lo = amx.split_array(h)
-    back = (hi.astype(np.uint32) << 16).view(np.float32) + (lo.astype(np.uint32) << 16).view(np.float32)
+    back = ((hi.astype(np.uint32) << 16).view(np.float32)
+            + (lo.astype(np.uint32) << 16).view(np.float32))
     assert np.array_equal(back, h)
 
 

@@ -387,11 +387,9 @@ def _gemm(cfg, a, b, bias, has_bias, out, panel, kb, mg, nw, counter):
     row blocks. nw threads take items from counter."""
     nmb = a.shape[0]
     nnb, KC = b.shape[0], b.shape[1]
-    Np = out.shape[1]
     npn = (nnb + panel - 1) // panel
     nmg = (nmb + mg - 1) // mg
     items = nmg * npn
-    so = Np * 4
     a0, b0 = a.ctypes.data, b.ctypes.data
     bz = bias.ctypes.data
     cnt = counter.ctypes.data
@@ -538,7 +536,6 @@ def _vexp_split16(typingctx, src, scale, mx, acc, hi, lo):
     """e = exp(x scale - mx) of the 16 floats x at src (0 where that is below -88); the 16
     floats at acc += e; e split (see split_array) into 16 bf16 at hi and 16 at lo."""
     def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
         mod = builder.module
 
         def c(v):
@@ -615,7 +612,8 @@ def _split1(v):
 
 
 @njit(**_PJIT)
-def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counter):
+def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, k32h, k32l, v32h, v32l, out, nw,
+               counter):
     """out[T, H D] = softmax(scale Q K^T) V per head, Q, K, V the column thirds of qkv
     [>= T, 3 H D] (head h: columns h D .. h D + D - 1 of each third). qh..vl: scratch for the
     split operands (attention's doc); items (head, 32 query rows) dealt from counter."""
@@ -627,6 +625,12 @@ def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counte
     for it in prange(H * nmb):
         h = it // nmb
         tb = it - h * nmb
+        kt_h = np.empty((32, Dp), np.uint16)
+        kt_l = np.empty((32, Dp), np.uint16)
+        vt_h = np.empty((32, Dp), np.uint16)
+        vt_l = np.empty((32, Dp), np.uint16)
+        kt_h32 = kt_h.view(np.uint32)
+        kt_l32 = kt_l.view(np.uint32)
         for r in range(32):
             t = tb * 32 + r
             for c in range(KCd):            # Q: whole chunks 16 lanes at a time
@@ -645,17 +649,40 @@ def _attention(cfg, qkv, T, H, D, scale, qh, ql, kh, kl, vh, vl, out, nw, counte
                         q0 = q1 = np.uint16(0)
                     qh[h, tb, c, r, dd] = q0
                     ql[h, tb, c, r, dd] = q1
+            # K and V rows split into the scratch, 16 lanes at a time where whole
+            for sec in range(2):
+                th, tl = (kt_h, kt_l) if sec == 0 else (vt_h, vt_l)
+                col = (sec + 1) * e + h * D
+                for c in range(KCd):
+                    if t < T and (c + 1) * 32 <= D:
+                        src = qkv[t, col + c * 32:].ctypes.data
+                        _vsplit16(src, th[r, c * 32:].ctypes.data, tl[r, c * 32:].ctypes.data,
+                                  False)
+                        _vsplit16(src + 64, th[r, c * 32 + 16:].ctypes.data,
+                                  tl[r, c * 32 + 16:].ctypes.data, False)
+                        continue
+                    for dd in range(32):
+                        d = c * 32 + dd
+                        if t < T and d < D:
+                            th[r, d], tl[r, d] = _split1(qkv[t, col + d])
+                        else:
+                            th[r, d] = 0
+                            tl[r, d] = 0
+        # K's B tiles: pairs of K values (d, d + 1) of a row are one uint32, 16 rows apart
+        for r in range(32):
+            t = tb * 32 + r
+            for c in range(KCd):
+                for pp in range(16):
+                    k32h[h, t // 16, c, pp, t % 16] = kt_h32[r, c * 16 + pp]
+                    k32l[h, t // 16, c, pp, t % 16] = kt_l32[r, c * 16 + pp]
+        # V^T's: pairs of rows (r, r + 1) of a column d are one uint32
+        sh = np.uint32(16)
+        for r2 in range(16):
             for d in range(Dp):
-                if t < T and d < D:
-                    k0, k1 = _split1(qkv[t, e + h * D + d])
-                    v0, v1 = _split1(qkv[t, 2 * e + h * D + d])
-                else:
-                    k0 = k1 = v0 = v1 = np.uint16(0)
-                c, dd = d // 32, d % 32
-                kh[h, t // 16, c, dd // 2, t % 16, dd % 2] = k0
-                kl[h, t // 16, c, dd // 2, t % 16, dd % 2] = k1
-                vh[h, d // 16, tb, r // 2, d % 16, r % 2] = v0
-                vl[h, d // 16, tb, r // 2, d % 16, r % 2] = v1
+                v32h[h, d // 16, tb, r2, d % 16] = (np.uint32(vt_h[2 * r2, d])
+                                                    | (np.uint32(vt_h[2 * r2 + 1, d]) << sh))
+                v32l[h, d // 16, tb, r2, d % 16] = (np.uint32(vt_l[2 * r2, d])
+                                                    | (np.uint32(vt_l[2 * r2 + 1, d]) << sh))
     items = H * nmb
     cnt = counter.ctypes.data
     cfga = cfg.ctypes.data
@@ -751,6 +778,8 @@ def attention(qkv: np.ndarray, T: int, H: int, D: int, scale: float,
     if nw is None:
         import numba
         nw = numba.get_num_threads()
-    _attention(_CFG, qkv, T, H, D, np.float32(scale), qh, ql, kh, kl, vh, vl, out, nw,
-               np.zeros(1, np.int64))
+    def pairs(a):       # the same bytes, a pair of bf16 as one uint32
+        return a.view(np.uint32).reshape(a.shape[:-1])
+    _attention(_CFG, qkv, T, H, D, np.float32(scale), qh, ql, kh, kl, vh, vl, pairs(kh),
+               pairs(kl), pairs(vh), pairs(vl), out, nw, np.zeros(1, np.int64))
     return out
