@@ -215,8 +215,8 @@ def _string_array(strings: list[bytes], claimed: int | None = None) -> bytes:
 
 
 def test_long_string_arrays_walk_compiled_with_the_same_strings_and_errors(tmp_path):
-    """Arrays of 4096 strings and more follow their lengths in numba (_string_heads): the
-    same strings as the Python loop (invalid UTF-8 and an embedded NUL included), and the
+    """Arrays of 4096 strings and more can follow their lengths in numba (_string_heads, the
+    model runner's way): the same strings as the Python loop (invalid UTF-8 and an embedded NUL included), and the
     same errors for a truncated array or an implausible length."""
     from edgeinfer.formats import gguf_file
     rng = np.random.default_rng(0)
@@ -225,15 +225,15 @@ def test_long_string_arrays_walk_compiled_with_the_same_strings_and_errors(tmp_p
     strings[7], strings[4000] = b"\xff\xfe bad utf-8", "é—ok".encode()
     want = [s.decode("utf-8", errors="surrogateescape") for s in strings]
     p = _write(tmp_path, _string_array(strings))
-    assert read_gguf(p).metadata["v"] == want
+    assert read_gguf(p, compiled_walk=True).metadata["v"] == want == read_gguf(p).metadata["v"]
     with_nul = list(strings)
     with_nul[9] = b"a\x00b"             # the string-by-string way
     p = _write(tmp_path, _string_array(with_nul))
-    assert read_gguf(p).metadata["v"][9] == "a\x00b"
+    assert read_gguf(p, compiled_walk=True).metadata["v"][9] == "a\x00b"
     for data, message in [(_string_array(strings)[:-3], "runs past the end"),
                           (_string_array(strings, claimed=5001) + bytes(4), "runs past the end"),
                           (_string_array(strings[:4999], claimed=5000)
                            + struct.pack("<Q", 2**40) + bytes(16), "plausible")]:
         with pytest.raises(GGUFError, match=message):
-            read_gguf(_write(tmp_path, data))
+            read_gguf(_write(tmp_path, data), compiled_walk=True)
     assert len(strings) >= gguf_file._COMPILED_WALK

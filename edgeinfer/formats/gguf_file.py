@@ -109,14 +109,15 @@ class GGUFFile:
 
 
 _U64 = struct.Struct("<Q")
-_COMPILED_WALK = 4096          # string arrays from this long walk their lengths in numba
+_COMPILED_WALK = 4096          # string arrays from this long may walk their lengths in numba
 
 
 class _Cursor:
     """Reads little-endian values from a buffer, refusing to step past its end."""
 
-    def __init__(self, buf, path: str):
+    def __init__(self, buf, path: str, compiled_walk: bool = False):
         self.buf = buf
+        self.compiled_walk = compiled_walk
         self.pos = 0
         self.end = len(buf)
         self.path = path
@@ -159,7 +160,7 @@ class _Cursor:
         a string, which no vocabulary has, takes the string-by-string way)."""
         buf, pos, end = self.buf, self.pos, self.end
         first = pos
-        if count >= _COMPILED_WALK:
+        if self.compiled_walk and count >= _COMPILED_WALK:
             from edgeinfer.formats._string_heads import string_heads
             h = np.empty(count, np.int64)
             stop = string_heads(np.frombuffer(buf, np.uint8, count=end), pos, count,
@@ -245,8 +246,12 @@ def _tensor_nbytes(name: str, shape: tuple[int, ...], gtype: GGMLQuantizationTyp
     return n // block * type_size
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse and validate a GGUF file's header and tensor table; map its data read-only."""
+def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
+    """Parse and validate a GGUF file's header and tensor table; map its data read-only.
+    compiled_walk: follow a long string array's lengths in numba (_string_heads.py, ~0.2 s
+    less for a 150k vocabulary) — for a process that runs numba kernels anyway (the model
+    runner). Elsewhere (the daemon's front, pull, show) the Python loop keeps numba's runtime
+    (~50 MB once a function has loaded) out of the process."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -263,7 +268,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = memoryview(mm)
     try:
-        return _parse(path, mm, view, size)
+        return _parse(path, mm, view, size, compiled_walk)
     except GGUFError:
         view.release()
         try:
@@ -273,8 +278,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         raise
 
 
-def _parse(path: str, mm: mmap.mmap, view: memoryview, size: int) -> GGUFFile:
-    cur = _Cursor(view, path)
+def _parse(path: str, mm: mmap.mmap, view: memoryview, size: int,
+           compiled_walk: bool) -> GGUFFile:
+    cur = _Cursor(view, path, compiled_walk)
     magic = bytes(mm[:4])
     if magic != GGUF_MAGIC:
         raise GGUFError(f"is not a GGUF file (magic {magic!r}, expected b'GGUF')")

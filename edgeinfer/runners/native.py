@@ -147,7 +147,7 @@ class ModelRunner:
              torch_dtype: str | None = None,
              kv_cache_type: str | None = None, max_running_seqs: int = 16,
              max_tokens_per_step: int = 512, threads: int | None = None) -> "ModelRunner":
-        gf = read_gguf(path)
+        gf = read_gguf(path, compiled_walk=backend == "cpu")     # numba runs here anyway
         try:
             cfg = load_model_config(gf)
             ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype,
