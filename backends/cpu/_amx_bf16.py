@@ -226,16 +226,32 @@ def split_array(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def split_weight(w: np.ndarray) -> np.ndarray:
     """W float32[N, K] -> uint16[N / 32, KC, 2 (hi, lo), 2 (n tile), 16 pairs, 16, 2] (see
     the module doc), zero padded."""
+    w = np.ascontiguousarray(w, np.float32)
     N, K = w.shape
-    NB = (N + 31) // 32
-    Kp = (K + 31) // 32 * 32
-    wp = np.zeros((NB * 32, Kp), np.float32)
-    wp[:N, :K] = w
-    hi, lo = split_array(wp)
-    # [NB, 2 n tiles, 16 cols, KC, 16 pairs, 2] -> [NB, KC, 2 n tiles, 16 pairs, 16 cols, 2]
-    hl = np.stack([h.reshape(NB, 2, 16, Kp // 32, 16, 2) for h in (hi, lo)], axis=1)
-    # [NB, hl, nt, col, KC, pair, e] -> [NB, KC, hl, nt, pair, col, e]
-    return np.ascontiguousarray(hl.transpose(0, 4, 1, 2, 5, 3, 6))
+    out = np.empty(((N + 31) // 32, (K + 31) // 32, 2, 2, 16, 16, 2), np.uint16)
+    _split_weight(w, out)
+    return out
+
+
+@njit(**_JIT)
+def _split_weight(w, out):
+    """split_weight's loop. Serial on purpose: a model loads on one thread and runs on
+    another, and a parallel region would leave the loader thread an OpenMP team of its own
+    (see _int8.py's repacking)."""
+    N, K = w.shape
+    NB, KC = out.shape[0], out.shape[1]
+    for nb in range(NB):
+        for c in range(KC):
+            for nt in range(2):
+                for col in range(16):
+                    n = nb * 32 + nt * 16 + col
+                    for pair in range(16):
+                        for e in range(2):
+                            k = c * 32 + pair * 2 + e
+                            v = w[n, k] if n < N and k < K else np.float32(0.0)
+                            h, lb = _split1(v)
+                            out[nb, c, 0, nt, pair, col, e] = h
+                            out[nb, c, 1, nt, pair, col, e] = lb
 
 
 @njit(**_PJIT)
