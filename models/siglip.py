@@ -141,7 +141,7 @@ def _amx_tower(ops, gf, names) -> bool:
     """Whether the tower's matrices take the AMX-BF16 split-precision kernel: numpy CPU ops,
     float32 / f16 matrices (quantized ones keep their kernels), and a CPU and OS with
     AMX-BF16 (EDGEINFER_NO_AMX=1 keeps the float32 path)."""
-    if getattr(ops, "name", None) != "cpu":
+    if ops.name != "cpu":
         return False
     kinds = {int(gf.tensors[n].ggml_type) for n in names}
     if not kinds or not kinds <= {0, 1} or len(kinds) > 1:      # all F32 or all F16
@@ -193,7 +193,7 @@ class SiglipVision:
         """The blocks' matrices split for the AMX-BF16 kernel (see _AmxBlock)."""
         from edgeinfer.backends.cpu._amx_bf16 import AmxMatrix
         cfg, ops = self.cfg, self.ops
-        ggml_numerics = getattr(ops, "numerics", "f32") == "ggml"
+        ggml_numerics = ops.numerics == "ggml"      # CpuOps: _amx_tower checked
         for i in range(n_run):
             b = f"v.blk.{i}."
 
@@ -304,7 +304,7 @@ class SiglipVision:
         x = ops.add(x, m.wo.matmul(a, w.bo, f16=m.f16[1]))
         h = ops.layer_norm(x, w.ln2_w, w.ln2_b, cfg.eps)
         f = m.w_up.matmul(h, w.b_up, f16=m.f16[2])
-        if cfg.ffn_op == "gelu" and getattr(ops, "numerics", None) == "ggml":
+        if cfg.ffn_op == "gelu" and ops.numerics == "ggml":
             # ggml's table GELU (ops.gelu's values) applied as the down product splits f
             from edgeinfer.backends.cpu.kernels import gelu_f16_table
             return ops.add(x, m.w_down.matmul(f, w.b_down, f16=m.f16[3],
