@@ -28,7 +28,10 @@ def test_big_prompt_does_not_stall_other_streams(shared_daemon):  # noqa: F811
     state = {}
 
     def stream() -> None:
-        body = {"model": "gemma3:270m", "stream": True, "max_tokens": 400, "temperature": 0,
+        # long enough to outlast the big request's rendering on a loaded machine (400 tokens
+        # did not always: the test was then inconclusive)
+        body = {"model": "gemma3:270m", "stream": True, "max_tokens": 1200, "temperature": 0,
+                "ignore_eos": True, "stop_on_repetition": False,
                 "prompt": "Here is a long story about a lighthouse keeper and the sea. Chapter 1."}
         with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=300) as r:
             state["status"] = r.status_code
