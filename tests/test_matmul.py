@@ -158,7 +158,8 @@ def test_serial_kernels_take_their_types_block_sizes():
         assert re.search(rf"\b{ts}, n0", inspect.getsource(dot.py_func)), dot
 
 
-@pytest.mark.parametrize("module", ["_kernels", "kernels", "_int8", "_actquant", "_geglu", "_norm"])
+@pytest.mark.parametrize("module", ["_kernels", "kernels", "_int8", "_actquant", "_geglu", "_norm",
+                                    "_amx_bf16"])
 def test_kernel_cache_stamp_is_current(module):
     """numba keys its disk cache on a kernel's own file; the hash there must cover its inlined
     deps (backends/cpu/_stamp.py)."""

@@ -49,8 +49,14 @@ from numba import njit, prange, types
 from numba.core import errors
 from numba.extending import intrinsic
 
-_JIT = dict(nogil=True, cache=True)
-_PJIT = dict(nogil=True, cache=True, parallel=True)
+from . import _stamp
+from ._int8 import _bits_f32, _f32_bits, _fetch_add
+
+_DEPS = ("_int8.py",)          # its bit casts and atomic counter inlined here: see _stamp.py
+_DEPS_HASH = "2792cb58ce079aaa"
+_CACHE = _stamp.current(_DEPS, _DEPS_HASH)
+_JIT = dict(nogil=True, cache=_CACHE)
+_PJIT = dict(nogil=True, cache=_CACHE, parallel=True)
 
 # Column panels: at most this many bytes of split weights (hi + lo) per panel, so a panel
 # stays in the core's L2 while a thread runs its 32-row blocks over it.
@@ -187,14 +193,6 @@ def _tdp(typingctx, c, a, b):
     return types.none(c, a, b), codegen
 
 
-@intrinsic
-def _fetch_add(typingctx, addr, value):
-    """Atomically add value to the int64 at addr; returns the previous value."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
-    return types.int64(types.intp, types.int64), codegen
-
 
 def tile_config() -> np.ndarray:
     """Palette 1, all eight tiles 16 rows x 64 bytes (C: 16 x 16 float32; A: 16 x 32 bf16;
@@ -323,18 +321,6 @@ def _gelu_f16(v, table):
     return table[_f16_bits(v)]
 
 
-@intrinsic
-def _bits_f32(typingctx, u):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, f):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
 
 
 # -- the product ------------------------------------------------------------------------------
