@@ -134,7 +134,8 @@ class _AmxBlock:
     wo: Any
     w_up: Any
     w_down: Any
-    f16: bool               # activations rounded to f16 first (ggml's f16 matrices)
+    f16: tuple[bool, ...]   # per product (qkv, out, up, down): activations rounded to f16
+                            # first, as ggml does for an f16 matrix
 
 
 def _amx_tower(ops, gf, names) -> bool:
@@ -194,13 +195,13 @@ class SiglipVision:
         from edgeinfer.backends.cpu._amx_bf16 import AmxMatrix
         cfg, ops = self.cfg, self.ops
         ggml_numerics = ops.numerics == "ggml"      # CpuOps: _amx_tower checked
+        up, down = cfg.ffn_up_name, cfg.ffn_down_name
+        names = ("attn_q", "attn_k", "attn_v", "attn_out", up, down)
         for i in range(n_run):
             b = f"v.blk.{i}."
 
             def f16(name):
                 return ggml_numerics and int(gf.tensors[b + name + ".weight"].ggml_type) == 1
-            up, down = cfg.ffn_up_name, cfg.ffn_down_name
-            names = ("attn_q", "attn_k", "attn_v", "attn_out", up, down)
             amx = _AmxBlock(
                 wqkv=AmxMatrix(np.concatenate([_dense(gf, b + n + ".weight") for n in names[:3]])),
                 bqkv=np.concatenate([ops.vector(gf, b + n + ".bias") for n in names[:3]]),
