@@ -27,13 +27,15 @@ from numba import njit, prange
 
 from . import _stamp
 from ._actquant import _quantize_block_vec
-from ._moe import _call_tiles, _fetch_add
+from ._int8 import _fetch_add
+from ._moe import _call_tiles
 from ._norm import _rms_group, _rms_row
 from .kernels import _rope_head
 
 # inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
-_DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py", "_swiglu.py")
-_DEPS_HASH = "1ea7c41435c5d3d9"
+_DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py", "_swiglu.py",
+         "_int8.py")
+_DEPS_HASH = "87e4838ef890d829"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)

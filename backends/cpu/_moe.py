@@ -33,13 +33,14 @@ from numba.extending import intrinsic
 
 from . import _stamp
 from ._actquant import _quantize_block_vec
+from ._int8 import _fetch_add
 from ._router import route_rows
 from ._swiglu import swiglu_row
 
-# inlined here (quantize_act_block's vector form and its deps): see _stamp.py. _int8's tile
-# kernels are called by address, so their source is not compiled in.
-_DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py", "_swiglu.py")
-_DEPS_HASH = "88e963bd85ce8bb7"
+# inlined here (quantize_act_block's vector form and its deps, _int8's atomic counter): see
+# _stamp.py. _int8's tile kernels are called by address, not compiled in.
+_DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py", "_swiglu.py", "_int8.py")
+_DEPS_HASH = "b6f1cd7c2b88d413"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
@@ -56,14 +57,6 @@ def _call_tiles(typingctx, fn, t0, t1, w, qa, da, bsf, zb, out, M, K, N):
         return context.get_dummy_value()
     return types.void(*([types.intp] * (_TILES_ARGS + 1))), codegen
 
-
-@intrinsic
-def _fetch_add(typingctx, addr, value):
-    """Atomically add value to the int64 at addr; returns the previous value."""
-    def codegen(context, builder, sig, args):
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        return builder.atomic_rmw("add", ptr, args[1], "monotonic")
-    return types.int64(types.intp, types.int64), codegen
 
 
 # P[m] fields of matrix m (0 gate, 1 up, 2 down)
