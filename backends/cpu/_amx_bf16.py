@@ -145,29 +145,25 @@ def _tile_release(typingctx):
     return types.none(), codegen
 
 
-@intrinsic
-def _tload(typingctx, t, addr, stride):
-    """Tile t <- 16 rows of 64 bytes at addr, rows stride bytes apart."""
-    _lit(t)
+def _tile_memory(name: str, doc: str):
+    """An intrinsic (t, addr, stride) -> LLVM's `name` on tile t and 16 rows of 64 bytes at
+    addr, rows stride bytes apart (the tile load and store differ in the name only)."""
+    @intrinsic
+    def tile_memory(typingctx, t, addr, stride):
+        _lit(t)
 
-    def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.tileloadd64", [_i8, _i8p, _i64]),
-                     [ir.Constant(_i8, sig.args[0].literal_value),
-                      builder.inttoptr(args[1], _i8p), args[2]])
-        return context.get_dummy_value()
-    return types.none(t, types.intp, types.intp), codegen
+        def codegen(context, builder, sig, args):
+            builder.call(_fn(builder, name, [_i8, _i8p, _i64]),
+                         [ir.Constant(_i8, sig.args[0].literal_value),
+                          builder.inttoptr(args[1], _i8p), args[2]])
+            return context.get_dummy_value()
+        return types.none(t, types.intp, types.intp), codegen
+    tile_memory.__doc__ = doc
+    return tile_memory
 
 
-@intrinsic
-def _tstore(typingctx, t, addr, stride):
-    _lit(t)
-
-    def codegen(context, builder, sig, args):
-        builder.call(_fn(builder, "llvm.x86.tilestored64", [_i8, _i8p, _i64]),
-                     [ir.Constant(_i8, sig.args[0].literal_value),
-                      builder.inttoptr(args[1], _i8p), args[2]])
-        return context.get_dummy_value()
-    return types.none(t, types.intp, types.intp), codegen
+_tload = _tile_memory("llvm.x86.tileloadd64", "Tile t <- the rows at addr.")
+_tstore = _tile_memory("llvm.x86.tilestored64", "Tile t -> the rows at addr.")
 
 
 @intrinsic
@@ -191,7 +187,6 @@ def _tdp(typingctx, c, a, b):
                      [ir.Constant(_i8, s.literal_value) for s in sig.args])
         return context.get_dummy_value()
     return types.none(c, a, b), codegen
-
 
 
 def tile_config() -> np.ndarray:
