@@ -91,7 +91,7 @@ def test_close_to_float64_and_in_place_over_many_rows():
     assert rel[np.abs(exact) > 1e-20].max() < 2e-6
 
 
-def test_ops_swiglu_is_the_kernel_and_takes_a_strided_up():
+def test_ops_swiglu_is_the_kernel_and_takes_strided_inputs():
     from edgeinfer.backends.cpu.ops import CpuOps
     g, u = _inputs(96 * 2, seed=7)
     g, u = g.reshape(2, 96), u.reshape(2, 96)
@@ -100,4 +100,9 @@ def test_ops_swiglu_is_the_kernel_and_takes_a_strided_up():
     want = _swiglu.swiglu(g.copy(), u, np.empty_like(g), False)
     with np.errstate(over="ignore", invalid="ignore"):
         got = CpuOps().swiglu(g.copy(), wide[:, ::2])
+        gate = np.zeros((2, 192), F)
+        gate[:, 1::2] = g                             # a non-contiguous gate: still in place
+        back = CpuOps().swiglu(gate[:, 1::2], u)
     np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(back, want)
+    np.testing.assert_array_equal(gate[:, 1::2], want)

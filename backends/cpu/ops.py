@@ -494,7 +494,13 @@ class CpuOps:
         return K.gelu_tanh_mul(gate, up, gate, _par(gate.size))
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        return _swiglu.swiglu(gate, np.ascontiguousarray(up), gate, _par(gate.size))
+        # the 16-lane kernel reads C-contiguous rows: a strided gate is computed in a copy
+        # and written back, so the result is still in gate (the ops' in-place contract)
+        g = np.ascontiguousarray(gate)
+        _swiglu.swiglu(g, np.ascontiguousarray(up), g, _par(g.size))
+        if g is not gate:
+            gate[...] = g
+        return gate
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         x += y
