@@ -1,8 +1,15 @@
-"""The torch backend (run on torch's CPU device here) against the numba CPU backend, llama.cpp,
-and a dense attention reference: same logits, same greedy text, batch invariance, prefix
-reuse, sliding window, paged attention through random block tables and chunked queries."""
+"""The torch backend against the numba CPU backend, llama.cpp, and a dense attention
+reference: same logits, same greedy text, batch invariance, prefix reuse, sliding window, paged
+attention through random block tables and chunked queries.
+
+It runs on torch's CPU device unless EDGEINFER_TEST_TORCH_DEVICE names another (`cuda`, `mps`):
+`EDGEINFER_TEST_TORCH_DEVICE=cuda pytest tests/test_torch_backend.py` checks a GPU. The parity
+tests load the torch side in float32 there too (the GPUs' default is bf16, whose rounding the
+tight comparisons with numba's float32 would not survive); test_bf16_weights_opt_in covers
+the 16-bit default on that device."""
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -21,6 +28,15 @@ from edgeinfer.runners.choice import resolve  # noqa: E402
 from edgeinfer.runners.native import ModelRunner  # noqa: E402
 
 torch.set_num_threads(2)
+
+DEVICE = os.environ.get("EDGEINFER_TEST_TORCH_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda", "mps"):
+    raise pytest.UsageError(f"EDGEINFER_TEST_TORCH_DEVICE={DEVICE!r}: use cpu, cuda or mps")
+if DEVICE != "cpu" and detect().kind != DEVICE:
+    pytest.skip(f"EDGEINFER_TEST_TORCH_DEVICE={DEVICE} but torch sees no {DEVICE} device here",
+                allow_module_level=True)
+BACKEND = f"torch:{DEVICE}"     # never plain "torch": that picks a GPU whenever one is there
+F32 = "float32"                 # the parity tests' torch dtype on any device (module doc)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village"]
 
@@ -83,8 +99,10 @@ def test_paged_attention_matches_dense(seed, window):
     rng = np.random.default_rng(seed)
     bs, kvh, H, D, nblocks = 4, 2, 4, 8, 64
     S = int(rng.integers(1, 5))
-    kc = torch.zeros(nblocks, bs, kvh, D)
-    vc = torch.zeros(nblocks, bs, kvh, D)
+    dev = torch.device(DEVICE)
+    kc = torch.zeros(nblocks, bs, kvh, D, device=dev)
+    vc = torch.zeros(nblocks, bs, kvh, D, device=dev)
+    on = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
     free = list(rng.permutation(nblocks))
     seqs = []
     for _ in range(S):
@@ -95,9 +113,10 @@ def test_paged_attention_matches_dense(seed, window):
         k_all = rng.standard_normal((total, kvh, D)).astype(np.float32)
         v_all = rng.standard_normal((total, kvh, D)).astype(np.float32)
         # the earlier steps' K/V already sit in the cache
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached)], dtype=torch.int64)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(cached)], dtype=torch.int64,
+                             device=dev)
         if cached:
-            write_kv(kc, vc, torch.from_numpy(k_all[:cached]), torch.from_numpy(v_all[:cached]), slots)
+            write_kv(kc, vc, on(k_all[:cached]), on(v_all[:cached]), slots)
         seqs.append((cached, chunk, table, k_all, v_all))
     order = list(rng.permutation(S))   # sequences appear in the batch in any order
     tok, pos, seq_of, slot = [], [], [], []
@@ -114,10 +133,10 @@ def test_paged_attention_matches_dense(seed, window):
             k_rows.append(k_all[p]); v_rows.append(v_all[p])
     batch = ForwardBatch(np.array(tok, np.int32), np.array(pos, np.int32), np.array(slot, np.int64),
                          np.array(seq_of, np.int32), tables, np.array([len(tok) - 1], np.int64))
-    lay = StepLayout.build(batch, bs, torch.device("cpu"))
-    write_kv(kc, vc, torch.from_numpy(np.stack(k_rows)), torch.from_numpy(np.stack(v_rows)), lay.slots)
-    q = torch.from_numpy(np.stack(q_rows))
-    out = paged_attention(q, kc, vc, lay, 0.3, window).numpy()
+    lay = StepLayout.build(batch, bs, dev)
+    write_kv(kc, vc, on(np.stack(k_rows)), on(np.stack(v_rows)), lay.slots)
+    q = on(np.stack(q_rows))
+    out = paged_attention(q, kc, vc, lay, 0.3, window).cpu().numpy()
     for t in range(len(tok)):
         cached, chunk, table, k_all, v_all = seqs[order[seq_of[t]]]
         ref = dense_reference(q_rows[t], k_all, v_all, pos[t], window, 0.3)
@@ -127,14 +146,16 @@ def test_paged_attention_matches_dense(seed, window):
 # -- the real model --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runners(gemma3_path):
-    return (ModelRunner.load(str(gemma3_path), "torch", kv_budget_bytes=96 << 20),
+    return (ModelRunner.load(str(gemma3_path), BACKEND, kv_budget_bytes=96 << 20, torch_dtype=F32),
             exact_cpu(ModelRunner.load(str(gemma3_path), "cpu", kv_budget_bytes=96 << 20)))
 
 
 def test_weights_format_and_cache(runners):
     rt, _ = runners
-    assert rt.ops.weights_format == "float32" and rt.ops.device.type == "cpu"
-    assert rt.kv.k[0].dtype == torch.float16 and rt.kv.k[0].shape[1:] == (16, 1, 256)
+    assert rt.ops.weights_format == "float32" and rt.ops.device.type == DEVICE
+    # 16-bit K/V on the CPU (llama.cpp's rounding); a GPU keeps them in the compute dtype
+    kv = torch.float16 if DEVICE == "cpu" else torch.float32
+    assert rt.kv.k[0].dtype == kv and rt.kv.k[0].shape[1:] == (16, 1, 256)
 
 
 def test_logits_match_numba_with_chunked_prefill_and_decode(runners, gemma3_path):
@@ -199,7 +220,7 @@ def engines(gemma3_path):
     cfg = dict(kv_budget_bytes=96 << 20, max_running_seqs=8)
     ec = Engine(str(gemma3_path), EngineConfig(backend="cpu", **cfg))
     exact_cpu(ec.runner)
-    return Engine(str(gemma3_path), EngineConfig(backend="torch", **cfg)), ec
+    return Engine(str(gemma3_path), EngineConfig(backend=BACKEND, torch_dtype=F32, **cfg)), ec
 
 
 def test_greedy_32_tokens_equal_numba(engines):
@@ -268,7 +289,7 @@ def test_synthetic_models_match_numba(arch):
     from synth import synthetic_model
     path = synthetic_model(Path(__file__).resolve().parent.parent / ".cache" / "test-models" / "synth",
                            arch, "Q4_K_M")
-    rt = ModelRunner.load(str(path), "torch", kv_budget_bytes=8 << 20)
+    rt = ModelRunner.load(str(path), BACKEND, kv_budget_bytes=8 << 20, torch_dtype=F32)
     rc = exact_cpu(ModelRunner.load(str(path), "cpu", kv_budget_bytes=8 << 20))
     tokens = [int(t) for t in np.random.default_rng(1).integers(3, 250, 48)]
     # one table for every pool: the CPU runner's sliding-window layers (gemma3) read it too
@@ -291,14 +312,15 @@ def test_info_command(capsys):
 
 
 def test_bf16_weights_opt_in(gemma3_path, runners):
-    """EDGEINFER_TORCH_DTYPE=bfloat16 (the GPU default) on the CPU: same top-1, looser logits."""
+    """EDGEINFER_TORCH_DTYPE=bfloat16 (the GPU default; an opt-in on the CPU): same top-1,
+    looser logits."""
     from edgeinfer.backends.torch.ops import TorchOps
     from edgeinfer.runners.base import plan_kv
     from edgeinfer.formats.gguf_file import read_gguf
     from edgeinfer.formats.model_config import load_model_config
     gf = read_gguf(str(gemma3_path))
     cfg = load_model_config(gf)
-    ops = TorchOps("cpu", dtype="bfloat16")
+    ops = TorchOps(DEVICE, dtype="bfloat16")
     assert ops.weights_format == "bfloat16"
     r = ModelRunner(gf, cfg, ops, plan_kv(cfg, 8 << 20, 2))
     _, rc = runners
