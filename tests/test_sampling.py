@@ -648,3 +648,33 @@ def test_masked_sampling_follows_the_masked_distribution(temp):
     want[allowed] = softmax(logits[0, allowed].astype(np.float64) / temp)
     tol = 4.5 * np.sqrt(want * (1 - want) / n) + 1e-3
     assert np.all(np.abs(freq - want) <= tol), (freq, want)
+
+
+class _Pieces:
+    """A vocabulary table: piece(t) and pieces() agree, as Tokenizer's do."""
+
+    def __init__(self, pieces):
+        self._p = list(pieces)
+        self.vocab_size = len(self._p)
+
+    def piece(self, t, render_special=False):
+        return self._p[t]
+
+    def pieces(self, render_special=False):
+        return self._p
+
+
+def test_breaker_ids_search_the_joined_vocabulary_as_a_token_by_token_pass_would():
+    """DRY's breakers resolve in one search of the joined pieces: the same ids as asking each
+    piece, with hits across a piece boundary refused, overlapping and repeated needles,
+    multi-byte UTF-8 and empty pieces."""
+    from edgeinfer.runners.sampling_params import breaker_ids
+    rng = np.random.default_rng(7)
+    alphabet = [b"a", b"b", b":", b"\n", b"\xc3\xa9", b"aa", b"*", b" the"]
+    pieces = [b"".join(rng.choice(alphabet, size=rng.integers(0, 5))) for _ in range(3000)]
+    pieces[10:14] = [b"x a", b"ab", b"", b"a"]          # "aa", "ab" across boundaries
+    tok = _Pieces(pieces)
+    for needles in (["\n", ":", "\"", "*"], ["aa"], ["ab", "é", "the"], ["é:"], ["zz"]):
+        want = tuple(t for t in range(len(pieces))
+                     if any(n.encode() in pieces[t] for n in needles))
+        assert breaker_ids(tok, needles) == want, needles

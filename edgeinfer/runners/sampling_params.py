@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
+
+import numpy as np
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,17 +216,39 @@ def breaker_ids(tokenizer, breakers: Sequence[str]) -> tuple[int, ...]:
     if hit is not None:
         return hit
     needles = [b[:MAX_DRY_BREAKER_CHARS].encode("utf-8") for b in breakers]
-    size = int(getattr(tokenizer, "vocab_size", 0) or len(getattr(tokenizer, "tokens", ())))
-    ids = []
-    for t in range(size):
-        piece = tokenizer.piece(t, True)
-        if any(nd in piece for nd in needles):
-            ids.append(t)
-    out = tuple(ids)
+    if hasattr(tokenizer, "pieces"):
+        out = _ids_containing(tokenizer.pieces(True), needles)
+    else:       # a tokenizer without a table (llama.cpp's, asked over a pipe)
+        size = int(getattr(tokenizer, "vocab_size", 0) or len(getattr(tokenizer, "tokens", ())))
+        out = tuple(t for t in range(size)
+                    if any(nd in tokenizer.piece(t, True) for nd in needles))
     if len(per_tok) > 16:
         per_tok.clear()
     per_tok[key] = out
     return out
+
+
+def _ids_containing(pieces: list[bytes], needles: list[bytes]) -> tuple[int, ...]:
+    """Ids whose piece contains one of `needles`, in one search of the joined vocabulary
+    per needle (every start, overlapping ones too), each hit mapped to its piece by offset;
+    a hit that runs past its piece's end is not one."""
+    import re
+    blob = b"".join(pieces)
+    ends = np.cumsum(np.fromiter(map(len, pieces), np.int64, len(pieces)))
+    hits = []
+    for nd in needles:
+        if not nd:
+            continue
+        if len(nd) == 1:
+            at = np.flatnonzero(np.frombuffer(blob, np.uint8) == nd[0])
+        else:
+            at = np.fromiter((m.start() for m in re.finditer(b"(?=" + re.escape(nd) + b")", blob)),
+                             np.int64)
+        ids = np.searchsorted(ends, at, side="right")
+        hits.append(ids[at + len(nd) <= ends[np.minimum(ids, len(ends) - 1)]])
+    if not hits:
+        return ()
+    return tuple(np.unique(np.concatenate(hits)).tolist())
 
 
 def with_vocabulary(params: SamplingParams, tokenizer) -> SamplingParams:

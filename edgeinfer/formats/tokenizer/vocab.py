@@ -352,11 +352,15 @@ class Tokenizer:
         return self.tokens[token_id]
 
     def piece(self, token_id: int, render_special: bool = False) -> bytes:
+        return self.pieces(render_special)[token_id]
+
+    def pieces(self, render_special: bool = False) -> list[bytes]:
+        """Every id's bytes (piece() of each), one list, for passes over the vocabulary."""
         if render_special:
             if self._special_bytes is None:
                 self._special_bytes = self._piece_bytes(render_special=True)
-            return self._special_bytes[token_id]
-        return self.token_bytes[token_id]
+            return self._special_bytes
+        return self.token_bytes
 
     # --- encode ----------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
