@@ -237,3 +237,27 @@ def test_long_string_arrays_walk_compiled_with_the_same_strings_and_errors(tmp_p
         with pytest.raises(GGUFError, match=message):
             read_gguf(_write(tmp_path, data), compiled_walk=True)
     assert len(strings) >= gguf_file._COMPILED_WALK
+
+
+def test_remembered_headers_parse_once_and_see_a_rewritten_file(tmp_path, monkeypatch):
+    """remember_headers() (the engine process's): a second read of the same file gets the
+    first read's parse with a mapping of its own; a file rewritten in place is parsed again."""
+    from synth import write_model
+
+    from edgeinfer.formats import gguf_file
+    monkeypatch.setattr(gguf_file, "_HEADERS", None)
+    gguf_file.remember_headers()
+    path = write_model(tmp_path / "m.gguf", "llama", chat_template="{{ 1 }}")
+    a = read_gguf(path)
+    b = read_gguf(path)
+    assert b.metadata is a.metadata and b.tensors is a.tensors
+    name = next(iter(a.tensors))
+    a.close()                                   # b's mapping is its own
+    assert np.array_equal(b.raw(name), np.frombuffer(path.read_bytes(), np.uint8,
+                                                      count=b.tensors[name].nbytes,
+                                                      offset=b.tensors[name].offset))
+    write_model(tmp_path / "m.gguf", "qwen2")           # rewritten: another header
+    c = read_gguf(path)
+    assert c.metadata is not a.metadata
+    assert c.metadata["general.architecture"] == "qwen2"
+    assert "tokenizer.chat_template" not in c.metadata

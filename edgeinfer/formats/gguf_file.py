@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,6 +247,22 @@ def _tensor_nbytes(name: str, shape: tuple[int, ...], gtype: GGMLQuantizationTyp
     return n // block * type_size
 
 
+# path -> (the file's identity, its parsed header): kept only where remember_headers() ran
+_HEADERS: dict[str, tuple[tuple, GGUFFile]] | None = None
+
+
+def remember_headers() -> None:
+    """From now on this process parses each file's header once: a later read_gguf of the
+    same unchanged file (same size, mtime, inode) gets a fresh mapping and the parsed
+    metadata and tensor table (shared: read them, never change them). For the engine
+    process, which reads its model three times while it loads (the memory estimate, the
+    kernel steps, the runner) and holds the vocabulary anyway; not for the daemon, whose
+    memory must go back after an unload."""
+    global _HEADERS
+    if _HEADERS is None:
+        _HEADERS = {}
+
+
 def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
     """Parse and validate a GGUF file's header and tensor table; map its data read-only.
     compiled_walk: follow a long string array's lengths in numba (_string_heads.py, ~0.2 s
@@ -266,9 +283,17 @@ def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
         if size < 24:
             raise GGUFError(f"is {size} bytes, too small to be a GGUF file")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        st = os.fstat(f.fileno())
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _HEADERS.get(path) if _HEADERS is not None else None
+    if known is not None and known[0] == ident:
+        return dataclasses.replace(known[1], _mmap=mm)
     view = memoryview(mm)
     try:
-        return _parse(path, mm, view, size, compiled_walk)
+        gf = _parse(path, mm, view, size, compiled_walk)
+        if _HEADERS is not None:
+            _HEADERS[path] = (ident, dataclasses.replace(gf, _mmap=None))
+        return gf
     except GGUFError:
         view.release()
         try:

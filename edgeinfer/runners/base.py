@@ -12,6 +12,8 @@ state), and in `finished` once (the runner drops everything it holds for it).
 """
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -268,3 +270,17 @@ class Runner(Protocol):
     @property
     def kv_bytes(self) -> int: ...           # the KV pool as allocated
     def close(self) -> None: ...
+
+
+def start_thread(fn, *args, name: str) -> concurrent.futures.Future:
+    """fn(*args) on a thread of its own (not a pool that outlives it); .result() joins and
+    re-raises what it raised. For load-time work beside GIL-free kernels or another process."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:        # handed to whoever asks for the result
+            fut.set_exception(e)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut

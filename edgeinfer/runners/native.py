@@ -7,8 +7,6 @@ table, and the logits of the spans that sample go to the sampling stage.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,7 +15,8 @@ from edgeinfer.backends.base import ForwardBatch, Ops
 from edgeinfer.formats.gguf_file import GGUFFile, read_gguf
 from edgeinfer.formats.model_config import ModelConfig, load_model_config
 from edgeinfer.models.base import Model
-from edgeinfer.runners.base import KVPlan, ScheduledSpan, StepPlan, StepResult, plan_kv
+from edgeinfer.runners.base import (KVPlan, ScheduledSpan, StepPlan, StepResult, plan_kv,
+                                    start_thread)
 from edgeinfer.runners.logprobs import score_spans
 from edgeinfer.runners.pooling import Pooler, pooling_of
 from edgeinfer.runners.sampling_stage import SamplingStage
@@ -85,20 +84,6 @@ def _build_tokenizer(metadata: dict):
     return Tokenizer.from_gguf(metadata)
 
 
-def _start_thread(fn, *args) -> "concurrent.futures.Future":
-    """fn(*args) on a thread of its own (not a pool that outlives it); .result() joins and
-    re-raises what it raised."""
-    fut: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:        # handed to whoever asks for the result
-            fut.set_exception(e)
-    threading.Thread(target=run, name="edgeinfer-tokenizer", daemon=True).start()
-    return fut
-
-
 class ModelRunner:
     """Implements edgeinfer.runners.base.Runner with a native model on `ops`."""
     prefix_caching = True
@@ -111,7 +96,8 @@ class ModelRunner:
         # the vocabulary (Python objects, a few tenths of a second for 150k tokens) is built
         # on a thread while the weights repack in GIL-free kernels: part of the cold start
         self._tokenizer = None
-        self._tokenizer_job = _start_thread(_build_tokenizer, gf.metadata)
+        self._tokenizer_job = start_thread(_build_tokenizer, gf.metadata,
+                                           name="edgeinfer-tokenizer")
         self.model: Model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now
