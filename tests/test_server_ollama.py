@@ -341,3 +341,22 @@ def test_device_option_through_the_daemon(ol, shared_daemon):  # noqa: F811
         with pytest.raises(ollama.ResponseError) as e:
             ol.generate(model=MODEL, prompt="hi", options={"device": "cuda"})
         assert e.value.status_code == 400 and "'cuda' is not available" in e.value.error
+
+
+def test_show_reads_a_file_once_and_again_when_it_changes(tmp_path):
+    """/api/show's file facts are kept per file (path, size, mtime): a second show parses
+    nothing, a file replaced under the same path is read again."""
+    from types import SimpleNamespace
+
+    from synth import write_model
+
+    from edgeinfer.server import ollama_api
+    path = write_model(tmp_path / "m.gguf", "llama", chat_template="{{ messages }}")
+    ref = SimpleNamespace(path=path, full_name="m:latest")
+    first = ollama_api._file_facts(ref)
+    assert ollama_api._file_facts(ref) is first
+    assert first[1]["tokenizer.chat_template"] == "{{ messages }}"
+    write_model(path, "qwen2")      # replaced: another mtime (and here another size)
+    again = ollama_api._file_facts(ref)
+    assert again is not first and "tokenizer.chat_template" not in again[1]
+    assert again[2]["general.architecture"] == "qwen2"
