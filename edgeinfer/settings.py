@@ -27,6 +27,7 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_DEBUG               | debug               | off                                 |
 | EDGEINFER_ALLOW_IMAGE_URLS    | allow_image_urls    | off (images only inline, base64)    |
 | EDGEINFER_ENGINE_PROCESS      | engine_process      | on (each model's engine in its own process) |
+| EDGEINFER_SPARE_RUNNER        | spare_runner        | on (a warm engine process for the next load) |
 """
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ class Settings:
     backend_set: bool = False               # backend came from the environment or a flag
     allow_image_urls: bool = False          # the daemon fetches http(s) image URLs
     engine_process: bool = True             # each loaded model's engine in its own process
+    spare_runner: bool = True               # a warm engine process waits for the next load
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Settings":
@@ -171,6 +173,7 @@ class Settings:
             debug=bool(env.get("EDGEINFER_DEBUG")),
             allow_image_urls=bool(_flag(env, "EDGEINFER_ALLOW_IMAGE_URLS")),
             engine_process=_flag(env, "EDGEINFER_ENGINE_PROCESS") is not False,
+            spare_runner=_flag(env, "EDGEINFER_SPARE_RUNNER") is not False,
         )
         return s.with_overrides(**overrides)
 

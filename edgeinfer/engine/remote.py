@@ -32,7 +32,8 @@ from edgeinfer.engine.grammar import grammars_for
 from edgeinfer.engine.images import Layout
 from edgeinfer.engine.prompts import PromptMethods, Prompter, chat_format
 from edgeinfer.engine.requests import EngineInfo, RequestError, check_embed, check_request
-from edgeinfer.runners.sampling_params import SamplingParams
+from edgeinfer.runners.base import start_thread
+from edgeinfer.runners.sampling_params import DRY_BREAKERS, SamplingParams, breaker_ids
 from edgeinfer.engine.warmup import Progress, prepare_for_load
 from edgeinfer.formats.gguf_file import read_gguf
 from edgeinfer.formats.mmproj import read_mmproj
@@ -63,7 +64,11 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
                         f"{os.getpid()}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
     from edgeinfer.runners.choice import estimate_memory  # lazy: the engine process's only
+    from edgeinfer.formats.gguf_file import remember_headers
+    remember_headers()      # the estimate, the kernel steps and the runner read one parse
     try:    # the backend's own figures, for the daemon's memory budget, before any weight
+        if config.backend == "cpu":     # numba runs here anyway: its walk of the vocabulary
+            read_gguf(path, compiled_walk=True).close()
         est = estimate_memory(config.backend, path, config.kv_cache_type, config.repack,
                               config.torch_dtype)
     except BaseException as e:      # noqa: BLE001 - the daemon reports it, in one sentence
@@ -238,7 +243,8 @@ class RemoteEngine(PromptMethods):
 
     def __init__(self, path: str, config: EngineConfig, mmproj: str | None = None,
                  on_death: Callable[["RemoteEngine"], None] | None = None,
-                 progress: Callable[[Any], None] | None = None, name: str = ""):
+                 progress: Callable[[Any], None] | None = None, name: str = "",
+                 spare=None):
         self.path, self.config, self.mmproj = path, config, mmproj
         self.on_death = on_death
         self._progress = progress
@@ -249,14 +255,25 @@ class RemoteEngine(PromptMethods):
         self._snapshot: dict[str, float] = {}
         self.dead: str | None = None                 # why the process is gone
         self._closing = False
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=serve, name="edgeinfer-runner", daemon=True,
-            args=(child, path, dataclasses.replace(config, governor=None), mmproj,
-                  logging.getLogger("edgeinfer").getEffectiveLevel(), name))
-        self.process.start()
-        child.close()
+        args = (path, dataclasses.replace(config, governor=None), mmproj,
+                logging.getLogger("edgeinfer").getEffectiveLevel(), name)
+        if spare is not None:       # an edgeinfer.engine.spare.Spare: warm, waiting
+            self.process, self._conn = spare.process, spare.conn
+            try:
+                self._conn.send(("serve", *args))
+            except (OSError, EOFError, BrokenPipeError, ValueError):
+                self._kill()
+                raise LoadFailed("the spare engine process was gone") from None
+        else:
+            ctx = mp.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            self.process = ctx.Process(target=serve, name="edgeinfer-runner", daemon=True,
+                                       args=(child, *args))
+            self.process.start()
+            child.close()
+        # the daemon's own vocabulary and template, read while the engine process estimates
+        # and loads (one core each at first)
+        self._vocabulary = start_thread(self._read_vocabulary, path, name="edgeinfer-vocabulary")
         try:
             self.estimate = self._wait_for("estimate")[1]
         except BaseException:
@@ -271,7 +288,7 @@ class RemoteEngine(PromptMethods):
             self._progress = progress
         try:
             self._conn.send(("load",))
-            tokenizer, md = self._read_vocabulary(self.path)
+            tokenizer, md = self._vocabulary.result()
             self.info: EngineInfo = self._wait_for("ready")[1]
             self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                             name=f"edgeinfer-runner-{self.pid}")
@@ -305,9 +322,11 @@ class RemoteEngine(PromptMethods):
         finally:
             gf.close()
         try:
-            return Tokenizer.from_gguf(md), md
+            tokenizer = Tokenizer.from_gguf(md)
         except Exception:       # noqa: BLE001 - the engine process reads it then
             return None, md
+        breaker_ids(tokenizer, DRY_BREAKERS)    # DRY's default breakers: a first request's
+        return tokenizer, md                    # pass over the vocabulary, done here
 
     def _wait_for(self, kind: str) -> tuple:
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -217,7 +217,9 @@ class Metrics:
                 "prompt_tokens": sum(self.prompt_tokens.values()),
                 "generation_tokens": sum(self.gen_tokens.values()),
             },
-            "process": {"pid": os.getpid(), "rss_bytes": self._proc.memory_info().rss},
+            "process": {"pid": os.getpid(), "rss_bytes": self._proc.memory_info().rss,
+                        # the warm engine process for the next load (EDGEINFER_SPARE_RUNNER)
+                        "spare_engine": _spare(manager)},
             "system": {"memory_total_bytes": vm.total, "memory_available_bytes": vm.available,
                        "memory_used_bytes": vm.total - vm.available,
                        "memory_used_percent": vm.percent},
@@ -255,6 +257,16 @@ def _compute(manager: ModelManager, snaps: list[dict]) -> dict:
             "engines_stepping": sum(int(s["engine_stepping"]) for s in mine),
             "other_programs_cores": min([float(s["other_programs_cores"]) for s in mine],
                                         default=round(float(g.others), 2))}
+
+
+def _spare(manager: ModelManager) -> dict | None:
+    pid = manager.spares.pid()
+    if pid is None:
+        return None
+    try:
+        return {"pid": pid, "rss_bytes": psutil.Process(pid).memory_info().rss}
+    except psutil.Error:        # it ended (taken by a load) since
+        return None
 
 
 def _engine_stats(lm: LoadedModel) -> dict:

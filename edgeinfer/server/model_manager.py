@@ -27,6 +27,7 @@ import psutil
 
 from edgeinfer.engine.core import Engine, EngineConfig
 from edgeinfer.engine.remote import LoadFailed, RemoteEngine
+from edgeinfer.engine.spare import SpareRunner
 from edgeinfer.engine.warmup import prepare_for_load
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
 from edgeinfer.settings import Settings, check_kv_cache_type, parse_duration
@@ -146,6 +147,18 @@ def _trim_heap() -> None:
 _malloc_trim = None
 
 
+def pin_mmap_threshold() -> None:
+    """Keep glibc's mmap threshold at its start value (128 KiB) in the daemon: by default one
+    large free raises it (up to 32 MB), after which a model's vocabulary tables and any large
+    temporary land in the heap, where they interleave and an unload cannot hand all of them
+    back. Pinned, every large block is its own mapping and goes back to the OS when freed.
+    Elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)       # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def close_engine(engine: Engine | RemoteEngine) -> None:
     """Stop the engine (its thread, or its process) and release its runner: weights, KV
     pool, GGUF mapping. Any thread but the engine's own."""
@@ -226,10 +239,22 @@ class ModelManager:
         # lazy: keeps edgeinfer.backends (numba) out of `import edgeinfer.server`
         from edgeinfer.backends.cpu.threads import ThreadGovernor
         self.governor = ThreadGovernor(fixed=config.threads)
+        pin_mmap_threshold()
+        # A warm engine process for the next load (edgeinfer/engine/spare.py), warming the
+        # kernels of the last model loaded on the CPU (at first, the bundled default's).
+        self.spares = SpareRunner(config.engine_process and config.spare_runner,
+                                  logging.getLogger("edgeinfer").getEffectiveLevel())
+        self._spare_hint: str | None = None
+        self._busy_until = 0.0          # monotonic: the last load's end
 
     # ----- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        if self.spares.enabled:     # the bundled default's kernels, if it is in the store
+            from edgeinfer.store.bundled import DEFAULT_MODEL   # lazy: only with spares on
+            with contextlib.suppress(StoreError, OSError):
+                ref = self.store.get(DEFAULT_MODEL)     # never assembles it from its package
+                self._spare_hint = str(ref.path) if ref is not None else None
 
     async def close(self) -> None:
         if self._reaper:
@@ -238,14 +263,28 @@ class ModelManager:
                 await self._reaper
         for key in list(self.models):
             await self._unload(key)
+        await asyncio.to_thread(self.spares.close)
 
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(0.5)
             try:
                 await self.reap()
+                await self._refill_spare()
             except Exception:
                 log.exception("unloading expired models failed")
+
+    async def _refill_spare(self) -> None:
+        """Start the next spare engine process once nothing has loaded or generated for a
+        second: its start-up would take cores from a load or a first request."""
+        if not self.spares.wanted() or self.loading:
+            return
+        if any(m.active for m in self.models.values()):
+            return
+        last = max([self._busy_until] + [m.last_used for m in self.models.values()])
+        if time.monotonic() - last < 1.0:
+            return
+        await asyncio.to_thread(self.spares.refill, self._spare_hint)
 
     async def reap(self) -> None:
         now = time.time()
@@ -390,7 +429,7 @@ class ModelManager:
             if cfg.engine_process:
                 remote = await asyncio.to_thread(
                     RemoteEngine, str(ref.path), ecfg, _projector(ref), self._death_notice(key),
-                    None, ref.full_name)
+                    None, ref.full_name, spare=self.spares.take())
                 est = remote.estimate
             else:
                 est = await asyncio.to_thread(estimate_memory, key[1], str(ref.path),
@@ -400,11 +439,16 @@ class ModelManager:
         except Exception as e:  # the file broke after it was stored: one sentence, as a load
             raise APIError(500, f"cannot load {ref.full_name}: {e}", code="load_failed") from None
         try:
-            return await self._load_within_budget(key, ref, kv_cache_type, est, ecfg, remote)
+            lm = await self._load_within_budget(key, ref, kv_cache_type, est, ecfg, remote)
         except BaseException:
             if remote is not None and not hasattr(remote, "info"):
                 await asyncio.to_thread(remote.close)      # refused before it loaded
             raise
+        finally:
+            self._busy_until = time.monotonic()
+        if key[1] == "cpu":
+            self._spare_hint = str(ref.path)    # the next spare warms this model's kernels
+        return lm
 
     async def _load_within_budget(self, key, ref, kv_cache_type: str, est, ecfg: EngineConfig,
                                   remote: RemoteEngine | None) -> LoadedModel:

@@ -1,0 +1,146 @@
+"""A spare engine process, started ahead of the next model load.
+
+A fresh engine process spends about a second of a load before it reads a weight: Python's
+and numba's imports, numba's runtime start-up, and loading each kernel from numba's disk
+cache (~15 ms each, ~20 before a first token). A spare does that while the daemon waits:
+it imports the engine, then loads from numba's cache the kernels of a hint model (the last
+model the daemon loaded, else the bundled default), and waits for a model to serve. A load
+takes it (`RemoteEngine(spare=...)`) and the daemon starts the next spare only once that
+load is ready, so a spare never competes with a load for the cores.
+
+Only kernels that an install, pull or earlier load compiled are loaded here (their warm-up
+markers are set): compiling holds the GIL for minutes, and that stays the load's job, with
+progress (edgeinfer.engine.warmup.prepare_for_load). A load that arrives while the spare is
+still warming takes it at the next step. The spare costs one idle process (~150-180 MB
+resident, mostly numba's runtime and kernels); EDGEINFER_SPARE_RUNNER=0 turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+from edgeinfer.engine.remote import serve
+
+log = logging.getLogger("edgeinfer.engine.spare")
+
+
+@dataclass
+class Spare:
+    """A started spare: its process and the daemon's end of its pipe."""
+    process: mp.process.BaseProcess
+    conn: object
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close",))
+        except (OSError, EOFError, BrokenPipeError, ValueError):
+            pass
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()
+
+
+def spare_main(conn, hint: str | None, log_level: int) -> None:
+    """The spare process: warm, then serve the model the daemon sends (or end on close)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[runner "
+                        f"{os.getpid()}]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
+    _warm(conn, hint)
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
+        return
+    if msg[0] != "serve":
+        return
+    _, path, config, mmproj, level, name = msg
+    logging.getLogger().setLevel(level)
+    serve(conn, path, config, mmproj, level, name)
+
+
+def _warm(conn, hint: str | None) -> None:
+    """Load the hint model's compiled kernels from numba's cache, a warm-up step at a time,
+    until a model arrives. Never fails the spare: a step that breaks is logged and skipped
+    (the load then meets that kernel on first use, as without a spare)."""
+    if hint is None:
+        return
+    from edgeinfer.engine import warmup     # lazy: numba's runtime starts here
+    try:
+        keys = warmup.keys_for_model(hint)
+    except Exception as e:      # noqa: BLE001 - a hint that went away or broke
+        log.info("spare: no kernels warmed (%s)", e)
+        return
+    for key in keys:
+        if conn.poll():         # a model is waiting: serve it now
+            return
+        if not warmup.is_done(key):
+            continue            # not compiled yet: the load compiles it, with progress
+        try:
+            warmup.run_step(key)
+        except Exception as e:  # noqa: BLE001
+            log.warning("spare: warm-up step %s failed (%s)", key, e)
+
+
+class SpareRunner:
+    """The daemon's one spare (or none). `take()` hands it to a load; `refill(hint)` starts
+    the next one. Any thread may call these (loads run in worker threads)."""
+
+    def __init__(self, enabled: bool, log_level: int):
+        self.enabled = enabled
+        self.log_level = log_level
+        self._lock = threading.Lock()
+        self._spare: Spare | None = None
+        self._closed = False
+
+    def wanted(self) -> bool:
+        """Spares are on and none is there (or the last one died idle)."""
+        with self._lock:
+            return (self.enabled and not self._closed
+                    and (self._spare is None or not self._spare.alive()))
+
+    def refill(self, hint: str | None) -> None:
+        """Start a spare warming `hint`'s kernels, unless one is there (or spares are off)."""
+        with self._lock:
+            if not self.enabled or self._closed:
+                return
+            if self._spare is not None:
+                if self._spare.alive():
+                    return
+                self._spare.conn.close()     # died idle (an OOM kill): start another
+            ctx = mp.get_context("spawn")     # never forked: see edgeinfer.engine.remote
+            conn, child = ctx.Pipe()
+            process = ctx.Process(target=spare_main, name="edgeinfer-spare", daemon=True,
+                                  args=(child, hint, self.log_level))
+            process.start()
+            child.close()
+            self._spare = Spare(process, conn)
+            log.debug("spare engine process %d started (hint %s)", process.pid, hint)
+
+    def pid(self) -> int | None:
+        """The waiting spare's process id (None: none waits)."""
+        spare = self._spare
+        return spare.process.pid if spare is not None and spare.alive() else None
+
+    def take(self) -> Spare | None:
+        """The spare, now the caller's (None if there is none or it died)."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and not spare.alive():
+            spare.conn.close()
+            return None
+        return spare
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
