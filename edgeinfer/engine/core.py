@@ -292,6 +292,16 @@ class Engine(PromptMethods):
             self._thread.start()
         return self
 
+    def run_loop(self) -> None:
+        """The engine loop on the calling thread (start() gives it a thread of its own), until
+        stop(). For a process whose main thread loaded the model (see remote._EngineServer)."""
+        self._loop()
+
+    def stop(self) -> None:
+        """End the loop (start()'s or run_loop()'s) after its current step."""
+        self._stop.set()
+        self._wake.set()
+
     def shutdown(self) -> None:
         """Stop the engine thread; requests still live end with finish reason "abort"."""
         self._stop.set()

@@ -100,8 +100,12 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
 
 
 class _EngineServer:
-    """The engine process's side of the pipe. The main thread reads commands; the engine
-    thread sends events (one lock orders the two senders)."""
+    """The engine process's side of the pipe. The engine loop runs on the main thread, the
+    one that loaded the model (and, in a spare, warmed the kernels): every thread that starts
+    a parallel region gets an OpenMP team of its own that lives on, and with more OpenMP
+    threads than cores libgomp throttles their spin-waiting, so each region of a decode step
+    can pay a futex wake-up (the parallel repack runs on this thread too). A thread of its
+    own reads the commands; both send (one lock orders the senders)."""
 
     def __init__(self, conn, engine: Engine):
         self.conn, self.engine = conn, engine
@@ -118,8 +122,18 @@ class _EngineServer:
     def run(self) -> None:
         engine = self.engine
         engine.on_publish = self._published
-        engine.start()
         self.send(("ready", engine.info))
+        threading.Thread(target=self._read, name="edgeinfer-pipe", daemon=True).start()
+        try:
+            engine.run_loop()
+        finally:
+            engine.close()
+            self.send(("closed",))
+            self.conn.close()
+
+    def _read(self) -> None:
+        """Commands until the daemon says close or its end of the pipe goes away; then the
+        engine loop ends."""
         try:
             while True:
                 try:
@@ -130,9 +144,7 @@ class _EngineServer:
                     break
                 self._handle(msg)
         finally:
-            engine.close()
-            self.send(("closed",))
-            self.conn.close()
+            self.engine.stop()
 
     def _published(self, snap: dict) -> None:
         """Engine thread, after each step: the figures follow the step's events (one small
