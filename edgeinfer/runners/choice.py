@@ -281,19 +281,27 @@ def weights_format_of(backend: str, path: str | None = None, repack: bool | None
 
 
 def _cpu_weights_format(path: str | None, repack: bool | None) -> str:
-    """Ask the numba backend what it would do with this file, without loading weights."""
+    """Ask the numba backend what it would do with this file, without loading weights;
+    remembered per path, size and mtime (show asks on every call)."""
     if path is None:
         return CPU_WEIGHTS
     try:
-        from edgeinfer.backends.cpu.ops import CpuOps
-        from edgeinfer.formats.gguf_file import read_gguf
-        gf = read_gguf(str(path))
-        try:
-            return CpuOps(repack=repack).weights_format_for(gf)
-        finally:
-            gf.close()
+        import os
+        st = os.stat(path)
+        return _cpu_weights_format_of(str(path), st.st_size, st.st_mtime_ns, repack)
     except Exception:       # a prediction only: never fail `show` over it
         return CPU_WEIGHTS
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_weights_format_of(path: str, size: int, mtime_ns: int, repack: bool | None) -> str:
+    from edgeinfer.backends.cpu.ops import CpuOps
+    from edgeinfer.formats.gguf_file import read_gguf
+    gf = read_gguf(path)
+    try:
+        return CpuOps(repack=repack).weights_format_for(gf)
+    finally:
+        gf.close()
 
 
 def torch_dtype_name(kind: str, requested: str | None = None) -> str:
