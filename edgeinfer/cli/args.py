@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from edgeinfer.formats.gguf_file import GGUFError
+from edgeinfer.formats.gguf_error import GGUFError
 from edgeinfer.formats.kv_cache_types import KV_CACHE_TYPES
 from edgeinfer.runners.choice import DEVICES, BackendChoiceError, check
 from edgeinfer.store.model_store import Store

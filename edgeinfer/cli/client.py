@@ -83,7 +83,9 @@ class Client:
         key = api_key if api_key is not None else current().api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # generations can run for minutes: no read timeout, a short connect timeout
-        self.http = httpx.Client(base_url=self.base_url, headers=headers,
+        # plain http (the daemon serves no TLS): no CA bundle to load (~45 ms a command)
+        tls = self.base_url.startswith("https:")
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, verify=tls,
                                  timeout=httpx.Timeout(timeout, connect=5.0))
 
     def close(self) -> None:

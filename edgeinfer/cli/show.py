@@ -4,13 +4,20 @@ from __future__ import annotations
 import argparse
 import os
 
+from typing import TYPE_CHECKING
+
 from edgeinfer.cli.args import add_kv_cache_type_arg, resolve_model_file
-from edgeinfer.formats.gguf_file import GGUFError, read_gguf
-from edgeinfer.formats.model_config import ModelSummary, load_model_config, summarize
+from edgeinfer.formats.gguf_error import GGUFError
 from edgeinfer.settings import KV_BYTES_PER_VALUE, current
+
+if TYPE_CHECKING:
+    from edgeinfer.formats.model_config import ModelSummary
 
 
 def load_summary(path: str) -> ModelSummary:
+    # lazy: the reader's numpy and gguf imports are not every command's start-up
+    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.model_config import load_model_config, summarize
     try:
         f = read_gguf(path)
         summary = summarize(f)

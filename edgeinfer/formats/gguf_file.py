@@ -39,8 +39,7 @@ _NUMPY = {
 }
 
 
-class GGUFError(ValueError):
-    """A file that is not a usable GGUF model. The message is one sentence for a person."""
+from edgeinfer.formats.gguf_error import GGUFError  # noqa: E402,F401 (its home; here too)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
-
-import numpy as np
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,6 +231,8 @@ def _ids_containing(pieces: list[bytes], needles: list[bytes]) -> tuple[int, ...
     per needle (every start, overlapping ones too), each hit mapped to its piece by offset;
     a hit that runs past its piece's end is not one."""
     import re
+
+    import numpy as np      # lazy: the CLI imports this module for SamplingParams alone
     blob = b"".join(pieces)
     ends = np.cumsum(np.fromiter(map(len, pieces), np.int64, len(pieces)))
     hits = []

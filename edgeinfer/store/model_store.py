@@ -24,10 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
-import gguf
-
-from edgeinfer.formats.gguf_file import GGUFError, read_gguf
-from edgeinfer.formats.model_config import load_model_config
+from edgeinfer.formats.gguf_error import GGUFError
 from edgeinfer.settings import current
 from .bundled import BUNDLED, DEFAULT_MODEL, bundled
 from .names import (InvalidModelName, ModelName, ModelNotFound, StoreError,
@@ -97,6 +94,8 @@ def sha256_file(path: Path) -> str:
 
 def gguf_summary(path: Path) -> dict[str, Any]:
     """Validate a GGUF file (raises GGUFError) and summarize it for the manifest."""
+    import gguf         # lazy, with the reader: every CLI command imports the store
+    from edgeinfer.formats.gguf_file import read_gguf
     g = read_gguf(path)
     try:
         if g.metadata.get("general.architecture") == "clip":
@@ -444,7 +443,9 @@ class Store:
         checked (a projector, of the model's width), linked or copied into blobs/, named in
         the model's manifest. `show`, /api/show and the loads find it there."""
         # lazy: the CLI imports the store, and `edgeinfer --help` stays fast without this
+        from edgeinfer.formats.gguf_file import read_gguf
         from edgeinfer.formats.mmproj import check_pair, read_mmproj
+        from edgeinfer.formats.model_config import load_model_config
         path = Path(path).expanduser()
         ref = self.resolve(model, allow_path=False)
         try:

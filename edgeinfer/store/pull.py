@@ -22,7 +22,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from .download import (DownloadError, DownloadPolicy, RemoteInfo, check_disk, download, probe)
-from edgeinfer.formats.gguf_file import GGUFError
+from edgeinfer.formats.gguf_error import GGUFError
 from edgeinfer.settings import current
 from .names import InvalidModelName, ModelName, ModelNotFound, StoreError, name_from_filename, \
     parse_name
