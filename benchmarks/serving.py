@@ -90,10 +90,11 @@ def submit_on_schedule(prompts: list[list[int]], arrivals: list[float] | None,
 
 
 class EngineClient:
-    def __init__(self, path: str):
+    def __init__(self, path: str, speculative: bool = True):
         from edgeinfer.engine.core import Engine, EngineConfig
         self.engine = Engine(path, EngineConfig(kv_budget_bytes=512 << 20, max_running_seqs=16,
-                                                max_tokens_per_step=512)).start()
+                                                max_tokens_per_step=512,
+                                                speculative=speculative)).start()
 
     def run(self, prompts: list[list[int]], max_tokens: int,
             arrivals: list[float] | None = None) -> list[Trace]:
@@ -340,14 +341,19 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-llama", action="store_true")
-    ap.add_argument("--plot", default=str(REPO / "docs" / "serving-throughput.png"))
+    ap.add_argument("--plot", default=str(REPO / "docs" / "serving-throughput.png"),
+                    help="where section (a)'s plot goes ('' for none)")
+    ap.add_argument("--speculative", choices=["on", "off"], default="on",
+                    help="prompt-lookup speculation (the engine's default: on, for batches of "
+                         "1-2, so it lifts the 1- and 2-stream rows; off: plain decoding)")
     args = ap.parse_args()
     setup_env(args.threads)
     import os
     path = model_path(args.model)
     print(f"model {path}; threads {args.threads}; OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
-    eng = EngineClient(path)
+    eng = EngineClient(path, speculative=args.speculative == "on")
+    print(f"speculation {args.speculative}")
     llm = None if args.no_llama else LlamaClient(path, args.threads)
     results: dict = {}
     try:

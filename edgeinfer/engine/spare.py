@@ -54,6 +54,7 @@ def spare_main(conn, hint: str | None, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[runner "
                         f"{os.getpid()}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
+    logging.getLogger("gguf").setLevel(logging.WARNING)  # the warm-up's tiny model's writer
     _warm(conn, hint)
     try:
         msg = conn.recv()

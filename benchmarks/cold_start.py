@@ -1,0 +1,187 @@
+"""Cold start, process start to the first generated token, ours and llama.cpp's, same run.
+
+    .venv/bin/python benchmarks/cold_start.py [--model NAME] [--rounds 5] [--threads 2]
+
+Interleaved rounds (the order turns each round), medians with their ranges:
+- llama.cpp: a fresh process imports llama-cpp-python, loads the file and evaluates "Hello"
+  (llama.cpp's own cold start, as benchmarks/generate.py's worker does it);
+- edgeinfer in process: a fresh process builds an Engine and generates one token, as
+  `edgeinfer run --no-daemon` does (generate.py's "cold start" row);
+- `edgeinfer run` through a running daemon, the model not loaded: what a user types after
+  the model's keep_alive ran out. Timed from the command's start to the first byte it
+  prints (one token, greedy, a one-shot prompt), with two daemons on loopback ports over one
+  store: one as shipped (a warm spare engine process waits for the load,
+  edgeinfer/engine/spare.py) and one with EDGEINFER_SPARE_RUNNER=0 (each load spawns a
+  fresh engine process). Before each timing the model is unloaded and the daemon left idle
+  until its spare is warm.
+Every row is timed by this process, from starting the command to the first byte it prints
+("first" from a worker, the token from `edgeinfer run`), so Python's start counts alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+SPARE_WARM_S = 4.0      # a spare's imports and kernel loads, with margin (2 cores)
+
+
+def worker_llamacpp(model: str, threads: int) -> None:
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=model, n_ctx=4096, n_threads=threads,
+                          n_threads_batch=threads, flash_attn=True, verbose=False)
+    llm.eval(llm.tokenize(b"Hello", add_bos=True))
+    print("first", flush=True)
+
+
+def worker_native(model: str) -> None:
+    from edgeinfer.engine.core import Engine, EngineConfig
+    from edgeinfer.runners.sampling_params import SamplingParams
+    engine = Engine(model, EngineConfig(max_model_len=4096))
+    engine.generate(engine.encode_raw("Hello"), SamplingParams(temperature=0, max_tokens=1))
+    print("first", flush=True)
+
+
+def timed(cmd: list[str], env: dict) -> float:
+    """Seconds from starting `cmd` to the first byte it prints (every row is timed so, from
+    this process: a worker's own clock would need the kernel's start time, which psutil
+    rounds to whole seconds of the boot time)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    first = p.stdout.read(1)
+    t = time.perf_counter() - t0
+    _, err = p.communicate()
+    if not first or p.returncode != 0:
+        raise SystemExit(f"{cmd[2:4]} failed ({p.returncode}):\n{err.decode()[-3000:]}")
+    return t
+
+
+def run_worker(kind: str, model: str, threads: int) -> float:
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    return timed([sys.executable, __file__, "--worker", kind, "--model", model,
+                  "--threads", str(threads)], env)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """A daemon on a loopback port over `home`'s store (the CLI finds it by EDGEINFER_HOST)."""
+
+    def __init__(self, home: Path, threads: int, spare: bool):
+        self.port = _free_port()
+        self.env = dict(os.environ, EDGEINFER_HOME=str(home),
+                        EDGEINFER_HOST=f"127.0.0.1:{self.port}", EDGEINFER_THREADS=str(threads),
+                        EDGEINFER_SPARE_RUNNER="1" if spare else "0")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(home / f"daemon-{self.port}.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port",
+                                      str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=REPO)
+        self.spare = spare
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise SystemExit("daemon did not start")
+
+    def idle_unloaded(self, model: str) -> None:
+        """The model unloaded, the daemon idle, its spare (if any) started and warm."""
+        httpx.post(self.url + "/api/generate", json={"model": model, "keep_alive": 0},
+                   timeout=120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            st = httpx.get(self.url + "/api/stats", timeout=10).json()
+            if not st["models"] and (not self.spare or st["process"]["spare_engine"]):
+                break
+            time.sleep(0.2)
+        time.sleep(SPARE_WARM_S)
+
+    def time_run(self, model: str) -> float:
+        """`edgeinfer run MODEL Hello`: from the command's start to its first printed byte."""
+        return timed([sys.executable, "-m", "edgeinfer", "run", model, "Hello",
+                      "--max-tokens", "1", "--temperature", "0"], self.env)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def _fmt(v: list[float]) -> str:
+    return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder:0.5b")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker", choices=["native", "llamacpp"])
+    args = ap.parse_args()
+    if args.worker:
+        if args.worker == "native":
+            worker_native(args.model)
+        else:
+            worker_llamacpp(args.model, args.threads)
+        return
+    from edgeinfer.store.model_store import Store
+    ref = Store().resolve(args.model)
+    path, name = str(ref.path), ref.full_name
+    with tempfile.TemporaryDirectory(prefix="edgeinfer-cold-") as tmp:
+        home = Path(tmp)
+        Store(home).register_file(path, name)
+        daemons = {"daemon": Daemon(home, args.threads, spare=True),
+                   "daemon, no spare": Daemon(home, args.threads, spare=False)}
+        try:
+            print(f"model {name}, {args.threads} threads, {args.rounds} interleaved rounds, "
+                  f"load average {os.getloadavg()[0]:.1f}")
+            runs: dict[str, list[float]] = {"llama.cpp": [], "in process": [],
+                                            "daemon": [], "daemon, no spare": []}
+            kinds = list(runs)
+            for r in range(args.rounds):
+                order = kinds if r % 2 == 0 else kinds[::-1]
+                for k in order:
+                    if k == "llama.cpp":
+                        runs[k].append(run_worker("llamacpp", path, args.threads))
+                    elif k == "in process":
+                        runs[k].append(run_worker("native", path, args.threads))
+                    else:
+                        daemons[k].idle_unloaded(name)
+                        runs[k].append(daemons[k].time_run(name))
+                print(f"round {r + 1}: " + ", ".join(f"{k} {runs[k][-1]:.2f}" for k in kinds),
+                      flush=True)
+        finally:
+            for d in daemons.values():
+                d.stop()
+    base = statistics.median(runs["llama.cpp"])
+    print(f"\n| {'cold start, s':44} | {'median (range)':>18} | {'/ llama.cpp':>11} |")
+    print(f"|{'-' * 46}|{'-' * 20}|{'-' * 13}|")
+    labels = {"llama.cpp": "llama.cpp (llama-cpp-python, in process)",
+              "in process": "edgeinfer, in process (run --no-daemon)",
+              "daemon": "edgeinfer run, daemon up, model unloaded",
+              "daemon, no spare": "  the same, EDGEINFER_SPARE_RUNNER=0"}
+    for k in kinds:
+        print(f"| {labels[k]:44} | {_fmt(runs[k]):>18} | "
+              f"{statistics.median(runs[k]) / base:11.2f} |")
+    print(json.dumps({k: statistics.median(v) for k, v in runs.items()}))
+
+
+if __name__ == "__main__":
+    main()
