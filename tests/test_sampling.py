@@ -651,7 +651,7 @@ def test_masked_sampling_follows_the_masked_distribution(temp):
 
 
 class _Pieces:
-    """A vocabulary table: piece(t) and pieces() agree, as Tokenizer's do."""
+    """A vocabulary table: piece(t) and piece_table() agree, as Tokenizer's do."""
 
     def __init__(self, pieces):
         self._p = list(pieces)
@@ -660,7 +660,7 @@ class _Pieces:
     def piece(self, t, render_special=False):
         return self._p[t]
 
-    def pieces(self, render_special=False):
+    def piece_table(self, render_special=False):
         return self._p
 
 

@@ -214,8 +214,8 @@ def breaker_ids(tokenizer, breakers: Sequence[str]) -> tuple[int, ...]:
     if hit is not None:
         return hit
     needles = [b[:MAX_DRY_BREAKER_CHARS].encode("utf-8") for b in breakers]
-    if hasattr(tokenizer, "pieces"):
-        out = _ids_containing(tokenizer.pieces(True), needles)
+    if hasattr(tokenizer, "piece_table"):
+        out = _ids_containing(tokenizer.piece_table(True), needles)
     else:       # a tokenizer without a table (llama.cpp's, asked over a pipe)
         size = int(getattr(tokenizer, "vocab_size", 0) or len(getattr(tokenizer, "tokens", ())))
         out = tuple(t for t in range(size)

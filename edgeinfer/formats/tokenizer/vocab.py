@@ -352,9 +352,9 @@ class Tokenizer:
         return self.tokens[token_id]
 
     def piece(self, token_id: int, render_special: bool = False) -> bytes:
-        return self.pieces(render_special)[token_id]
+        return self.piece_table(render_special)[token_id]
 
-    def pieces(self, render_special: bool = False) -> list[bytes]:
+    def piece_table(self, render_special: bool = False) -> list[bytes]:
         """Every id's bytes (piece() of each), one list, for passes over the vocabulary."""
         if render_special:
             if self._special_bytes is None:
