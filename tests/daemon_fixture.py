@@ -102,6 +102,9 @@ def daemon_env(home: Path, **extra: str) -> dict:
                PYTHONUNBUFFERED="1")
     # 2 shared cores: spinning OpenMP workers starve each other (10x slower steps here)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # no spare engine process (its start-up after every load is CPU the other tests want);
+    # test_spare_engine and test_engine_process run daemons with it, as shipped
+    env.setdefault("EDGEINFER_SPARE_RUNNER", "0")
     env.update(extra)
     return env
 

@@ -27,7 +27,7 @@ def daemon(tmp_path_factory, gemma3_path, smollm2_path):
     home = tmp_path_factory.mktemp("engine-process") / "home"
     register_gemma(home, gemma3_path)
     Store(home).register_file(smollm2_path, OTHER)
-    d = start_daemon(home)
+    d = start_daemon(home, EDGEINFER_SPARE_RUNNER="1")      # as shipped
     try:
         yield d
     finally:

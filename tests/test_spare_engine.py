@@ -25,7 +25,7 @@ def daemons(tmp_path_factory, gemma3_path):
     homes = [tmp_path_factory.mktemp(f"spare-{k}") / "home" for k in ("on", "off")]
     for h in homes:
         register_gemma(h, gemma3_path)
-    on = start_daemon(homes[0])
+    on = start_daemon(homes[0], EDGEINFER_SPARE_RUNNER="1")
     off = start_daemon(homes[1], EDGEINFER_SPARE_RUNNER="0")
     try:
         yield on, off
@@ -102,7 +102,7 @@ def test_a_spare_that_died_is_replaced(daemons):
 def test_stopping_the_daemon_ends_its_spare(tmp_path, gemma3_path):
     home = tmp_path / "home"
     register_gemma(home, gemma3_path)
-    d = start_daemon(home)
+    d = start_daemon(home, EDGEINFER_SPARE_RUNNER="1")
     try:
         spare = _wait_spare(d)
     finally:
