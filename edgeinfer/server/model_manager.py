@@ -270,9 +270,12 @@ class ModelManager:
             await asyncio.sleep(0.5)
             try:
                 await self.reap()
-                await self._refill_spare()
             except Exception:
                 log.exception("unloading expired models failed")
+            try:
+                await self._refill_spare()
+            except Exception:
+                log.exception("starting a spare engine process failed")
 
     async def _refill_spare(self) -> None:
         """Start the next spare engine process once nothing has loaded or generated for a
