@@ -134,14 +134,19 @@ def _embeddings_once(model_path: str, mmproj_path: str, rgb: np.ndarray) -> np.n
         o.close()
 
 
-def embeddings_in_fresh_process(model_path: str, mmproj_path: str, rgb: np.ndarray) -> np.ndarray:
-    """MtmdOracle.embeddings in a spawned process: late in a full test run, libmtmd's Pixtral
-    path gave NaN for small images twice in a row (never with the file alone or after the
-    suites run just before it), so the oracle's answer comes from a process of its own."""
+def in_fresh_process(fn, *args):
+    """fn(*args) in a spawned process: late in a full test run, libmtmd's Pixtral path gave
+    NaN for small images (its embeddings twice in a row, and once every logit of a prompt
+    with an image; never with the file alone or after the suites run just before it), so
+    the oracle's answers for Pixtral come from a process of their own."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_embeddings_once, model_path, mmproj_path, rgb).result()
+        return pool.submit(fn, *args).result()
+
+
+def embeddings_in_fresh_process(model_path: str, mmproj_path: str, rgb: np.ndarray) -> np.ndarray:
+    return in_fresh_process(_embeddings_once, model_path, mmproj_path, rgb)
 
 
 def layout_and_logits(model_path: str, mmproj_path: str, text: str,

@@ -47,23 +47,38 @@ def test_embeddings_match_libmtmd(pair, hw):
     np.testing.assert_allclose(got, want, atol=1e-3 * np.abs(want).max(), rtol=0)
 
 
+LAYOUT_TEXT = f"the {MEDIA_MARKER} a"
+
+
+@pytest.fixture(scope="module")
+def libmtmd_layout(pair):
+    """libmtmd's layout and next-token logits for the prompt below, once, in a process of
+    its own (mtmd_oracle.in_fresh_process says why)."""
+    from mtmd_oracle import in_fresh_process, layout_and_logits
+    img = decode_image(png_bytes(noise_rgb(48, 80, seed=8)))
+    flat, want = in_fresh_process(layout_and_logits, str(pair[0]), str(pair[1]), LAYOUT_TEXT,
+                                  [img.rgb])
+    assert np.isfinite(want).all()
+    return flat, want
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch:cpu", "llamacpp"])
-def test_layout_and_first_token_match_libmtmd(pair, backend):
+def test_layout_and_first_token_match_libmtmd(pair, libmtmd_layout, backend):
     if backend.startswith("torch"):
         pytest.importorskip("torch")
     from edgeinfer.engine.images import splice_images
-    from mtmd_oracle import as_layout, assert_first_token_matches, layout_and_logits
+    from mtmd_oracle import as_layout, assert_first_token_matches
     e = Engine(str(pair[0]), EngineConfig(backend=backend, kv_budget_bytes=16 << 20),
                mmproj=str(pair[1]))
     try:
-        text = f"the {MEDIA_MARKER} a"
+        text = LAYOUT_TEXT
         img = decode_image(png_bytes(noise_rgb(48, 80, seed=8)))
         first = e.tokenizer.encode(text.partition(MEDIA_MARKER)[0], add_special=True,
                                    parse_special=True)
         ids, spans = splice_images(e.tokenizer, text, [e.vision.encode(img)], first,
                                    e.vision.layout)
         assert len(spans) == 1 and not spans[0].bidirectional
-        flat, want = layout_and_logits(str(pair[0]), str(pair[1]), text, [img.rgb])
+        flat, want = libmtmd_layout
         assert as_layout(ids) == flat
         out = e.generate(ids, greedy(2, logprobs=0), images=spans)
         assert_first_token_matches(out, want)
