@@ -99,14 +99,11 @@ def test_a_spare_that_died_is_replaced(daemons):
     _unload(on)
 
 
-def test_stopping_the_daemon_ends_its_spare(tmp_path, gemma3_path):
-    home = tmp_path / "home"
-    register_gemma(home, gemma3_path)
-    d = start_daemon(home, EDGEINFER_SPARE_RUNNER="1")
-    try:
-        spare = _wait_spare(d)
-    finally:
-        d.stop()
+def test_stopping_the_daemon_ends_its_spare(daemons):
+    """Last in the module: it stops the module's daemon with spares."""
+    on, _ = daemons
+    spare = _wait_spare(on)
+    on.stop()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
