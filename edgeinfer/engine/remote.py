@@ -65,10 +65,10 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
     from edgeinfer.runners.choice import estimate_memory  # lazy: the engine process's only
     from edgeinfer.formats.gguf_file import remember_headers
-    remember_headers()      # the estimate, the kernel steps and the runner read one parse
+    # the estimate, the kernel steps and the runner read one parse (numba runs here anyway
+    # on the cpu backend: its walk of the vocabulary)
+    remember_headers(compiled_walk=config.backend == "cpu")
     try:    # the backend's own figures, for the daemon's memory budget, before any weight
-        if config.backend == "cpu":     # numba runs here anyway: its walk of the vocabulary
-            read_gguf(path, compiled_walk=True).close()
         est = estimate_memory(config.backend, path, config.kv_cache_type, config.repack,
                               config.torch_dtype)
     except BaseException as e:      # noqa: BLE001 - the daemon reports it, in one sentence

@@ -248,18 +248,20 @@ def _tensor_nbytes(name: str, shape: tuple[int, ...], gtype: GGMLQuantizationTyp
 
 # path -> (the file's identity, its parsed header): kept only where remember_headers() ran
 _HEADERS: dict[str, tuple[tuple, GGUFFile]] | None = None
+_HEADERS_WALK = False       # remember_headers(compiled_walk): how those parses walk
 
 
-def remember_headers() -> None:
+def remember_headers(compiled_walk: bool = False) -> None:
     """From now on this process parses each file's header once: a later read_gguf of the
     same unchanged file (same size, mtime, inode) gets a fresh mapping and the parsed
-    metadata and tensor table (shared: read them, never change them). For the engine
-    process, which reads its model three times while it loads (the memory estimate, the
-    kernel steps, the runner) and holds the vocabulary anyway; not for the daemon, whose
-    memory must go back after an unload."""
-    global _HEADERS
+    metadata and tensor table (shared: read them, never change them); `compiled_walk`, for
+    every parse, as read_gguf's. For the engine process, which reads its model three times
+    while it loads (the memory estimate, the kernel steps, the runner) and holds the
+    vocabulary anyway; not for the daemon, whose memory must go back after an unload."""
+    global _HEADERS, _HEADERS_WALK
     if _HEADERS is None:
         _HEADERS = {}
+    _HEADERS_WALK = _HEADERS_WALK or compiled_walk
 
 
 def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
@@ -289,7 +291,8 @@ def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
         return dataclasses.replace(known[1], _mmap=mm)
     view = memoryview(mm)
     try:
-        gf = _parse(path, mm, view, size, compiled_walk)
+        gf = _parse(path, mm, view, size,
+                    compiled_walk or (_HEADERS is not None and _HEADERS_WALK))
         if _HEADERS is not None:
             _HEADERS[path] = (ident, dataclasses.replace(gf, _mmap=None))
         return gf
