@@ -3,10 +3,9 @@ version. Streaming is NDJSON (one JSON object per line) unless `"stream": false`
 from __future__ import annotations
 
 import asyncio
-import collections
+import functools
 import json
 import os
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Any, AsyncIterator
@@ -471,30 +470,24 @@ async def show(body: ModelNameRequest, request: Request):
     return await asyncio.to_thread(read)
 
 
-_FACTS: collections.OrderedDict = collections.OrderedDict()   # the last files /show read
-_FACTS_KEPT = 8
-_FACTS_LOCK = threading.Lock()          # /show reads on worker threads
-
-
 def _file_facts(ref) -> tuple:
     """What /api/show reads from a model's GGUF: its summary, the scalar metadata, the chat
-    template and the capabilities. Kept for the last few files (by size and mtime: a blob
-    never changes in place), so a client asking before each request (our CLI, editors) does
-    not parse a vocabulary each time; the vocabulary itself is not kept."""
+    template and the capabilities. Remembered for the last few files by path, size and
+    mtime (as runners.choice remembers a file's facts), so a client asking before each
+    request (our CLI, editors) does not parse a vocabulary each time; the vocabulary itself
+    is not kept."""
     try:
         st = os.stat(ref.path)
-    except OSError as e:
-        raise APIError(500, f"{ref.full_name}: {e.strerror}") from None
-    key = (str(ref.path), st.st_size, st.st_mtime_ns)
-    with _FACTS_LOCK:
-        hit = _FACTS.get(key)
-        if hit is not None:
-            _FACTS.move_to_end(key)
-            return hit
-    try:
-        f = read_gguf(ref.path)
+        return _read_facts(str(ref.path), st.st_size, st.st_mtime_ns)
     except GGUFError as e:
         raise APIError(500, f"{ref.full_name}: {e}") from None
+    except OSError as e:
+        raise APIError(500, f"{ref.full_name}: {e.strerror}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_facts(path: str, size: int, mtime_ns: int) -> tuple:
+    f = read_gguf(path)
     try:
         s = summarize(f)
         md = f.metadata
@@ -506,12 +499,7 @@ def _file_facts(ref) -> tuple:
         md = {k: md[k] for k in ("general.license", "tokenizer.chat_template") if k in md}
     finally:
         f.close()
-    facts = (s, md, info, template, caps)
-    with _FACTS_LOCK:
-        _FACTS[key] = facts
-        while len(_FACTS) > _FACTS_KEPT:
-            _FACTS.popitem(last=False)
-    return facts
+    return s, md, info, template, caps
 
 
 def _capabilities(template: str, md: dict) -> list[str]:
