@@ -244,8 +244,8 @@ def _ids_containing(pieces: list[bytes], needles: list[bytes]) -> tuple[int, ...
         else:
             at = np.fromiter((m.start() for m in re.finditer(b"(?=" + re.escape(nd) + b")", blob)),
                              np.int64)
-        ids = np.searchsorted(ends, at, side="right")
-        hits.append(ids[at + len(nd) <= ends[np.minimum(ids, len(ends) - 1)]])
+        ids = np.searchsorted(ends, at, side="right")     # every hit is inside the blob
+        hits.append(ids[at + len(nd) <= ends[ids]])
     if not hits:
         return ()
     return tuple(np.unique(np.concatenate(hits)).tolist())

@@ -494,12 +494,7 @@ class Tokenizer:
 
     # --- decode ----------------------------------------------------------------------------
     def decode_bytes(self, ids: Iterable[int], render_special: bool = False) -> bytes:
-        if render_special:
-            self.piece(0, True)
-            table = self._special_bytes
-            assert table is not None
-        else:
-            table = self.token_bytes
+        table = self.piece_table(render_special)
         return b"".join([table[i] for i in ids])
 
     def decode(self, ids: Iterable[int], render_special: bool = False) -> str:
