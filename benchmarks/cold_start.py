@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, free_port, start_daemon  # noqa: E402
+
 SPARE_WARM_S = 4.0      # a spare's imports and kernel loads, with margin (2 cores)
 
 
@@ -72,34 +73,17 @@ def run_worker(kind: str, model: str, threads: int) -> float:
                   "--threads", str(threads)], env)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Daemon:
     """A daemon on a loopback port over `home`'s store (the CLI finds it by EDGEINFER_HOST)."""
 
     def __init__(self, home: Path, threads: int, spare: bool):
-        self.port = _free_port()
+        self.port = free_port()
         self.env = dict(os.environ, EDGEINFER_HOME=str(home),
                         EDGEINFER_HOST=f"127.0.0.1:{self.port}", EDGEINFER_THREADS=str(threads),
                         EDGEINFER_SPARE_RUNNER="1" if spare else "0")
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(home / f"daemon-{self.port}.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port",
-                                      str(self.port)], stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=REPO)
+        self.proc, self.url = start_daemon(self.env, self.port, self.log)
         self.spare = spare
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise SystemExit("daemon did not start")
 
     def idle_unloaded(self, model: str) -> None:
         """The model unloaded, the daemon idle, its spare (if any) started and warm."""

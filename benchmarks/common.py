@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,6 +28,30 @@ def model_path(path: str | None) -> str:
     cache = REPO / ".cache" / "test-models"
     cache.mkdir(parents=True, exist_ok=True)
     return str(bundled.assemble(cache / bundled.MODEL_NAME))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(env: dict, port: int, log=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
+    """`edgeinfer serve` on a loopback port with `env`; returns once /health answers (or
+    exits: it did not start), with the process and its URL."""
+    import httpx
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port)],
+                            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the daemon did not start")
 
 
 def pctl(values, q: float) -> float:

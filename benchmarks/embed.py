@@ -17,14 +17,13 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, model_path, table  # noqa: E402
+from common import model_path, start_daemon, table  # noqa: E402
 
 WORDS = ("the a local model server turns text into vectors so that search finds similar "
          "meaning quickly on small machines without network access while people write notes "
@@ -55,16 +54,8 @@ def run_daemon(model: str, texts: list[str], threads: int, rounds: int, running:
                EDGEINFER_MAX_RUNNING_SEQS=str(running), EDGEINFER_MAX_QUEUE="512",
                EDGEINFER_KV_BUDGET_MB="256", OMP_WAIT_POLICY="PASSIVE")
     env.pop("EDGEINFER_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer", "serve", "--port", str(port)],
-                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_daemon(env, port)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         body = {"model": "bench:embed", "input": texts}
         r = httpx.post(url + "/api/embed", json=body, timeout=600)      # warm-up, load
         r.raise_for_status()

@@ -28,7 +28,6 @@ import http.server
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DIR = REPO          # where the commands run (--repo: another checkout)
@@ -48,12 +50,6 @@ MODELS = {
 def load() -> str:
     return open("/proc/loadavg").read().split(" ", 3)[:3].__str__() if os.path.exists(
         "/proc/loadavg") else "?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(directory: Path) -> tuple[http.server.ThreadingHTTPServer, int]:
