@@ -304,8 +304,7 @@ class Engine(PromptMethods):
 
     def shutdown(self) -> None:
         """Stop the engine thread; requests still live end with finish reason "abort"."""
-        self._stop.set()
-        self._wake.set()
+        self.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
