@@ -82,6 +82,15 @@ class Daemon:
                 self.proc.wait(10)
 
 
+def process_gone(pid: int) -> bool:
+    """The process has exited (a zombie its parent has not reaped yet counts)."""
+    import psutil
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def register_gemma(home: Path, gemma3_path: Path) -> None:
     """A store holding gemma3:270m and nothing else: the marker says the bundled models were
     offered already, so listing it does not assemble the bundled chat model (491 MB) too

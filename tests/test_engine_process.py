@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from daemon_fixture import register_gemma, start_daemon
+from daemon_fixture import process_gone, register_gemma, start_daemon
 
 MB = 1 << 20
 MODEL, OTHER = "gemma3:270m", "smollm2:135m"
@@ -63,13 +63,6 @@ def _generate(d, model: str, **opts) -> dict:
     return r.json()
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def test_unload_ends_the_engine_process_and_returns_the_daemons_memory(daemon):
     d = daemon
     assert _loaded(d) == {}
@@ -88,9 +81,9 @@ def test_unload_ends_the_engine_process_and_returns_the_daemons_memory(daemon):
         assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
         _wait_unloaded(d, MODEL)
         deadline = time.monotonic() + 30
-        while not _gone(pid) and time.monotonic() < deadline:
+        while not process_gone(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _gone(pid), f"engine process {pid} outlived its unload"
+        assert process_gone(pid), f"engine process {pid} outlived its unload"
         after = _rss(d.proc.pid)
         figures.append((engine_rss, daemon_rss, after))
         print(f"cycle {cycle}: engine process {engine_rss / MB:.0f} MB, daemon "
