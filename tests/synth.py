@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from build_once import build_once
 from edgeinfer.formats.synthetic import TinyShape, random_f32_tensors, write_tiny_gguf
 
 # MXFP4_MOE (llama.cpp's LLAMA_FTYPE_MOSTLY_MXFP4_MOE): expert tensors MXFP4, the rest Q8_0;
@@ -48,12 +49,8 @@ def quantize(src: Path, dst: Path, ftype: str) -> Path:
 def synthetic_model(cache: Path, arch: str, ftype: str) -> Path:
     """Build (once per cache dir) a synthetic model of arch quantized to ftype."""
     cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"synth-{arch}-{ftype}.gguf"
-    if not out.exists():
-        f32 = cache / f"synth-{arch}-F32.gguf"
-        if not f32.exists():
-            write_model(f32.with_suffix(".tmp"), arch).rename(f32)
-        if ftype == "F32":
-            return f32
-        quantize(f32, out.with_suffix(".tmp"), ftype).rename(out)
-    return out
+    f32 = build_once(cache / f"synth-{arch}-F32.gguf", lambda tmp: write_model(tmp, arch))
+    if ftype == "F32":
+        return f32
+    return build_once(cache / f"synth-{arch}-{ftype}.gguf",
+                      lambda tmp: quantize(f32, tmp, ftype))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from build_once import build_once
 from edgeinfer.formats.synthetic import bpe_vocab, spm_vocab
 
 
@@ -292,12 +293,8 @@ def variant_model(cache: Path, name: str, ftype: str) -> Path:
     """Build (once per cache dir) the variant quantized to ftype (F32: unquantized)."""
     from synth import quantize
     cache.mkdir(parents=True, exist_ok=True)
-    f32 = cache / f"synth-{name}-F32.gguf"
-    if not f32.exists():
-        write_variant(f32.with_suffix(".tmp"), name, VARIANTS[name].seed).rename(f32)
+    f32 = build_once(cache / f"synth-{name}-F32.gguf",
+                     lambda tmp: write_variant(tmp, name, VARIANTS[name].seed))
     if ftype == "F32":
         return f32
-    out = cache / f"synth-{name}-{ftype}.gguf"
-    if not out.exists():
-        quantize(f32, out.with_suffix(".tmp"), ftype).rename(out)
-    return out
+    return build_once(cache / f"synth-{name}-{ftype}.gguf", lambda tmp: quantize(f32, tmp, ftype))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from build_once import build_once
 from edgeinfer.formats.synthetic_vision import write_gemma3_vision_text, write_tiny_mmproj
 
 
@@ -14,10 +15,8 @@ def vision_pair(directory: Path) -> tuple[Path, Path]:
     """(text model, mmproj) written once into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     text, mmproj = directory / "gemma3-vision-text.gguf", directory / "gemma3-mmproj.gguf"
-    if not text.exists():
-        write_gemma3_vision_text(text.with_suffix(".tmp")).rename(text)
-    if not mmproj.exists():
-        write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256).rename(mmproj)
+    build_once(text, write_gemma3_vision_text)
+    build_once(mmproj, lambda tmp: write_tiny_mmproj(tmp, 256))
     return text, mmproj
 
 
@@ -38,11 +37,9 @@ def smolvlm_pair(directory: Path) -> tuple[Path, Path]:
     from edgeinfer.formats.synthetic_vision import write_smolvlm_text
     directory.mkdir(parents=True, exist_ok=True)
     text, mmproj = directory / "smolvlm-text.gguf", directory / "smolvlm-mmproj.gguf"
-    if not text.exists():
-        write_smolvlm_text(text.with_suffix(".tmp")).rename(text)
-    if not mmproj.exists():
-        write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256, projector="idefics3",
-                          longest_edge=128, seed=3).rename(mmproj)
+    build_once(text, write_smolvlm_text)
+    build_once(mmproj, lambda tmp: write_tiny_mmproj(tmp, 256, projector="idefics3",
+                          longest_edge=128, seed=3))
     return text, mmproj
 
 
@@ -53,11 +50,9 @@ def llava_pair(directory: Path) -> tuple[Path, Path]:
     from edgeinfer.formats.synthetic_vision import TinyVisionShape
     directory.mkdir(parents=True, exist_ok=True)
     text, mmproj = directory / "llava-text.gguf", directory / "llava-mmproj.gguf"
-    if not text.exists():
-        synth.write_model(text.with_suffix(".tmp"), "llama").rename(text)
-    if not mmproj.exists():
-        write_tiny_mmproj(mmproj.with_suffix(".tmp"), 256, TinyVisionShape(layers=3),
-                          projector="mlp", seed=5).rename(mmproj)
+    build_once(text, lambda tmp: synth.write_model(tmp, "llama"))
+    build_once(mmproj, lambda tmp: write_tiny_mmproj(tmp, 256, TinyVisionShape(layers=3),
+                          projector="mlp", seed=5))
     return text, mmproj
 
 
@@ -67,8 +62,6 @@ def pixtral_pair(directory: Path) -> tuple[Path, Path]:
     from edgeinfer.formats.synthetic_vision import write_pixtral_text, write_tiny_pixtral
     directory.mkdir(parents=True, exist_ok=True)
     text, mmproj = directory / "pixtral-text.gguf", directory / "pixtral-mmproj.gguf"
-    if not text.exists():
-        write_pixtral_text(text.with_suffix(".tmp")).rename(text)
-    if not mmproj.exists():
-        write_tiny_pixtral(mmproj.with_suffix(".tmp"), 256, seed=7).rename(mmproj)
+    build_once(text, write_pixtral_text)
+    build_once(mmproj, lambda tmp: write_tiny_pixtral(tmp, 256, seed=7))
     return text, mmproj
