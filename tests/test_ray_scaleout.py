@@ -439,6 +439,7 @@ def test_ray_replica_killed_mid_stream(ray_daemon):
 
 
 @needs_ray
+@pytest.mark.slow      # 13 s with the replica's restart; the OpenAI stream's variant stays default
 def test_ray_replica_killed_mid_stream_ollama(ray_daemon):
     """The same fault on an Ollama NDJSON stream: the client gets an error line."""
     import ollama
