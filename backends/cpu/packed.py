@@ -22,6 +22,12 @@ from .repack import PackedMatrix
 SERIAL_MACS = 1 << 18
 # Below this many activation values the quantization runs on the calling thread.
 SERIAL_QUANT = 1 << 16
+# A product whose activation codes pass this many bytes runs over row chunks of about this
+# size, one after another. The tile kernel walks every row for each 16-column tile of the
+# weight, so the codes are read once per tile: kept within a core's L2 (2 MB here) they come
+# from there, not from L3. A Qwen2.5 1.5B ffn_down (K 8960) at 512 rows: 142 -> ~200 GMAC/s.
+# Every output row is computed by the same tile code either way: the same bits.
+ROW_CHUNK_BYTES = 1 << 20
 
 
 class ActCodes:
@@ -68,9 +74,25 @@ def _run(codes: ActCodes, w: PackedMatrix, out: np.ndarray | None, vnni, nw: int
         out = np.empty((M, w.N), np.float32)
     elif out.dtype != np.float32 or out.shape != (M, w.N) or not out.flags.c_contiguous:
         raise ValueError(f"matmul: out must be a C-contiguous float32 array of {M}x{w.N}")
-    _int8.run_matmuls([(w.fmt, w.W, *codes.arrays(w.zero_point), out)], _isa(vnni), nw,
-                      np.zeros(1, np.int64))
+    _run_jobs([(w.fmt, w.W, *codes.arrays(w.zero_point), out)], _isa(vnni), nw)
     return out
+
+
+def _run_jobs(jobs: list, isa: int, nw: int) -> None:
+    """_int8.run_matmuls on one to three jobs of one input (same M and K), over row chunks of
+    at most ROW_CHUNK_BYTES of codes (see there)."""
+    M, K = jobs[0][2].shape
+    rows = max(8, ROW_CHUNK_BYTES // K // 8 * 8)
+    if M <= rows:
+        _int8.run_matmuls(jobs, isa, nw, np.zeros(1, np.int64))
+        return
+    c = np.ascontiguousarray
+    for m0 in range(0, M, rows):
+        m1 = min(M, m0 + rows)
+        _int8.run_matmuls([(fmt, W, qa[m0:m1], c(da[:, m0:m1]), c(bsf[:, m0:m1]),
+                            c(zb[:, m0:m1]), out[m0:m1])
+                           for fmt, W, qa, da, bsf, zb, out in jobs],
+                          isa, nw, np.zeros(1, np.int64))
 
 
 def _isa(vnni) -> int:
@@ -112,5 +134,5 @@ def packed_matmuls(x: np.ndarray, ws: Sequence[PackedMatrix],
         jobs.append((w.fmt, w.W, *codes.arrays(w.zero_point), np.empty((M, w.N), np.float32)))
     isa = _isa(vnni)
     for i in range(0, len(jobs), 3):
-        _int8.run_matmuls(jobs[i:i + 3], isa, nw, np.zeros(1, np.int64))
+        _run_jobs(jobs[i:i + 3], isa, nw)
     return [j[-1] for j in jobs]
