@@ -6,7 +6,9 @@ Interleaved rounds (the order turns each round), medians with their ranges:
 - llama.cpp: a fresh process imports llama-cpp-python, loads the file and evaluates "Hello"
   (llama.cpp's own cold start, as benchmarks/generate.py's worker does it);
 - edgeinfer in process: a fresh process builds an Engine and generates one token, as
-  `edgeinfer run --no-daemon` does (generate.py's "cold start" row);
+  `edgeinfer run --no-daemon` does (generate.py's "cold start" row), with the user's repack
+  cache (backends/cpu/packed_cache.py: from the second load on, the repacked weights are
+  mapped from disk) and without it (EDGEINFER_REPACK_CACHE=0: every load repacks);
 - `edgeinfer run` through a running daemon, the model not loaded: what a user types after
   the model's keep_alive ran out. Timed from the command's start to the first byte it
   prints (one token, greedy, a one-shot prompt), with two daemons on loopback ports over one
@@ -48,7 +50,10 @@ def worker_llamacpp(model: str, threads: int) -> None:
 def worker_native(model: str) -> None:
     from edgeinfer.engine.core import Engine, EngineConfig
     from edgeinfer.runners.sampling_params import SamplingParams
-    engine = Engine(model, EngineConfig(max_model_len=4096))
+    from edgeinfer.settings import Settings
+    user = Settings.from_env()          # the repack cache as `run --no-daemon` has it
+    engine = Engine(model, EngineConfig(max_model_len=4096, repack_cache=user.repack_cache,
+                                        repack_cache_bytes=user.repack_cache_bytes))
     engine.generate(engine.encode_raw("Hello"), SamplingParams(temperature=0, max_tokens=1))
     print("first", flush=True)
 
@@ -67,8 +72,9 @@ def timed(cmd: list[str], env: dict) -> float:
     return t
 
 
-def run_worker(kind: str, model: str, threads: int) -> float:
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+def run_worker(kind: str, model: str, threads: int, **extra: str) -> float:
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               **extra)
     return timed([sys.executable, __file__, "--worker", kind, "--model", model,
                   "--threads", str(threads)], env)
 
@@ -137,6 +143,7 @@ def main() -> None:
             print(f"model {name}, {args.threads} threads, {args.rounds} interleaved rounds, "
                   f"load average {os.getloadavg()[0]:.1f}")
             runs: dict[str, list[float]] = {"llama.cpp": [], "in process": [],
+                                            "in process, no repack cache": [],
                                             "daemon": [], "daemon, no spare": []}
             kinds = list(runs)
             for r in range(args.rounds):
@@ -146,6 +153,9 @@ def main() -> None:
                         runs[k].append(run_worker("llamacpp", path, args.threads))
                     elif k == "in process":
                         runs[k].append(run_worker("native", path, args.threads))
+                    elif k == "in process, no repack cache":
+                        runs[k].append(run_worker("native", path, args.threads,
+                                                  EDGEINFER_REPACK_CACHE="0"))
                     else:
                         daemons[k].idle_unloaded(name)
                         runs[k].append(daemons[k].time_run(name))
@@ -159,6 +169,7 @@ def main() -> None:
     print(f"|{'-' * 46}|{'-' * 20}|{'-' * 13}|")
     labels = {"llama.cpp": "llama.cpp (llama-cpp-python, in process)",
               "in process": "edgeinfer, in process (run --no-daemon)",
+              "in process, no repack cache": "  the same, EDGEINFER_REPACK_CACHE=0",
               "daemon": "edgeinfer run, daemon up, model unloaded",
               "daemon, no spare": "  the same, EDGEINFER_SPARE_RUNNER=0"}
     for k in kinds:

@@ -72,8 +72,12 @@ def _kv_budget(model: str, ctx: int) -> int:
 def worker_native(model: str, depths: list[int], ctx: int) -> dict:
     from edgeinfer.engine.core import Engine, EngineConfig
     from edgeinfer.runners.sampling_params import SamplingParams
+    from edgeinfer.settings import Settings
+    user = Settings.from_env()          # the repack cache as a user's load has it
     engine = Engine(model, EngineConfig(max_model_len=ctx, kv_budget_bytes=_kv_budget(model, ctx),
-                                        max_tokens_per_step=PP, speculative=False))
+                                        max_tokens_per_step=PP, speculative=False,
+                                        repack_cache=user.repack_cache,
+                                        repack_cache_bytes=user.repack_cache_bytes))
     greedy = SamplingParams(temperature=0, max_tokens=1)
     engine.generate(engine.encode_raw("Hello"), greedy)
     res: dict = {"cold_start_s": _since_process_start()}

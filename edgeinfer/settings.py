@@ -28,6 +28,8 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_ALLOW_IMAGE_URLS    | allow_image_urls    | off (images only inline, base64)    |
 | EDGEINFER_ENGINE_PROCESS      | engine_process      | on (each model's engine in its own process) |
 | EDGEINFER_SPARE_RUNNER        | spare_runner        | on (a warm engine process for the next load) |
+| EDGEINFER_REPACK_CACHE        | repack_cache        | <user cache>/edgeinfer/repacked (0: off) |
+| EDGEINFER_REPACK_CACHE_GB     | repack_cache_bytes  | 8 GB (least recently used models go first) |
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from edgeinfer.formats.kv_cache_types import (  # noqa: F401 (the settings' name
 
 DEFAULT_KEEP_ALIVE = 300.0
 DEFAULT_KV_BUDGET = 1 << 30
+DEFAULT_REPACK_CACHE_BYTES = 8 << 30
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -99,6 +102,18 @@ def _kv_type(env: Mapping[str, str]) -> str:
         raise SettingsError(str(e)) from None
 
 
+def _repack_cache(env: Mapping[str, str]) -> str | None:
+    """EDGEINFER_REPACK_CACHE: a directory, or 0/off; unset: repacked/ in the user's cache
+    directory, beside numba's (derived data: deleting it costs the next load a repack)."""
+    v = env.get("EDGEINFER_REPACK_CACHE", "").strip()
+    if v.lower() in ("0", "false", "no", "off"):
+        return None
+    if v and v.lower() not in ("1", "true", "yes", "on"):
+        return str(Path(v).expanduser())
+    from platformdirs import user_cache_dir
+    return str(Path(user_cache_dir("edgeinfer")) / "repacked")
+
+
 def _flag(env: Mapping[str, str], name: str) -> bool | None:
     v = env.get(name, "").strip().lower()
     if not v:
@@ -137,6 +152,8 @@ class Settings:
     allow_image_urls: bool = False          # the daemon fetches http(s) image URLs
     engine_process: bool = True             # each loaded model's engine in its own process
     spare_runner: bool = True               # a warm engine process waits for the next load
+    repack_cache: str | None = None         # repacked CPU weights kept here (None: off)
+    repack_cache_bytes: int = DEFAULT_REPACK_CACHE_BYTES
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Settings":
@@ -174,6 +191,9 @@ class Settings:
             allow_image_urls=bool(_flag(env, "EDGEINFER_ALLOW_IMAGE_URLS")),
             engine_process=_flag(env, "EDGEINFER_ENGINE_PROCESS") is not False,
             spare_runner=_flag(env, "EDGEINFER_SPARE_RUNNER") is not False,
+            repack_cache=_repack_cache(env),
+            repack_cache_bytes=_num(env, "EDGEINFER_REPACK_CACHE_GB", DEFAULT_REPACK_CACHE_BYTES,
+                                    1 << 30),
         )
         return s.with_overrides(**overrides)
 

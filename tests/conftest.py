@@ -24,6 +24,9 @@ def _free_port() -> int:
 # user left running there, with another store, must never answer the tests' CLI calls: point
 # them at a port nobody listens on. Tests that want a daemon start their own.
 os.environ["EDGEINFER_HOST"] = f"127.0.0.1:{_free_port()}"
+# Repacked weights (backends/cpu/packed_cache.py) of the test daemons and CLI runs go beside
+# the test models, not into the user's cache.
+os.environ.setdefault("EDGEINFER_REPACK_CACHE", str(REPO / ".cache" / "repacked-tests"))
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ from edgeinfer.backends.cpu.experts import ExpertBank, Workspace, groupable
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows, row_bytes
 from edgeinfer.backends.cpu.packed import SERIAL_QUANT, packed_matmul, packed_matmuls
+from edgeinfer.backends.cpu.packed_cache import PackedCache
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
 from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE, check_kv_cache_type
@@ -164,7 +165,8 @@ class CpuOps:
 
     def __init__(self, numerics: str = "ggml", batch_invariant: bool = False,
                  repack: bool | None = None, governor: ThreadGovernor | None = None,
-                 kv_cache_type: str | None = None, threads: int | None = None):
+                 kv_cache_type: str | None = None, threads: int | None = None,
+                 repack_cache: str | None = None, repack_cache_bytes: int = 0):
         """numerics="ggml" rounds activations, K/V and GELU as llama.cpp's CPU backend does
         (8-bit activation blocks per weight type, f16 K/V and GELU), so greedy text matches it
         token for token; "f32" keeps every intermediate in float32.
@@ -178,6 +180,9 @@ class CpuOps:
 
         kv_cache_type: "f16" or "q8_0" (ggml's 8-bit blocks, 34 bytes per 32 values, as
         llama.cpp's --cache-type-k/v q8_0); None: f16 with ggml numerics, f32 with f32 ones.
+
+        repack_cache: a directory that keeps repacked matrices (packed_cache.py): a model's
+        next load maps them instead of repacking; at most repack_cache_bytes there. None: off.
         """
         if numerics not in ("ggml", "f32"):
             raise ValueError(f"numerics must be 'ggml' or 'f32', not {numerics!r}")
@@ -198,6 +203,8 @@ class CpuOps:
         if repack and numerics != "ggml":
             raise ValueError("repacked weights compute with 8-bit activations: numerics='ggml' only")
         self._repack_setting = repack
+        self._cache_root, self._cache_bytes = repack_cache, repack_cache_bytes
+        self.packed_cache = None        # the model's PackedCache, made on its first matrix
         self.repack: bool | None = None           # decided on the first matrix of a model
         # One governor per process (the model manager's), so two loaded models share the
         # cores instead of each taking all of them; a lone ops object makes its own.
@@ -273,13 +280,24 @@ class CpuOps:
             # read in place by its own kernel, every row the same bits in any batch
             self._mxfp4 = True
             return _mx.Mxfp4Matrix.from_gguf(gguf_file, name)
-        w = QuantMatrix.from_gguf(gguf_file, name)
-        if self.repack and int(w.qtype) in REPACKABLE:
-            packed = PackedMatrix.from_quant(w)
+        if self.repack and int(gguf_file.tensors[name].ggml_type) in REPACKABLE:
+            cache = self._packed_cache(gguf_file)
+            packed = cache.get(name) if cache is not None else None
+            if packed is not None:
+                return packed
+            packed = PackedMatrix.from_quant(QuantMatrix.from_gguf(gguf_file, name))
             gguf_file.release_pages(name)      # keeps peak RSS near one copy of the weights
+            if cache is not None:
+                cache.put(name, packed)
             return packed
+        w = QuantMatrix.from_gguf(gguf_file, name)
         self._unpacked = True
         return w
+
+    def _packed_cache(self, gguf_file):
+        if self.packed_cache is None and self._cache_root:
+            self.packed_cache = PackedCache(self._cache_root, gguf_file.path, self._cache_bytes)
+        return self.packed_cache
 
     def table(self, gguf_file, name: str) -> FileTable:
         """A matrix only ever read by rows (an embedding not tied to the output head): left

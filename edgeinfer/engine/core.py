@@ -62,6 +62,8 @@ class EngineConfig:
     torch_dtype: str | None = None        # torch weights' dtype; None = the device's choice
     threads: int | None = None            # a fixed CPU thread count (None: measured per step)
     speculative: bool = True              # prompt-lookup drafts for small batches
+    repack_cache: str | None = None       # a directory for repacked CPU weights; None: off
+    repack_cache_bytes: int = 0           # at most this much there
     governor: Any = field(default=None, compare=False)   # the process's CPU thread budget
 
     @classmethod
@@ -75,7 +77,8 @@ class EngineConfig:
                    max_running_seqs=settings.max_running_seqs,
                    batch_invariant=settings.batch_invariant, repack=settings.repack,
                    torch_dtype=settings.torch_dtype, threads=settings.threads,
-                   speculative=settings.speculative, governor=governor, **kw)
+                   speculative=settings.speculative, repack_cache=settings.repack_cache,
+                   repack_cache_bytes=settings.repack_cache_bytes, governor=governor, **kw)
 
 
 @dataclass
@@ -152,7 +155,8 @@ class Engine(PromptMethods):
             max_tokens_per_step=config.max_tokens_per_step,
             batch_invariant=config.batch_invariant, governor=config.governor,
             n_threads=config.threads, repack=config.repack, torch_dtype=config.torch_dtype,
-            kv_cache_type=config.kv_cache_type)
+            kv_cache_type=config.kv_cache_type, repack_cache=config.repack_cache,
+            repack_cache_bytes=config.repack_cache_bytes)
         try:
             self.cfg: ModelConfig = self.runner.cfg
             md = self.runner.gf.metadata

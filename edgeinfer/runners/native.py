@@ -24,13 +24,16 @@ from edgeinfer.runners.sampling_stage import SamplingStage
 
 def make_ops(backend: str, batch_invariant: bool = False, governor=None,
              repack: bool | None = None, torch_dtype: str | None = None,
-             kv_cache_type: str | None = None, threads: int | None = None) -> Ops:
+             kv_cache_type: str | None = None, threads: int | None = None,
+             repack_cache: str | None = None, repack_cache_bytes: int = 0) -> Ops:
     """The ops object for a resolved native backend name (`cpu`, `torch[:device]`).
-    `threads`: a fixed CPU thread count when no governor is given (None: measured)."""
+    `threads`: a fixed CPU thread count when no governor is given (None: measured);
+    `repack_cache`: where the CPU backend keeps repacked weights (None: nowhere)."""
     if backend == "cpu":
         from edgeinfer.backends.cpu.ops import CpuOps
         return CpuOps(batch_invariant=batch_invariant, governor=governor, repack=repack,
-                      kv_cache_type=kv_cache_type, threads=threads)
+                      kv_cache_type=kv_cache_type, threads=threads, repack_cache=repack_cache,
+                      repack_cache_bytes=repack_cache_bytes)
     if backend == "torch" or backend.startswith("torch:"):
         from edgeinfer.backends.torch.ops import TorchOps
         return TorchOps(device=backend.partition(":")[2] or None, dtype=torch_dtype,
@@ -132,12 +135,13 @@ class ModelRunner:
              governor=None, repack: bool | None = None,
              torch_dtype: str | None = None,
              kv_cache_type: str | None = None, max_running_seqs: int = 16,
-             max_tokens_per_step: int = 512, threads: int | None = None) -> "ModelRunner":
+             max_tokens_per_step: int = 512, threads: int | None = None,
+             repack_cache: str | None = None, repack_cache_bytes: int = 0) -> "ModelRunner":
         gf = read_gguf(path, compiled_walk=backend == "cpu")     # numba runs here anyway
         try:
             cfg = load_model_config(gf)
             ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype,
-                           kv_cache_type, threads)
+                           kv_cache_type, threads, repack_cache, repack_cache_bytes)
             kv_budget_bytes = ops.fit_kv_budget(gf, kv_budget_bytes)
             # backends whose attention reads per-layer block tables keep Gemma 3's
             # sliding-window layers in a pool of their own (ForwardBatch.tables_for)
