@@ -56,6 +56,7 @@ def worker_native(model: str) -> None:
                                         repack_cache_bytes=user.repack_cache_bytes))
     engine.generate(engine.encode_raw("Hello"), SamplingParams(temperature=0, max_tokens=1))
     print("first", flush=True)
+    engine.close()      # as `run --no-daemon` ends: the repacked weights written to disk
 
 
 def timed(cmd: list[str], env: dict) -> float:

@@ -78,6 +78,17 @@ def test_the_next_load_maps_the_tiles_the_first_one_wrote(qwen_coder_path, tmp_p
     assert all(not m.q.flags.owndata for m in mapped.values())      # views of the file
 
 
+def test_an_unload_finishes_the_write(tmp_path):
+    """The runner's close (an unload, before its engine process ends) writes the file even
+    when the load was a moment ago."""
+    path = synth.synthetic_model(CACHE, "llama", "Q4_K_M")
+    e = Engine(str(path), EngineConfig(backend="cpu", repack_cache=str(tmp_path),
+                                       repack_cache_bytes=8 << 30))
+    cache = e.runner.ops.packed_cache
+    e.close()
+    assert cache.path.is_file() and len(pc.PackedCache(tmp_path, str(path), 8 << 30)._index)
+
+
 def test_a_damaged_file_is_repacked_and_written_again(tmp_path, caplog):
     path = synth.synthetic_model(CACHE, "llama", "Q4_K_M")
     want, c1, mats = _load(path, tmp_path)
@@ -145,8 +156,14 @@ def test_the_file_of_a_removed_gguf_goes_at_the_next_eviction(tmp_path):
     _, ca, _ = _load(a, root)
     _, cb, _ = _load(b, root)
     a.unlink()                          # `edgeinfer rm`
+    old_tmp = cb.path.with_name("x.tiles.1.tmp")      # a killed writer's, long ago
+    old_tmp.write_bytes(b"x")
+    os.utime(old_tmp, (1, 1))
+    new_tmp = cb.path.with_name("y.tiles.2.tmp")      # a live writer's
+    new_tmp.write_bytes(b"x")
     pc.evict(root, 8 << 30)
     assert not ca.path.exists() and cb.path.is_file()
+    assert not old_tmp.exists() and new_tmp.exists()
 
 
 def test_an_unwritable_directory_serves_from_memory(tmp_path, caplog):

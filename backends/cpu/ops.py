@@ -294,6 +294,12 @@ class CpuOps:
         self._unpacked = True
         return w
 
+    def release(self) -> None:
+        """An unload (the engine process ends next) finishes writing the repacked weights
+        to disk, or the next load would repack them again."""
+        if self.packed_cache is not None:
+            self.packed_cache.flush()
+
     def _packed_cache(self, gguf_file):
         if self.packed_cache is None and self._cache_root:
             self.packed_cache = PackedCache(self._cache_root, gguf_file.path, self._cache_bytes)

@@ -34,6 +34,7 @@ import queue
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,8 @@ LAYOUT = _stamp.deps_hash(("repack.py", "_int8.py"))
 _ARRAYS = ("q", "h", "s", "o", "d", "dm")
 _FIELDS = ("has_o", "zero_point", "B", "A", "K", "N", "bits", "fmt")
 _ALIGN = 64
-IDLE_S = 2.0        # the writer writes once the load has handed over nothing for this long
+STALE_TMP_S = 600.0     # a temporary file older than this belongs to no live writer
+IDLE_S = 2.0            # the writer writes once the load has handed over nothing for this long
 
 
 def model_file(root: str | os.PathLike, gguf_path: str) -> Path:
@@ -246,9 +248,9 @@ def _append(f, m: PackedMatrix) -> dict:
 
 
 def evict(root: str | os.PathLike, limit_bytes: int, keep: Path | None = None) -> None:
-    """Remove other layouts' directories and the files of GGUFs that are gone, then the
-    least recently used models until the rest fits limit_bytes (never `keep`, the model
-    just written)."""
+    """Remove other layouts' directories, stale temporaries and the files of GGUFs that are
+    gone, then the least recently used models until the rest fits limit_bytes (never
+    `keep`, the model just written)."""
     root = Path(root)
     if not root.is_dir():
         return
@@ -259,7 +261,10 @@ def evict(root: str | os.PathLike, limit_bytes: int, keep: Path | None = None) -
     if not here.is_dir():
         return
     files = []
+    now = time.time()
     for f in here.iterdir():
+        if f.suffix == ".tmp" and now - f.stat().st_mtime > STALE_TMP_S:
+            f.unlink(missing_ok=True)       # a writer that was killed (its process ended)
         if f.suffix != ".tiles":
             continue
         gguf = _gguf_of(f)

@@ -71,6 +71,9 @@ class TorchOps:
     def begin_step(self) -> None:
         """Nothing per step: torch keeps its own thread pool and device queues."""
 
+    def release(self) -> None:
+        """Nothing in the background."""
+
     def weights_format_for(self, gguf_file) -> str:
         return self.weights_format
 

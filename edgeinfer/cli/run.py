@@ -225,7 +225,9 @@ class LocalSession:
         return stream(self.engine, ids, params, images=spans)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        # close, not just shut down: the runner finishes writing the model's repacked
+        # weights to disk (backends/cpu/packed_cache.py), which the next run then maps
+        self.engine.close()
 
 
 class DaemonSession:

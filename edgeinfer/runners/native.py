@@ -352,6 +352,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the weights, the KV pool and the file mapping (deterministic unload)."""
+        self.ops.release()
         self.model = None
         self.kv = None
         self.sampling = SamplingStage()
