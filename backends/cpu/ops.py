@@ -1,6 +1,7 @@
 """The numba CPU backend: the `Ops` interface on numpy arrays with quantized weights."""
 from __future__ import annotations
 
+import mmap
 import os
 import weakref
 from dataclasses import dataclass
@@ -149,6 +150,26 @@ def _weights_format(repacked: bool) -> str:
                 _int8.AVX2: "AVX2"}.get(_int8.BEST_ISA, "portable")
         return f"int8 tiles repacked from GGUF blocks ({kind} integer dot)"
     return "gguf (quantized blocks, decoded per matmul)"
+
+
+def _zeroed_pages(shapes: list[tuple], dtype) -> list[np.ndarray]:
+    """Zeroed arrays carved from one anonymous private mapping: the kernel hands out zero
+    pages as they are first touched, so a KV pool costs neither a memset at load nor memory
+    for the pages no sequence reached. (np.zeros goes through malloc, which takes blocks
+    under its mmap threshold from the heap and clears them: in an engine process whose
+    warm-up freed large arrays, the threshold had risen and the pool's 1 GB was cleared
+    at every load, ~0.1 s.) The mapping goes when the last array does."""
+    dtype = np.dtype(dtype)
+    sizes = [int(np.prod(sh)) * dtype.itemsize for sh in shapes]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 4096) * 4096
+    if total == 0:
+        return [np.zeros(sh, dtype) for sh in shapes]
+    mm = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return [np.frombuffer(mm, dtype, n // dtype.itemsize, off).reshape(sh) if n
+            else np.zeros(sh, dtype) for sh, n, off in zip(shapes, sizes, offsets)]
 
 
 def _ram_bytes() -> int:
@@ -578,8 +599,8 @@ class CpuOps:
         blocks = list(layer_blocks) if layer_blocks is not None else [num_blocks] * n_layers
         row = (block_size, n_kv_head, K.kv_row_width(self.kv_cache_type, head_dim))
         dtype = K.kv_dtype(self.kv_cache_type)
-        return CpuKVCache([np.zeros((b, *row), dtype) for b in blocks],
-                          [np.zeros((b, *row), dtype) for b in blocks], block_size)
+        arrays = _zeroed_pages([(b, *row) for b in blocks] * 2, dtype)
+        return CpuKVCache(arrays[:len(blocks)], arrays[len(blocks):], block_size)
 
     def attention(self, q, k, v, cache: CpuKVCache, layer: int, batch: ForwardBatch,
                   scale: float, window: int, sinks: np.ndarray | None = None) -> np.ndarray:
