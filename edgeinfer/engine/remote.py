@@ -68,6 +68,7 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
     # the estimate, the kernel steps and the runner read one parse (numba runs here anyway
     # on the cpu backend: its walk of the vocabulary)
     remember_headers(compiled_walk=config.backend == "cpu")
+    t0 = time.perf_counter()
     try:    # the backend's own figures, for the daemon's memory budget, before any weight
         est = estimate_memory(config.backend, path, config.kv_cache_type, config.repack,
                               config.torch_dtype)
@@ -82,6 +83,7 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
         return
     if go[0] != "load":             # the budget refused it
         return
+    t1 = time.perf_counter()
 
     def progress(p) -> None:
         conn.send(("progress", p.done, p.total, p.label))
@@ -90,13 +92,26 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
         from edgeinfer.backends.cpu.threads import ThreadGovernor  # lazy: not in the daemon
         # this process's own budget: it measures the other engine processes as busy cores
         config = dataclasses.replace(config, governor=ThreadGovernor(fixed=config.threads))
+    t2 = time.perf_counter()
     try:
         engine = Engine(path, config, mmproj=mmproj)
     except BaseException as e:      # noqa: BLE001 - the daemon reports it, in one sentence
         conn.send(("failed", type(e).__name__, str(e)))
         conn.close()
         return
+    log.info("loaded %s in %.2f s (memory estimate %.2f s, kernels %.2f s, weights and KV "
+             "pool %.2f s)%s", name or os.path.basename(path), time.perf_counter() - t0,
+             t1 - t0, t2 - t1, time.perf_counter() - t2,
+             _weights_note(engine) if config.backend == "cpu" else "")
     _EngineServer(conn, engine).run()
+
+
+def _weights_note(engine: Engine) -> str:
+    """Where a CPU load's repacked weights came from (the repack cache's figures)."""
+    cache = engine.runner.ops.packed_cache
+    if cache is None:
+        return ""
+    return f"; {cache.hits} matrices mapped from the repack cache, {cache.misses} repacked"
 
 
 class _EngineServer:
