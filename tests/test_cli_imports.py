@@ -1,13 +1,14 @@
 """Every `edgeinfer` command starts by importing the CLI: the GGUF reader's numpy and gguf,
-the kernels' numba, torch and the terminal app stay out of that (the command that needs
-them imports them), so a command that only talks to the daemon starts in a fifth of a
-second. (httpx's own import brings rich, for its command line.)"""
+the kernels' numba, torch, the terminal app, httpx (the daemon client is http.client's) and
+rich (pull's progress bars) stay out of that (the command that needs them imports them), so
+a command that only talks to the daemon starts in a tenth of a second."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-HEAVY = ("numpy", "gguf", "numba", "torch", "textual", "edgeinfer.formats.gguf_file")
+HEAVY = ("numpy", "gguf", "numba", "torch", "textual", "edgeinfer.formats.gguf_file", "httpx",
+         "rich", "edgeinfer.store.pull")
 
 
 def test_the_cli_imports_no_heavy_module():

@@ -7,19 +7,24 @@ comes from EDGEINFER_API_KEY.
 
 `stream_generate()` is what `edgeinfer run` uses: text chunks as they arrive, then one
 `GenerationStats`.
+
+The standard library's http.client, not httpx: every command starts with this module, and
+httpx's import (with httpcore, h11 and the rest) was 0.2 s of a 0.3 s `edgeinfer run` on a
+loaded model. One connection per request: the daemon is usually on loopback.
 """
 from __future__ import annotations
 
+import http.client
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
-
-import httpx
+from urllib.parse import urlsplit
 
 from edgeinfer.server import daemon
 from edgeinfer.settings import current
 from edgeinfer.store.model_store import StoreError
-from edgeinfer.store.pull import PullProgress
+
+CONNECT_TIMEOUT = 5.0
 
 __all__ = ["Client", "ClientError", "GenerationStats", "connect", "daemon_pull",
            "stream_generate"]
@@ -65,15 +70,15 @@ class GenerationStats:
                    s("eval_duration"), int(d.get("prompt_cached_count") or 0))
 
 
-def _error_message(r: httpx.Response) -> str:
+def _error_message(status: int, data: bytes) -> str:
     try:
-        body = r.json()
+        body = json.loads(data)
     except ValueError:
-        return f"HTTP {r.status_code}: {r.text[:200]}"
+        return f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}"
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict):
         return str(err.get("message"))
-    return str(err or f"HTTP {r.status_code}")
+    return str(err or f"HTTP {status}")
 
 
 class Client:
@@ -81,15 +86,18 @@ class Client:
                  timeout: float | None = None):
         self.base_url = base_url or daemon.url_for(*daemon.env_address())
         key = api_key if api_key is not None else current().api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        # generations can run for minutes: no read timeout, a short connect timeout
-        # plain http (the daemon serves no TLS): no CA bundle to load (~45 ms a command)
-        tls = self.base_url.startswith("https:")
-        self.http = httpx.Client(base_url=self.base_url, headers=headers, verify=tls,
-                                 timeout=httpx.Timeout(timeout, connect=5.0))
+        self._headers = {"Content-Type": "application/json"}
+        if key:
+            self._headers["Authorization"] = f"Bearer {key}"
+        u = urlsplit(self.base_url)
+        self._tls = u.scheme == "https"
+        self._host = u.hostname or "127.0.0.1"
+        self._port = u.port or (443 if self._tls else 80)
+        # generations can run for minutes: no read timeout unless asked, a short connect one
+        self.timeout = timeout
 
     def close(self) -> None:
-        self.http.close()
+        """Nothing held between requests (kept for the callers' with-blocks)."""
 
     def __enter__(self) -> "Client":
         return self
@@ -97,37 +105,58 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _send(self, method: str, path: str, body: dict | None,
+              timeout: float | None) -> http.client.HTTPResponse:
+        """The response to one request on a connection of its own (OSError and
+        http.client.HTTPException for a daemon that is not there or hangs up)."""
+        if self._tls:
+            conn = http.client.HTTPSConnection(self._host, self._port, timeout=CONNECT_TIMEOUT)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=CONNECT_TIMEOUT)
+        conn.connect()
+        conn.sock.settimeout(timeout)
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers=self._headers)
+        return conn.getresponse()
+
     def health(self) -> dict | None:
         try:
-            r = self.http.get("/health", timeout=2.0)
-            return r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            r = self._send("GET", "/health", None, 2.0)
+            data = r.read()
+            return json.loads(data) if r.status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError):
             return None
 
     def request(self, method: str, path: str, body: dict | None = None) -> Any:
         try:
-            r = self.http.request(method, path, json=body)
-        except httpx.HTTPError as e:
+            r = self._send(method, path, body, self.timeout)
+            data = r.read()
+        except (OSError, http.client.HTTPException) as e:
             raise ClientError(f"cannot reach the daemon at {self.base_url}: {e}") from None
-        if r.status_code >= 400:
-            raise ClientError(_error_message(r), r.status_code)
-        return r.json() if r.content else None
+        if r.status >= 400:
+            raise ClientError(_error_message(r.status, data), r.status)
+        return json.loads(data) if data else None
 
     def stream(self, path: str, body: dict) -> Iterator[dict]:
         """POST and yield the NDJSON lines; an {"error"} line raises ClientError."""
         try:
-            with self.http.stream("POST", path, json=body) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    raise ClientError(_error_message(r), r.status_code)
-                for line in r.iter_lines():
+            r = self._send("POST", path, body, self.timeout)
+            try:
+                if r.status >= 400:
+                    raise ClientError(_error_message(r.status, r.read()), r.status)
+                while True:
+                    line = r.readline()     # the chunked body, a line as soon as it is in
+                    if not line:
+                        break
                     if not line.strip():
                         continue
                     obj = json.loads(line)
                     if "error" in obj:
                         raise ClientError(str(obj["error"]))
                     yield obj
-        except httpx.HTTPError as e:
+            finally:
+                r.close()
+        except (OSError, http.client.HTTPException) as e:
             raise ClientError(f"connection to the daemon at {self.base_url} failed: {e}") \
                 from None
 
@@ -153,6 +182,7 @@ def daemon_pull(source: str, name: str | None, sha256: str | None,
                 progress: Callable[[Any], None]) -> bool:
     """Pull through a running daemon (never starts one). False when none answers; the
     store's own errors come back as StoreError so the CLI prints them as usual."""
+    from edgeinfer.store.pull import PullProgress      # lazy: it imports httpx
     with Client() as c:
         if c.health() is None:
             return False

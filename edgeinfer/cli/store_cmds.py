@@ -5,19 +5,17 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
-
-from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
+from typing import TYPE_CHECKING, Any, Callable
 
 from edgeinfer.cli import client
 from edgeinfer.cli.run import prepare_kernels
 from edgeinfer.runners.choice import resolve_for_file
 from edgeinfer.settings import current
 from edgeinfer.store.bundled_listing import list_models
-from edgeinfer.store.pull import PullProgress, pull, pull_projector, resolve_source
 from edgeinfer.store.model_store import ModelRef, Store
+
+if TYPE_CHECKING:       # the pull module imports httpx: only `edgeinfer pull` needs it
+    from edgeinfer.store.pull import PullProgress
 
 
 def add_commands(subparsers: Any) -> None:
@@ -55,6 +53,9 @@ class _ProgressView:
     a plain line for the others. Everything goes to stderr so stdout stays scriptable."""
 
     def __init__(self) -> None:
+        from rich.console import Console        # lazy: only `edgeinfer pull` draws bars
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                                   TimeRemainingColumn, TransferSpeedColumn)
         self.console = Console(stderr=True)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
                                  DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
@@ -89,6 +90,7 @@ def _daemon_pull(args: argparse.Namespace, progress: Callable[[PullProgress], No
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from edgeinfer.store.pull import pull
     src = args.source
     local = "://" not in src and (src.lower().endswith(".gguf") or Path(src).expanduser().exists())
     with _ProgressView() as view:
@@ -107,6 +109,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def _pull_projector(args: argparse.Namespace, ref: ModelRef | None) -> None:
     """--mmproj: the projector goes into the store with the model just pulled."""
+    from edgeinfer.store.pull import pull_projector, resolve_source
     store = Store()
     if ref is None:         # pulled through the daemon, into the same store
         ref = store.resolve(str(resolve_source(args.source, args.name, args.sha256,
@@ -123,6 +126,7 @@ def _prepare_kernels(ref: ModelRef | None, args: argparse.Namespace) -> None:
     types, its architecture's forward; edgeinfer.engine.warmup), with a progress bar, so
     its first request does not wait for them. Nothing to do for a model whose kernels are
     compiled, or that the daemon's backend would not run on the native CPU engine."""
+    from edgeinfer.store.pull import resolve_source
     try:
         if ref is None:         # pulled through the daemon, into the same store
             store = Store()
