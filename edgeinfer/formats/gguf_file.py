@@ -264,6 +264,14 @@ def remember_headers(compiled_walk: bool = False) -> None:
     _HEADERS_WALK = _HEADERS_WALK or compiled_walk
 
 
+def forget_headers(keep: str | None = None) -> None:
+    """Drop the remembered parses but `keep`'s (a spare engine process parsed its hint
+    model ahead; the model it then serves may be another)."""
+    if _HEADERS is not None:
+        for path in [p for p in _HEADERS if p != keep]:
+            del _HEADERS[path]
+
+
 def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
     """Parse and validate a GGUF file's header and tensor table; map its data read-only.
     compiled_walk: follow a long string array's lengths in numba (_string_heads.py, ~0.2 s
