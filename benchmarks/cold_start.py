@@ -16,7 +16,10 @@ Interleaved rounds (the order turns each round), medians with their ranges:
   edgeinfer/engine/spare.py) and one with EDGEINFER_SPARE_RUNNER=0 (each load spawns a
   fresh engine process). Before each timing the model is unloaded and the daemon left idle
   until its spare is warm.
-Every row is timed by this process, from starting the command to the first byte it prints
+A model's first load repacks its weights and writes them to the repack cache; the rounds
+time the loads after it (one untimed load per configuration first; the first load's time
+is printed apart). Every row is timed by this process, from starting the command to the
+first byte it prints
 ("first" from a worker, the token from `edgeinfer run`), so Python's start counts alike.
 """
 from __future__ import annotations
@@ -143,6 +146,15 @@ def main() -> None:
         try:
             print(f"model {name}, {args.threads} threads, {args.rounds} interleaved rounds, "
                   f"load average {os.getloadavg()[0]:.1f}")
+            # Each model's first load repacks its weights and writes them to the repack
+            # cache; every later one maps them. The temporary store's path is new, so that
+            # first load happens here, untimed in the rounds: its figure is printed apart.
+            for d in daemons.values():
+                d.idle_unloaded(name)
+            first = daemons["daemon"].time_run(name)
+            run_worker("native", path, args.threads)
+            print(f"first load of the model through the daemon (repacked, then written to "
+                  f"the repack cache): {first:.2f} s")
             runs: dict[str, list[float]] = {"llama.cpp": [], "in process": [],
                                             "in process, no repack cache": [],
                                             "daemon": [], "daemon, no spare": []}
