@@ -191,6 +191,19 @@ def test_a_full_disk_serves_from_memory(tmp_path, monkeypatch, caplog):
     assert not list(c.path.parent.glob("*.tmp"))
 
 
+def test_a_nearly_full_disk_is_left_alone(tmp_path, monkeypatch, caplog):
+    """Less than the file plus MIN_FREE_BYTES free: nothing written, the model served."""
+    path = synth.synthetic_model(CACHE, "llama", "Q4_K_M")
+    want, _, _ = _load(path, None)
+    real = pc.shutil.disk_usage
+    monkeypatch.setattr(pc.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=pc.MIN_FREE_BYTES + 1000))
+    with caplog.at_level(logging.WARNING):
+        got, c, _ = _load(path, tmp_path)
+    assert got == want and not c.path.exists()
+    assert "free on its disk" in caplog.text
+
+
 def test_a_rewritten_gguf_is_another_model(tmp_path):
     src = synth.synthetic_model(CACHE, "llama", "Q4_K_M")
     path = tmp_path / "m.gguf"

@@ -20,7 +20,8 @@ The arrays are the bytes repacking gives, so a mapped matrix computes the same b
 
 The directory is bounded: after writing a model the least recently used ones (each load
 touches its file) are removed until the total fits `limit_bytes`. A failed write (a full
-disk, no permission) is logged and the model is served from memory as usual. A file whose
+disk, no permission, less than 1 GiB left beside the file) is logged and the model is served
+from memory as usual. A file whose
 GGUF is gone (`edgeinfer rm`) is removed by the next eviction.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ LAYOUT = _stamp.deps_hash(("repack.py", "_int8.py"))
 _ARRAYS = ("q", "h", "s", "o", "d", "dm")
 _FIELDS = ("has_o", "zero_point", "B", "A", "K", "N", "bits", "fmt")
 _ALIGN = 64
+MIN_FREE_BYTES = 1 << 30    # left free on the cache's disk after a write
 STALE_TMP_S = 600.0     # a temporary file older than this belongs to no live writer
 IDLE_S = 2.0            # the writer writes once the load has handed over nothing for this long
 
@@ -203,11 +205,22 @@ class PackedCache:
 
     def _write_file(self) -> None:
         pending, self._pending, self._repacked = self._pending, [], False
-        if sum(m.nbytes for _, m in pending) > self.limit_bytes:
+        size = sum(m.nbytes for _, m in pending)
+        if size > self.limit_bytes:
             return          # bigger than the whole cache: written, it would evict everything
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.path.parent).free
+        except OSError as e:
+            log.warning("repack cache: not writing %s (%s); the model is served from memory "
+                        "as usual", self.path, e)
+            return
+        if free < size + MIN_FREE_BYTES:    # a cache never takes the disk's last space
+            log.warning("repack cache: not writing %s (%.0f MB) with %.0f MB free on its disk",
+                        self.path.name, size / 2**20, free / 2**20)
+            return
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
             with open(tmp, "wb") as f:
                 index = {name: _append(f, m) for name, m in pending}
                 off = f.tell()
