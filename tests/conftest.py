@@ -25,8 +25,10 @@ def _free_port() -> int:
 # them at a port nobody listens on. Tests that want a daemon start their own.
 os.environ["EDGEINFER_HOST"] = f"127.0.0.1:{_free_port()}"
 # Repacked weights (backends/cpu/packed_cache.py) of the test daemons and CLI runs go beside
-# the test models, not into the user's cache.
+# the test models, not into the user's cache, and at most 1 GB of them: many tests load
+# copies of a model at paths of their own, each a model of its own to the cache.
 os.environ.setdefault("EDGEINFER_REPACK_CACHE", str(REPO / ".cache" / "repacked-tests"))
+os.environ.setdefault("EDGEINFER_REPACK_CACHE_GB", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -213,6 +213,25 @@ def test_a_rewritten_gguf_is_another_model(tmp_path):
     assert pc.model_file(tmp_path, str(path)) != before
 
 
+def test_a_store_blob_is_keyed_by_its_content(tmp_path):
+    """Two stores holding one blob (its file named by its sha256) share one file, kept when
+    one of them goes."""
+    src = synth.synthetic_model(CACHE, "llama", "Q4_K_M")
+    name = "sha256-" + "ab" * 32
+    a, b = tmp_path / "s1" / name, tmp_path / "s2" / name
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(src.read_bytes())
+    root = tmp_path / "repacked"
+    assert pc.model_file(root, str(a)) == pc.model_file(root, str(b))
+    _, ca, _ = _load(a, root)
+    _, cb, _ = _load(b, root)
+    assert cb.hits == ca.misses and cb.misses == 0
+    a.unlink()
+    pc.evict(root, 8 << 30)
+    assert cb.path.is_file()
+
+
 def test_settings():
     assert Settings.from_env({"EDGEINFER_REPACK_CACHE": "0"}).repack_cache is None
     s = Settings.from_env({"EDGEINFER_REPACK_CACHE": "/x/y", "EDGEINFER_REPACK_CACHE_GB": "2"})

@@ -10,8 +10,9 @@ pages, nothing copied, arrays that numba takes as it takes any other array).
 <root>/<layout>/<model>.tiles
 - layout: a hash of repack.py and _int8.py, which define the tile layout; a new layout
   starts a directory of its own and the old ones are removed;
-- model: the GGUF's file name and a hash of its real path, size and mtime (a file rewritten
-  in place is another model);
+- model: a store blob (named sha256-<hex> by its content) by that hash and its size, so
+  every store holding it shares one file; any other GGUF by its file name and a hash of its
+  real path, size and mtime (a file rewritten in place is another model);
 - the file: each matrix's arrays, 64-byte aligned, then a JSON index (the GGUF's path, and
   per matrix its fields and each array's dtype, shape and offset), then a trailer: b"EITILES2", the
   index's offset and length (u64 little-endian). A file whose trailer, index or sizes do
@@ -57,11 +58,23 @@ STALE_TMP_S = 600.0     # a temporary file older than this belongs to no live wr
 IDLE_S = 2.0            # the writer writes once the load has handed over nothing for this long
 
 
+_BLOB = re.compile(r"sha256-([0-9a-f]{64})")
+
+
+def content_named(gguf_path: str) -> bool:
+    """A store blob, named by its content's sha256 (every copy of it is the same model)."""
+    return _BLOB.fullmatch(Path(os.path.realpath(gguf_path)).name) is not None
+
+
 def model_file(root: str | os.PathLike, gguf_path: str) -> Path:
-    """Where a GGUF's repacked matrices are kept: by its file name and a hash of its real
-    path, size and modification time."""
+    """Where a GGUF's repacked matrices are kept: a store blob by its content hash and size
+    (any store holding it shares the file), any other GGUF by its file name and a hash of
+    its real path, size and modification time."""
     real = os.path.realpath(gguf_path)
     st = os.stat(real)
+    m = _BLOB.fullmatch(Path(real).name)
+    if m is not None:
+        return Path(root) / LAYOUT / f"blob-{m.group(1)[:32]}-{st.st_size}.tiles"
     h = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(real).stem)[:60]
     return Path(root) / LAYOUT / f"{stem}-{h}.tiles"
@@ -73,7 +86,9 @@ class PackedCache:
 
     def __init__(self, root: str | os.PathLike, gguf_path: str, limit_bytes: int):
         self.root = Path(root)
-        self.gguf = os.path.realpath(gguf_path)
+        # the GGUF whose removal makes the file stale; none for a blob that other stores
+        # (or a later pull) may hold: the size order removes those
+        self.gguf = None if content_named(gguf_path) else os.path.realpath(gguf_path)
         self.path = model_file(root, gguf_path)
         self.limit_bytes = limit_bytes
         self.hits = 0
@@ -306,7 +321,7 @@ def _gguf_of(path: Path) -> str | None:
                 return None
             f.seek(int.from_bytes(tail[len(MAGIC):len(MAGIC) + 8], "little"))
             head = f.read(4096)
-        # the index starts {"gguf": "<path>", ...: decode just that first string
+        # the index starts {"gguf": "<path>" (or null), ...: decode just that first value
         return json.JSONDecoder().raw_decode(head.decode("utf-8", "replace"), 9)[0]
     except (OSError, ValueError):
         return None
