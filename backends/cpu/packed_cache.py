@@ -61,11 +61,6 @@ IDLE_S = 2.0            # the writer writes once the load has handed over nothin
 _BLOB = re.compile(r"sha256-([0-9a-f]{64})")
 
 
-def content_named(gguf_path: str) -> bool:
-    """A store blob, named by its content's sha256 (every copy of it is the same model)."""
-    return _BLOB.fullmatch(Path(os.path.realpath(gguf_path)).name) is not None
-
-
 def model_file(root: str | os.PathLike, gguf_path: str) -> Path:
     """Where a GGUF's repacked matrices are kept: a store blob by its content hash and size
     (any store holding it shares the file), any other GGUF by its file name and a hash of
@@ -86,10 +81,10 @@ class PackedCache:
 
     def __init__(self, root: str | os.PathLike, gguf_path: str, limit_bytes: int):
         self.root = Path(root)
+        self.path = model_file(root, gguf_path)
         # the GGUF whose removal makes the file stale; none for a blob that other stores
         # (or a later pull) may hold: the size order removes those
-        self.gguf = None if content_named(gguf_path) else os.path.realpath(gguf_path)
-        self.path = model_file(root, gguf_path)
+        self.gguf = None if self.path.name.startswith("blob-") else os.path.realpath(gguf_path)
         self.limit_bytes = limit_bytes
         self.hits = 0
         self.misses = 0
@@ -116,19 +111,8 @@ class PackedCache:
 
     def _open(self) -> None:
         with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < TRAILER:
-                raise ValueError("too short")
-            f.seek(size - TRAILER)
-            tail = f.read(TRAILER)
-            if tail[:len(MAGIC)] != MAGIC:
-                raise ValueError("no trailer")
-            off = int.from_bytes(tail[len(MAGIC):len(MAGIC) + 8], "little")
-            n = int.from_bytes(tail[len(MAGIC) + 8:], "little")
-            if off + n != size - TRAILER:
-                raise ValueError("index out of place")
-            f.seek(off)
-            index = json.loads(f.read(n))["matrices"]
+            off, header = _read_index(f)
+            index = header["matrices"]
             for entry in index.values():
                 for spec in entry["arrays"].values():
                     if spec is not None and spec["offset"] + spec["nbytes"] > off:
@@ -311,17 +295,29 @@ def evict(root: str | os.PathLike, limit_bytes: int, keep: Path | None = None) -
         total -= st.st_size
 
 
+def _read_index(f) -> tuple[int, dict]:
+    """(where the data ends, the JSON index) of an open tiles file, its trailer checked
+    (ValueError for a file that is not one, or not whole)."""
+    size = os.fstat(f.fileno()).st_size
+    if size < TRAILER:
+        raise ValueError("too short")
+    f.seek(size - TRAILER)
+    tail = f.read(TRAILER)
+    if tail[:len(MAGIC)] != MAGIC:
+        raise ValueError("no trailer")
+    off = int.from_bytes(tail[len(MAGIC):len(MAGIC) + 8], "little")
+    n = int.from_bytes(tail[len(MAGIC) + 8:], "little")
+    if off + n != size - TRAILER:
+        raise ValueError("index out of place")
+    f.seek(off)
+    return off, json.loads(f.read(n))
+
+
 def _gguf_of(path: Path) -> str | None:
-    """The GGUF path a file's index names (None: unreadable, left to the size order)."""
+    """The GGUF path a file's index names (None: a blob's, or unreadable: left to the size
+    order)."""
     try:
         with open(path, "rb") as f:
-            f.seek(-TRAILER, os.SEEK_END)
-            tail = f.read(TRAILER)
-            if tail[:len(MAGIC)] != MAGIC:
-                return None
-            f.seek(int.from_bytes(tail[len(MAGIC):len(MAGIC) + 8], "little"))
-            head = f.read(4096)
-        # the index starts {"gguf": "<path>" (or null), ...: decode just that first value
-        return json.JSONDecoder().raw_decode(head.decode("utf-8", "replace"), 9)[0]
-    except (OSError, ValueError):
+            return _read_index(f)[1]["gguf"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
