@@ -17,6 +17,7 @@ abort, submit_embed, snapshot, prompts). `serve` is the engine process's main lo
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -310,9 +311,8 @@ class RemoteEngine(PromptMethods):
         # and loads (one core each at first); a spare's, unpickled once the load is asked
         # for (~0.13 s instead of ~0.4 s for Qwen2.5's 151k tokens, holding the GIL: not
         # while the daemon decides whether the model fits)
-        self._prepared = prepared
-        self._vocabulary = None if prepared is not None else start_thread(
-            self.read_vocabulary, path, name="edgeinfer-vocabulary")
+        self._vocabulary: concurrent.futures.Future | bytes = prepared if prepared is not None \
+            else start_thread(self.read_vocabulary, path, name="edgeinfer-vocabulary")
         try:
             self.estimate = self._wait_for("estimate")[1]
         except BaseException:
@@ -327,10 +327,9 @@ class RemoteEngine(PromptMethods):
             self._progress = progress
         try:
             self._conn.send(("load",))
-            if self._vocabulary is None:
-                self._vocabulary = start_thread(pickle.loads, self._prepared,
+            if isinstance(self._vocabulary, bytes):     # the spare's, unpickled now
+                self._vocabulary = start_thread(pickle.loads, self._vocabulary,
                                                 name="edgeinfer-vocabulary")
-                self._prepared = None
             tokenizer, md = self._vocabulary.result()
             self.info: EngineInfo = self._wait_for("ready")[1]
             self._reader = threading.Thread(target=self._read_loop, daemon=True,
