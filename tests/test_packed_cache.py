@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +16,9 @@ from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.settings import Settings
 
 import synth
+from conftest import CACHE as TEST_MODELS
 
-CACHE = Path(os.environ.get("EDGEINFER_TEST_CACHE", Path(__file__).resolve().parent.parent
-                            / ".cache" / "test-models")) / "synth"
+CACHE = TEST_MODELS / "synth"
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 PROMPT = "def quicksort(xs):"
 
