@@ -7,7 +7,6 @@ import logging
 import os
 
 import numpy as np
-import pytest
 
 from edgeinfer.backends.cpu import packed_cache as pc
 from edgeinfer.backends.cpu.repack import PackedMatrix
