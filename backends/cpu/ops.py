@@ -297,11 +297,12 @@ class CpuOps:
     def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix | _mx.Mxfp4Matrix:
         if self.repack is None:
             self.repack = self.would_repack(gguf_file)
-        if int(gguf_file.tensors[name].ggml_type) == _mx.MXFP4:
+        gtype = int(gguf_file.tensors[name].ggml_type)
+        if gtype == _mx.MXFP4:
             # read in place by its own kernel, every row the same bits in any batch
             self._mxfp4 = True
             return _mx.Mxfp4Matrix.from_gguf(gguf_file, name)
-        if self.repack and int(gguf_file.tensors[name].ggml_type) in REPACKABLE:
+        if self.repack and gtype in REPACKABLE:
             cache = self._packed_cache(gguf_file)
             packed = cache.get(name) if cache is not None else None
             if packed is not None:
