@@ -391,6 +391,26 @@ def test_every_vector_kernel_of_this_cpu_equals_the_portable_one(qtype, isa):
                                       packed_matmul(x[:m], p, use_vnni=False).view(np.uint32))
 
 
+@pytest.mark.parametrize("isa", sorted(set(_int8.HOST_ISAS) - {_int8.PORTABLE}),
+                         ids=lambda i: {v: k for k, v in _int8.ISA_NAMES.items()}[i])
+@pytest.mark.parametrize("qtype,fill", [(T.Q4_K, 0xFF), (T.Q5_K, 0xFF), (T.Q6_K, 0xFF),
+                                        (T.Q8_0, 0xFF), (T.Q8_0, 0x00)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q8_0-max", "Q8_0-min"])
+def test_vector_kernels_at_the_largest_codes(qtype, fill, isa):
+    """Every code at its format's extreme (15, 31, 63; Q8_0's 127 and -128) times activation
+    codes of +-127: the AVX2 kernel's 16-bit pair sums (vpmaddubsw, summed over up to 8 quads
+    before widening) stay exact there, as in every vector kernel."""
+    name = {v: k for k, v in _int8.ISA_NAMES.items()}[isa]
+    p = PackedMatrix.from_quant(make(qtype, 32, 512, seed=5))
+    p.q[:] = fill
+    p.h[:] = fill
+    x = np.ones((9, p.K), np.float32)
+    x[1::3] = -1.0
+    x[2::3, 1::2] = -1.0
+    np.testing.assert_array_equal(packed_matmul(x, p, use_vnni=name).view(np.uint32),
+                                  packed_matmul(x, p, use_vnni=False).view(np.uint32))
+
+
 def test_isa_detection_is_honest():
     feats = _int8._FEATURES
     assert _int8.HAVE_VNNI == bool(feats.get("avx512vnni") and feats.get("avx512bw"))
