@@ -43,6 +43,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import _stamp
+from ._int8 import _FEATURES as _HOST_FEATURES
 from ._simd import f16x, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vsub, vzero
 from .kernels import kv_scalar, kv_vec, round_f16
 
@@ -426,6 +427,98 @@ def _qk_4x4(qv, r, kc, kb, j, D, sc, scale):
     vstore4_3(sc, o + 3 * W, s)
 
 
+# AVX2 (16 ymm registers, 8 lanes): _qk_4x4's sixteen 16-lane accumulators are 32 registers
+# there, and LLVM spilled them every step. _qk_4x2_h keeps each score's 16 partial sums as two
+# 8-lane halves and runs the halves one after the other (8 accumulators, 4 q rows and a K
+# chunk live at a time); the halves' sum is vhsum's first level (lane i + lane i + 8), the
+# rest of its tree follows on 8 lanes: every score is the same operations, the same bits.
+_SPLIT_HALVES = not _HOST_FEATURES.get("avx512f", False)
+_V8 = ir.VectorType(_F, 8)
+_I32x8 = ir.VectorType(_I32, 8)
+
+
+def _tree8(builder, vs):
+    """8 <8 x float> -> lane k = vs[k]'s lanes summed as vhsum's levels 4, 2, 1 do."""
+    width = 4
+    while len(vs) > 1:
+        G = 2 * width
+        lo = [g * G + i for g in range(8 // G) for i in range(width)]
+        hi = [g * G + width + i for g in range(8 // G) for i in range(width)]
+        lo, hi = lo + [8 + x for x in lo], hi + [8 + x for x in hi]
+        vs = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_I32x8, lo)),
+                           builder.shuffle_vector(a, b, ir.Constant(_I32x8, hi)))
+              for a, b in zip(vs[0::2], vs[1::2])]
+        width //= 2
+    return vs[0]
+
+
+@intrinsic
+def _qk_4x2_h(typingctx, qv, q0, kc, k0, k1, D, sc, o, W, scale):
+    """Scores of the four q rows at flat offset q0 (rows D apart) of qv against the float32 K
+    rows at offsets k0 and k1 of kc, times scale, into sc at flat offsets o + i W (key k0)
+    and o + i W + 1 (key k1), rows i = 0..3: _qk_4x2's bits with k1 = k0 + 1."""
+    def codegen(context, builder, sig, args):
+        qa, q0_, ka, k0_, k1_, D_, sa, o_, W_, sc_ = args
+        i64 = ir.IntType(64)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
+        qp = context.make_array(sig.args[0])(context, builder, qa).data
+        kp = context.make_array(sig.args[2])(context, builder, ka).data
+        sp = context.make_array(sig.args[6])(context, builder, sa).data
+
+        def at(base, off):
+            return builder.bitcast(builder.gep(base, [off]), _V8.as_pointer())
+
+        zero = ir.Constant(_V8, None)
+        halves = []
+        for h in range(2):               # lanes 0-7 of every 16-column chunk, then 8-15
+            entry = builder.basic_block
+            loop = builder.append_basic_block(f"qk_half{h}")
+            done = builder.append_basic_block(f"qk_half{h}_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            d = builder.phi(i64)
+            d.add_incoming(ir.Constant(i64, 0), entry)
+            accs = []
+            for _ in range(8):
+                phi = builder.phi(_V8)
+                phi.add_incoming(zero, entry)
+                accs.append(phi)
+            dh = builder.add(d, ir.Constant(i64, 8 * h))
+            x0 = builder.load(at(kp, builder.add(k0_, dh)), align=4)
+            x1 = builder.load(at(kp, builder.add(k1_, dh)), align=4)
+            new = []
+            for i in range(4):
+                qo = builder.add(builder.add(q0_, builder.mul(D_, ir.Constant(i64, i))), dh)
+                y = builder.load(at(qp, qo), align=4)
+                new.append(builder.call(fma, [y, x0, accs[2 * i]]))
+                new.append(builder.call(fma, [y, x1, accs[2 * i + 1]]))
+            d_next = builder.add(d, ir.Constant(i64, 16))
+            tail = builder.basic_block
+            d.add_incoming(d_next, tail)
+            for phi, v in zip(accs, new):
+                phi.add_incoming(v, tail)
+            builder.cbranch(builder.icmp_signed("<", d_next, D_), loop, done)
+            builder.position_at_end(done)
+            halves.append(new)
+        pairs = [builder.fadd(a, b) for a, b in zip(*halves)]    # vhsum's level 8
+        s = builder.fmul(_tree8(builder, pairs),
+                         builder.shuffle_vector(
+                             builder.insert_element(ir.Constant(_V8, ir.Undefined), sc_,
+                                                    ir.Constant(_I32, 0)),
+                             ir.Constant(_V8, ir.Undefined), ir.Constant(_I32x8, [0] * 8)))
+        for i in range(4):            # lanes 2i, 2i+1: row i against k0, k1
+            for k in range(2):
+                off = builder.add(o_, builder.add(builder.mul(W_, ir.Constant(i64, i)),
+                                                  ir.Constant(i64, k)))
+                builder.store(builder.extract_element(s, ir.Constant(_I32, 2 * i + k)),
+                              builder.gep(sp, [off]))
+        return context.get_dummy_value()
+    sig = types.void(qv, types.intp, kc, types.intp, types.intp, types.intp, sc, types.intp,
+                     types.intp, types.float32)
+    return sig, codegen
+
+
 @njit(inline="always", nogil=True)
 def _qk_4x2(qv, r, kc, kb, j0, j1, D, sc, scale):
     """Scores of rows r..r+3 against keys j0 and j1 (j1 may equal j0)."""
@@ -514,6 +607,16 @@ def f16_pool(arr):
 def _f16_pool(arr):
     is_f16 = arr.dtype == types.uint16
     return lambda arr: is_f16
+
+
+def f32_rows(arr):
+    """Whether an array holds float32 (compile-time: its dtype)."""
+
+
+@overload(f32_rows, inline="always")
+def _f32_rows(arr):
+    is_f32 = arr.dtype == types.float32
+    return lambda arr: is_f32
 
 
 @njit(inline="always", nogil=True)
@@ -702,6 +805,14 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
         jlo = max(jmin, _window_start(positions[t0 + r // nh], window) - lo)
         jhi = min(jmax, positions[t0 + (r + rows - 1) // nh] - lo)
         j = jlo
+        if rows == 4 and D % 16 == 0 and _SPLIT_HALVES and f32_rows(kc):
+            W = sc.shape[1]
+            while j + 1 <= jhi:             # two keys at a time in 8-lane halves (AVX2)
+                if j + PREFETCH + 1 <= jhi:
+                    kv_row_prefetch(kc, kb[j + PREFETCH], D)
+                    kv_row_prefetch(kc, kb[j + PREFETCH + 1], D)
+                _qk_4x2_h(qv, r * D, kc, kb[j], kb[j + 1], D, sc, r * W + j, W, np.float32(scale))
+                j += 2
         if rows == 4 and D % 16 == 0:       # four keys at a time, the rest below
             while j + 3 <= jhi:
                 if j + PREFETCH + 3 <= jhi:
