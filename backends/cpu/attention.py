@@ -758,6 +758,27 @@ def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
 
 
 @njit(inline="always", nogil=True)
+def _pv_4x1(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
+    """Output columns c..c+15 of rows r..r+3: _pv_4x4's sums for one 16-column group. On AVX2
+    (_SPLIT_HALVES) _pv_4x4's sixteen 16-lane accumulators are 32 ymm registers of 16; these
+    four are 8. Each column adds its keys in the same order: the same bits."""
+    a = vzero() if first else vload(out, o0 + c)
+    b = vzero() if first else vload(out, o0 + c + D)
+    e = vzero() if first else vload(out, o0 + c + 2 * D)
+    f = vzero() if first else vload(out, o0 + c + 3 * D)
+    for j in range(jlo, jhi + 1):
+        x = kv_vec(vc, kb[j] + c)
+        a = _wadd(a, vsplat(sc[r, j]), x, exact)
+        b = _wadd(b, vsplat(sc[r + 1, j]), x, exact)
+        e = _wadd(e, vsplat(sc[r + 2, j]), x, exact)
+        f = _wadd(f, vsplat(sc[r + 3, j]), x, exact)
+    vstore(out, o0 + c, a)
+    vstore(out, o0 + c + D, b)
+    vstore(out, o0 + c + 2 * D, e)
+    vstore(out, o0 + c + 3 * D, f)
+
+
+@njit(inline="always", nogil=True)
 def _pv_1x1(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
     """Output columns c..c+15 of row r (the last columns when D is not a multiple of 64)."""
     a0 = vzero() if first else vload(out, o0 + c)
@@ -864,7 +885,10 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
                     kv_row_prefetch(vc, kb[j], D)
             c = c0
             while c + 64 <= c1:
-                if rows == 4:
+                if rows == 4 and _SPLIT_HALVES:
+                    for cc in range(c, c + 64, 16):
+                        _pv_4x1(sc, r, vc, kb, jb, je, cc, out, o, D, first, exact)
+                elif rows == 4:
                     _pv_4x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
                 elif rows == 2:
                     _pv_2x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
