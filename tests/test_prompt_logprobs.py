@@ -134,7 +134,10 @@ def test_score_only(engine, llama_ref):
     assert all(e.token_ids == [] and e.text == "" for e in ev)
     assert ev[-1].num_output_tokens == 0
     lp = np.array(prompt_lp(ev).prompt_logprobs[1:])
-    assert np.abs(lp - ref[:49]).mean() < 0.1
+    # llama.cpp's own numbers move with the batch: the llamacpp backend's row chunks against
+    # the reference's one batch were 0.11 nats apart on average here on an AVX2-only CPU
+    # (0.56 at one position), under 0.1 with AVX-512; a wrong row alignment is several nats
+    assert np.abs(lp - ref[:49]).mean() < 0.2
     ev = run(engine, ids[:10], max_tokens=1, score_only=True)     # no logprobs asked
     assert ev[-1].finish_reason == "length" and ev[-1].num_output_tokens == 0
 
