@@ -218,12 +218,19 @@ def _make_tile(rows: int):
                 parts.append(builder.call(fn, [c_h, w_h, a_h]))
                 continue
             w8, a8 = builder.bitcast(w_h, v32i8), builder.bitcast(a_h, v32i8)
-            if signed8:          # ggml's sign trick: |w - 128| * (a with the sign of w - 128)
+            if signed8 and rows > 1:   # ggml's sign trick: |w - 128| * (a with w - 128's sign)
                 ws = builder.xor(w8, ir.Constant(v32i8, [0x80] * 32))
                 absb = intrinsic_fn(mod, "llvm.abs.v32i8", v32i8, [v32i8, i1])
                 psign = intrinsic_fn(mod, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
                 w8 = builder.call(absb, [ws, ir.Constant(i1, 0)])   # |-128| = 0x80: 128 unsigned
                 a8 = builder.call(psign, [a8, ws])
+            elif signed8:        # the same integers by compares and selects: 1.06x at one row
+                ws = builder.xor(w8, ir.Constant(v32i8, [0x80] * 32))
+                zero = ir.Constant(v32i8, [0] * 32)
+                neg = builder.icmp_signed("<", ws, zero)
+                w8 = builder.select(neg, builder.sub(zero, ws), ws)
+                a8 = builder.select(neg, builder.sub(zero, a8),
+                                    builder.select(builder.icmp_signed("==", ws, zero), zero, a8))
             maddubs = intrinsic_fn(mod, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
             maddwd = intrinsic_fn(mod, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
             p16 = builder.call(maddubs, [w8, a8])   # pairs: |sum| <= 2 * 127 * 128, no saturation
@@ -247,12 +254,12 @@ def _make_tile(rows: int):
         chains = list(split(builder, start))
         for h in range(2):
             for g0 in range(0, len(wv), g):
-                p16 = None
-                for j in range(g0, min(len(wv), g0 + g)):
-                    p = builder.call(maddubs, [builder.bitcast(ws[j][h], v32i8),
-                                               builder.bitcast(acts[j], v32i8)])
-                    p16 = p if p16 is None else builder.add(p16, p)
-                chains[h] = builder.add(chains[h], builder.call(maddwd, [p16, ones]))
+                ps = [builder.call(maddubs, [builder.bitcast(ws[j][h], v32i8),
+                                             builder.bitcast(acts[j], v32i8)])
+                      for j in range(g0, min(len(wv), g0 + g))]
+                while len(ps) > 1:       # a tree, not a chain: a 1-row tile is latency-bound
+                    ps = [builder.add(a, b) for a, b in zip(ps[0::2], ps[1::2])] + ps[len(ps) // 2 * 2:]
+                chains[h] = builder.add(chains[h], builder.call(maddwd, [ps[0], ones]))
         return join(builder, *chains)
 
     def codegen(context, builder, sig, args):
