@@ -323,19 +323,21 @@ def _ref_kernel(q, k_cache, v_cache, block_tables, token_seq, positions, window,
 
 # -- the tiled kernel --------------------------------------------------------------------------
 
-def _tree_sums(builder, vs):
+def _tree_sums(builder, vs, n=16):
     """16 <16 x float> -> one vector whose lane k is vhsum(vs[k]), each sum formed from
     exactly vhsum's additions (lane i + lane i + w for w = 8, 4, 2, 1), but for all sixteen
     at once: at each level two vectors' halves are shuffled side by side and added, so 16
-    sums take 30 shuffles and 15 adds instead of 16 x (4 shuffles, 4 adds, an extract)."""
-    width = 8
+    sums take 30 shuffles and 15 adds instead of 16 x (4 shuffles, 4 adds, an extract).
+    n = 8: 8 <8 x float>, vhsum's levels 4, 2, 1 (_qk_4x2_h's halves already added)."""
+    idx = ir.VectorType(_I32, n)
+    width = n // 2
     while len(vs) > 1:
         G = 2 * width           # lanes per group: one source vector's partial sums
-        lo = [g * G + i for g in range(16 // G) for i in range(width)]
-        hi = [g * G + width + i for g in range(16 // G) for i in range(width)]
-        lo, hi = lo + [16 + x for x in lo], hi + [16 + x for x in hi]
-        vs = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_VI, lo)),
-                           builder.shuffle_vector(a, b, ir.Constant(_VI, hi)))
+        lo = [g * G + i for g in range(n // G) for i in range(width)]
+        hi = [g * G + width + i for g in range(n // G) for i in range(width)]
+        lo, hi = lo + [n + x for x in lo], hi + [n + x for x in hi]
+        vs = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(idx, lo)),
+                           builder.shuffle_vector(a, b, ir.Constant(idx, hi)))
               for a, b in zip(vs[0::2], vs[1::2])]
         width //= 2
     return vs[0]
@@ -437,21 +439,6 @@ _V8 = ir.VectorType(_F, 8)
 _I32x8 = ir.VectorType(_I32, 8)
 
 
-def _tree8(builder, vs):
-    """8 <8 x float> -> lane k = vs[k]'s lanes summed as vhsum's levels 4, 2, 1 do."""
-    width = 4
-    while len(vs) > 1:
-        G = 2 * width
-        lo = [g * G + i for g in range(8 // G) for i in range(width)]
-        hi = [g * G + width + i for g in range(8 // G) for i in range(width)]
-        lo, hi = lo + [8 + x for x in lo], hi + [8 + x for x in hi]
-        vs = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_I32x8, lo)),
-                           builder.shuffle_vector(a, b, ir.Constant(_I32x8, hi)))
-              for a, b in zip(vs[0::2], vs[1::2])]
-        width //= 2
-    return vs[0]
-
-
 @intrinsic
 def _qk_4x2_h(typingctx, qv, q0, kc, k0, k1, D, sc, o, W, scale):
     """Scores of the four q rows at flat offset q0 (rows D apart) of qv against the float32 K
@@ -502,7 +489,7 @@ def _qk_4x2_h(typingctx, qv, q0, kc, k0, k1, D, sc, o, W, scale):
             builder.position_at_end(done)
             halves.append(new)
         pairs = [builder.fadd(a, b) for a, b in zip(*halves)]    # vhsum's level 8
-        s = builder.fmul(_tree8(builder, pairs),
+        s = builder.fmul(_tree_sums(builder, pairs, 8),     # its levels 4, 2, 1
                          builder.shuffle_vector(
                              builder.insert_element(ir.Constant(_V8, ir.Undefined), sc_,
                                                     ir.Constant(_I32, 0)),
