@@ -101,6 +101,9 @@ HOST_ISAS = frozenset([PORTABLE] + [i for i, need in _NEEDS.items()
 BEST_ISA = max(HOST_ISAS)
 HAVE_VNNI = AVX512VNNI in HOST_ISAS       # the AVX-512 kernel (what the repack default weighs)
 HAVE_SIMD = BEST_ISA > PORTABLE           # some vector tile kernel for this CPU
+# 16-lane float vectors are one register (AVX-512: 32 of them) rather than two of AVX2's 16;
+# kernels size their register blocks by it (attention.py)
+WIDE_REGISTERS = bool(_FEATURES.get("avx512f", False))
 
 
 def isa_of(simd) -> int:
@@ -218,14 +221,14 @@ def _make_tile(rows: int):
                 parts.append(builder.call(fn, [c_h, w_h, a_h]))
                 continue
             w8, a8 = builder.bitcast(w_h, v32i8), builder.bitcast(a_h, v32i8)
-            if signed8 and rows > 1:   # ggml's sign trick: |w - 128| * (a with w - 128's sign)
-                ws = builder.xor(w8, ir.Constant(v32i8, [0x80] * 32))
+            # ggml's sign trick for 8-bit codes: |w - 128| * (a with the sign of w - 128)
+            ws = builder.xor(w8, ir.Constant(v32i8, [0x80] * 32)) if signed8 else None
+            if signed8 and rows > 1:
                 absb = intrinsic_fn(mod, "llvm.abs.v32i8", v32i8, [v32i8, i1])
                 psign = intrinsic_fn(mod, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
                 w8 = builder.call(absb, [ws, ir.Constant(i1, 0)])   # |-128| = 0x80: 128 unsigned
                 a8 = builder.call(psign, [a8, ws])
             elif signed8:        # the same integers by compares and selects: 1.06x at one row
-                ws = builder.xor(w8, ir.Constant(v32i8, [0x80] * 32))
                 zero = ir.Constant(v32i8, [0] * 32)
                 neg = builder.icmp_signed("<", ws, zero)
                 w8 = builder.select(neg, builder.sub(zero, ws), ws)

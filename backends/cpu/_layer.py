@@ -35,7 +35,7 @@ from .kernels import _rope_head
 # inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
 _DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py", "_swiglu.py",
          "_int8.py")
-_DEPS_HASH = "efecbb8df5d76af4"
+_DEPS_HASH = "adf7c3ee2865d41f"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)

@@ -43,7 +43,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import _stamp
-from ._int8 import _FEATURES as _HOST_FEATURES
+from ._int8 import WIDE_REGISTERS
 from ._simd import f16x, vadd, vfma, vhsum, vload, vmul, vsplat, vstore, vsub, vzero
 from .kernels import kv_scalar, kv_vec, round_f16
 
@@ -434,7 +434,7 @@ def _qk_4x4(qv, r, kc, kb, j, D, sc, scale):
 # 8-lane halves and runs the halves one after the other (8 accumulators, 4 q rows and a K
 # chunk live at a time); the halves' sum is vhsum's first level (lane i + lane i + 8), the
 # rest of its tree follows on 8 lanes: every score is the same operations, the same bits.
-_SPLIT_HALVES = not _HOST_FEATURES.get("avx512f", False)
+_SPLIT_HALVES = not WIDE_REGISTERS
 _V8 = ir.VectorType(_F, 8)
 _I32x8 = ir.VectorType(_I32, 8)
 
