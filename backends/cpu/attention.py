@@ -506,6 +506,124 @@ def _qk_4x2_h(typingctx, qv, q0, kc, k0, k1, D, sc, o, W, scale):
     return sig, codegen
 
 
+@intrinsic
+def _qk_t8(typingctx, qv, q0, q1, wt, b0, b1, D, sc, o0, o1, ob1, scale):
+    """Scores of two q rows, at flat offsets q0 and q1 of qv, against two blocks of eight
+    keys, transposed, at flat offsets b0 and b1 of wt (value d of key i at b0 + 8 d + i:
+    _transpose8), times scale: row 0's into sc at flat offsets o0 .. o0 + 7 (block 0) and
+    o0 + ob1 .. (block 1), row 1's from o1 likewise. D (a multiple of 16) is a literal. A
+    lone row or block is passed twice (q1 = q0 and o1 = o0; b1 = b0 and ob1 = 0): the same
+    values are stored twice in the same place.
+
+    AVX2 (_SPLIT_HALVES): the keys are the lanes. A score's partial sum l (l = 0..15) is
+    q[l] k[l] + q[16 + l] k[16 + l] + ... by FMA from 0, as in _qk_4x2's lane l, and vhsum's
+    tree over l (l + 8, then + 4, + 2, + 1) becomes adds between whole vectors: no
+    shuffles, no horizontal sums, one store per row and block, and the same operations for
+    every score as _qk_4x2's, so the same bits. Each K vector feeds both rows and each q
+    value both blocks."""
+    if not isinstance(D, types.IntegerLiteral):
+        return None
+    dim = D.literal_value
+
+    def codegen(context, builder, sig, args):
+        qa, q0_, q1_, wa, b0_, b1_, _D, sa, o0_, o1_, ob1_, sc_ = args
+        i64 = ir.IntType(64)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
+        qp = context.make_array(sig.args[0])(context, builder, qa).data
+        wp = context.make_array(sig.args[3])(context, builder, wa).data
+        sp = context.make_array(sig.args[7])(context, builder, sa).data
+        undef = ir.Constant(_V8, ir.Undefined)
+        lane0 = ir.Constant(_I32x8, [0] * 8)
+        rows, blocks = (q0_, q1_), (b0_, b1_)
+
+        def splat(x):
+            return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(_I32, 0)),
+                                          undef, lane0)
+
+        def at(base, off):
+            return builder.bitcast(builder.gep(base, [off]), _V8.as_pointer())
+
+        def pair(l):
+            """p_l + p_(l+8) of each (row, block): vhsum's first level, after both chains."""
+            accs = {}
+            for s in range(0, dim, 16):
+                for h in (l, l + 8):
+                    xs = [builder.load(at(wp, builder.add(b, ir.Constant(i64, 8 * (s + h)))),
+                                       align=4) for b in blocks]
+                    for r, q in enumerate(rows):
+                        y = splat(builder.load(builder.gep(qp, [builder.add(q, ir.Constant(i64, s + h))])))
+                        for k, x in enumerate(xs):
+                            acc = accs.get((r, k, h), ir.Constant(_V8, None))
+                            accs[(r, k, h)] = builder.call(fma, [y, x, acc])
+            return {(r, k): builder.fadd(accs[(r, k, l)], accs[(r, k, l + 8)])
+                    for r in range(2) for k in range(2)}
+
+        def add(a, b):
+            return {rk: builder.fadd(a[rk], b[rk]) for rk in a}
+
+        # ((u0 + u4) + (u2 + u6)) + ((u1 + u5) + (u3 + u7)), u_l = p_l + p_(l+8): vhsum's
+        # levels 4, 2, 1, in an order that keeps few partial sums live
+        w0 = add(add(pair(0), pair(4)), add(pair(2), pair(6)))
+        w1 = add(add(pair(1), pair(5)), add(pair(3), pair(7)))
+        s = add(w0, w1)
+        scv = splat(sc_)
+        for (r, k), v in s.items():
+            off = (o0_, o1_)[r]
+            builder.store(builder.fmul(v, scv), at(sp, builder.add(off, ob1_) if k else off),
+                          align=4)
+        return context.get_dummy_value()
+    sig = types.void(qv, types.intp, types.intp, wt, types.intp, types.intp, D, sc,
+                     types.intp, types.intp, types.intp, types.float32)
+    return sig, codegen
+
+
+@njit(inline="always", nogil=True)
+def _transpose8(wf, n, D, wt):
+    """The n widened rows of wf (row i at i D) in blocks of eight keys, keys in the lanes:
+    value d of row i at ((i // 8) D + d) 8 + i % 8 (_qk_t8's layout); a last block's
+    missing keys are 0."""
+    for b in range((n + 7) // 8):
+        for i in range(8):
+            j = 8 * b + i
+            base = 8 * b * D + i
+            if j < n:
+                for d in range(D):
+                    wt[base + 8 * d] = wf[j * D + d]
+            else:
+                for d in range(D):
+                    wt[base + 8 * d] = 0.0
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=False)
+def _scores_t(qv, R, nh, t0, positions, window, lo, wt, D, sc, scale, j0, j1):
+    """_scores over keys j0..j1 from their transposed blocks (_transpose8 of the rows of key
+    j0 onwards), by _qk_t8: rows in pairs, keys in pairs of 8-key blocks from j0. A
+    block may write scores of keys outside a row's range (up to 15 either side, within the
+    chunk or sc's 16 spare columns at the end, which the softmax overwrites); the softmax
+    never reads them."""
+    W = sc.shape[1]
+    r = 0
+    scale = np.float32(scale)
+    while r < R:
+        rows = 2 if R - r >= 2 else 1
+        jlo = max(j0, _window_start(positions[t0 + r // nh], window) - lo)
+        jhi = min(j1, positions[t0 + (r + rows - 1) // nh] - lo)
+        r1 = r + rows - 1                   # a lone last row: row r twice
+        j = j0 + (jlo - j0) // 8 * 8
+        while j <= jhi:
+            b0 = (j - j0) * D
+            b1, ob1 = (b0 + 8 * D, 8) if j + 8 <= jhi else (b0, 0)    # or block j twice
+            if D == 64:
+                _qk_t8(qv, r * D, r1 * D, wt, b0, b1, 64, sc, r * W + j, r1 * W + j, ob1, scale)
+            elif D == 128:
+                _qk_t8(qv, r * D, r1 * D, wt, b0, b1, 128, sc, r * W + j, r1 * W + j, ob1, scale)
+            else:
+                _qk_t8(qv, r * D, r1 * D, wt, b0, b1, 256, sc, r * W + j, r1 * W + j, ob1, scale)
+            j += 8 + ob1
+        r += rows
+
+
 @njit(inline="always", nogil=True)
 def _qk_4x2(qv, r, kc, kb, j0, j1, D, sc, scale):
     """Scores of rows r..r+3 against keys j0 and j1 (j1 may equal j0)."""
@@ -766,6 +884,33 @@ def _pv_4x1(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
 
 
 @njit(inline="always", nogil=True)
+def _pv_6x1(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
+    """Output columns c..c+15 of rows r..r+5: _pv_4x1 with six rows (AVX2). Twelve ymm
+    accumulators are twelve independent FMA chains over the keys, where _pv_4x1's eight
+    just cover the FMA latency; each V chunk feeds six rows. The same bits."""
+    a = vzero() if first else vload(out, o0 + c)
+    b = vzero() if first else vload(out, o0 + c + D)
+    e = vzero() if first else vload(out, o0 + c + 2 * D)
+    f = vzero() if first else vload(out, o0 + c + 3 * D)
+    g = vzero() if first else vload(out, o0 + c + 4 * D)
+    h = vzero() if first else vload(out, o0 + c + 5 * D)
+    for j in range(jlo, jhi + 1):
+        x = kv_vec(vc, kb[j] + c)
+        a = _wadd(a, vsplat(sc[r, j]), x, exact)
+        b = _wadd(b, vsplat(sc[r + 1, j]), x, exact)
+        e = _wadd(e, vsplat(sc[r + 2, j]), x, exact)
+        f = _wadd(f, vsplat(sc[r + 3, j]), x, exact)
+        g = _wadd(g, vsplat(sc[r + 4, j]), x, exact)
+        h = _wadd(h, vsplat(sc[r + 5, j]), x, exact)
+    vstore(out, o0 + c, a)
+    vstore(out, o0 + c + D, b)
+    vstore(out, o0 + c + 2 * D, e)
+    vstore(out, o0 + c + 3 * D, f)
+    vstore(out, o0 + c + 4 * D, g)
+    vstore(out, o0 + c + 5 * D, h)
+
+
+@njit(inline="always", nogil=True)
 def _pv_1x1(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
     """Output columns c..c+15 of row r (the last columns when D is not a multiple of 64)."""
     a0 = vzero() if first else vload(out, o0 + c)
@@ -864,6 +1009,8 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
         r = r0 + i
         o = o0 + i * D
         rows = 4 if n - i >= 4 else (2 if n - i >= 2 else 1)
+        if _SPLIT_HALVES and n - i >= 6:
+            rows = 6
         for jb in range(jlo, jhi + 1, VBLOCK):
             je = min(jhi, jb + VBLOCK - 1)
             first = fresh and jb == jlo
@@ -872,7 +1019,10 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
                     kv_row_prefetch(vc, kb[j], D)
             c = c0
             while c + 64 <= c1:
-                if rows == 4 and _SPLIT_HALVES:
+                if rows == 6:
+                    for cc in range(c, c + 64, 16):
+                        _pv_6x1(sc, r, vc, kb, jb, je, cc, out, o, D, first, exact)
+                elif rows == 4 and _SPLIT_HALVES:
                     for cc in range(c, c + 64, 16):
                         _pv_4x1(sc, r, vc, kb, jb, je, cc, out, o, D, first, exact)
                 elif rows == 4:
@@ -916,13 +1066,22 @@ def _tile(q, kc, vc, block_tables, token_seq, positions, window, scale, ggml_rou
     # Many rows: K and V widened to float32 once, WIDE_KEYS keys at a time, instead of per
     # four rows (a third of the vector work at 2K keys); a few rows read the pool directly.
     wide = R >= WIDE_MIN_ROWS and wf.shape[0] >= WIDE_KEYS * D
+    # AVX2: scores with the keys in the lanes (_qk_t8), from a transposed copy of each
+    # widened chunk at wf's end (_wide_floats leaves room for it past the output rows)
+    keys_in_lanes = wide and _SPLIT_HALVES and (D == 64 or D == 128 or D == 256) and \
+        wf.shape[0] >= (2 * WIDE_KEYS + R) * D
+    wt = wf[wf.shape[0] - WIDE_KEYS * D:]
     nk = hi - lo + 1
     # 1. scores
     if wide:
         for j0 in range(0, nk, WIDE_KEYS):
             j1 = min(nk, j0 + WIDE_KEYS) - 1
             _widen(kc, kb, j0, j1, D, wf, kw)
-            _scores(qv, R, nh, t0, positions, window, lo, wf, kw, D, sc, scale, j0, j1)
+            if keys_in_lanes:
+                _transpose8(wf, j1 - j0 + 1, D, wt)
+                _scores_t(qv, R, nh, t0, positions, window, lo, wt, D, sc, scale, j0, j1)
+            else:
+                _scores(qv, R, nh, t0, positions, window, lo, wf, kw, D, sc, scale, j0, j1)
     else:
         _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, 0, hi - lo)
     # 2. softmax of each row over its own keys
@@ -1078,8 +1237,9 @@ def _plan(token_seq, positions, window, H, nh, tile, parts):
 
 @njit(inline="always", nogil=True)
 def _wide_floats(max_rows, D):
-    """_tile's wf: WIDE_KEYS widened K or V rows, then max_rows output rows (or a stub)."""
-    return (WIDE_KEYS + max_rows) * D if max_rows >= WIDE_MIN_ROWS else 16
+    """_tile's wf: WIDE_KEYS widened K or V rows, then max_rows output rows, then WIDE_KEYS
+    transposed K rows (_transpose8; or a stub)."""
+    return (2 * WIDE_KEYS + max_rows) * D if max_rows >= WIDE_MIN_ROWS else 16
 
 
 @njit(**_PJIT)
