@@ -863,51 +863,36 @@ def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
 
 
 @njit(inline="always", nogil=True)
-def _pv_4x1(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
-    """Output columns c..c+15 of rows r..r+3: _pv_4x4's sums for one 16-column group. On AVX2
-    (_SPLIT_HALVES) _pv_4x4's sixteen 16-lane accumulators are 32 ymm registers of 16; these
-    four are 8. Each column adds its keys in the same order: the same bits."""
+def _pv_nx1(sc, r, n, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
+    """Output columns c..c+15 of rows r..r+n-1, n = 4 or 6 (a constant at each call, so
+    the other rows' code folds away): _pv_4x4's sums for one 16-column group. On AVX2
+    (_SPLIT_HALVES) _pv_4x4's sixteen 16-lane accumulators are 32 ymm registers of 16;
+    these are 2n: six rows make twelve independent FMA chains over the keys (four rows'
+    eight just cover the FMA latency), and each V chunk feeds every row. Each column adds
+    its keys in the same order: the same bits."""
+    six = n == 6
     a = vzero() if first else vload(out, o0 + c)
     b = vzero() if first else vload(out, o0 + c + D)
     e = vzero() if first else vload(out, o0 + c + 2 * D)
     f = vzero() if first else vload(out, o0 + c + 3 * D)
+    g = vzero() if first or not six else vload(out, o0 + c + 4 * D)
+    h = vzero() if first or not six else vload(out, o0 + c + 5 * D)
     for j in range(jlo, jhi + 1):
         x = kv_vec(vc, kb[j] + c)
         a = _wadd(a, vsplat(sc[r, j]), x, exact)
         b = _wadd(b, vsplat(sc[r + 1, j]), x, exact)
         e = _wadd(e, vsplat(sc[r + 2, j]), x, exact)
         f = _wadd(f, vsplat(sc[r + 3, j]), x, exact)
+        if six:
+            g = _wadd(g, vsplat(sc[r + 4, j]), x, exact)
+            h = _wadd(h, vsplat(sc[r + 5, j]), x, exact)
     vstore(out, o0 + c, a)
     vstore(out, o0 + c + D, b)
     vstore(out, o0 + c + 2 * D, e)
     vstore(out, o0 + c + 3 * D, f)
-
-
-@njit(inline="always", nogil=True)
-def _pv_6x1(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
-    """Output columns c..c+15 of rows r..r+5: _pv_4x1 with six rows (AVX2). Twelve ymm
-    accumulators are twelve independent FMA chains over the keys, where _pv_4x1's eight
-    just cover the FMA latency; each V chunk feeds six rows. The same bits."""
-    a = vzero() if first else vload(out, o0 + c)
-    b = vzero() if first else vload(out, o0 + c + D)
-    e = vzero() if first else vload(out, o0 + c + 2 * D)
-    f = vzero() if first else vload(out, o0 + c + 3 * D)
-    g = vzero() if first else vload(out, o0 + c + 4 * D)
-    h = vzero() if first else vload(out, o0 + c + 5 * D)
-    for j in range(jlo, jhi + 1):
-        x = kv_vec(vc, kb[j] + c)
-        a = _wadd(a, vsplat(sc[r, j]), x, exact)
-        b = _wadd(b, vsplat(sc[r + 1, j]), x, exact)
-        e = _wadd(e, vsplat(sc[r + 2, j]), x, exact)
-        f = _wadd(f, vsplat(sc[r + 3, j]), x, exact)
-        g = _wadd(g, vsplat(sc[r + 4, j]), x, exact)
-        h = _wadd(h, vsplat(sc[r + 5, j]), x, exact)
-    vstore(out, o0 + c, a)
-    vstore(out, o0 + c + D, b)
-    vstore(out, o0 + c + 2 * D, e)
-    vstore(out, o0 + c + 3 * D, f)
-    vstore(out, o0 + c + 4 * D, g)
-    vstore(out, o0 + c + 5 * D, h)
+    if six:
+        vstore(out, o0 + c + 4 * D, g)
+        vstore(out, o0 + c + 5 * D, h)
 
 
 @njit(inline="always", nogil=True)
@@ -1021,10 +1006,10 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
             while c + 64 <= c1:
                 if rows == 6:
                     for cc in range(c, c + 64, 16):
-                        _pv_6x1(sc, r, vc, kb, jb, je, cc, out, o, D, first, exact)
+                        _pv_nx1(sc, r, 6, vc, kb, jb, je, cc, out, o, D, first, exact)
                 elif rows == 4 and _SPLIT_HALVES:
                     for cc in range(c, c + 64, 16):
-                        _pv_4x1(sc, r, vc, kb, jb, je, cc, out, o, D, first, exact)
+                        _pv_nx1(sc, r, 4, vc, kb, jb, je, cc, out, o, D, first, exact)
                 elif rows == 4:
                     _pv_4x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
                 elif rows == 2:
