@@ -439,6 +439,24 @@ _V8 = ir.VectorType(_F, 8)
 _I32x8 = ir.VectorType(_I32, 8)
 
 
+def _fma8(builder):
+    """llvm.fma on 8 float lanes, declared in the builder's module."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8, [_V8] * 3),
+                                          "llvm.fma.v8f32")
+
+
+def _v8_at(builder, base, off):
+    """base + off (a float pointer and an element offset) as a pointer to 8 floats."""
+    return builder.bitcast(builder.gep(base, [off]), _V8.as_pointer())
+
+
+def _splat8(builder, x):
+    """8 lanes of the float x."""
+    undef = ir.Constant(_V8, ir.Undefined)
+    return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(_I32, 0)),
+                                  undef, ir.Constant(_I32x8, [0] * 8))
+
+
 @intrinsic
 def _qk_4x2_h(typingctx, qv, q0, kc, k0, k1, D, sc, o, W, scale):
     """Scores of the four q rows at flat offset q0 (rows D apart) of qv against the float32 K
@@ -447,14 +465,13 @@ def _qk_4x2_h(typingctx, qv, q0, kc, k0, k1, D, sc, o, W, scale):
     def codegen(context, builder, sig, args):
         qa, q0_, ka, k0_, k1_, D_, sa, o_, W_, sc_ = args
         i64 = ir.IntType(64)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
+        fma = _fma8(builder)
         qp = context.make_array(sig.args[0])(context, builder, qa).data
         kp = context.make_array(sig.args[2])(context, builder, ka).data
         sp = context.make_array(sig.args[6])(context, builder, sa).data
 
         def at(base, off):
-            return builder.bitcast(builder.gep(base, [off]), _V8.as_pointer())
+            return _v8_at(builder, base, off)
 
         zero = ir.Constant(_V8, None)
         halves = []
@@ -490,10 +507,7 @@ def _qk_4x2_h(typingctx, qv, q0, kc, k0, k1, D, sc, o, W, scale):
             halves.append(new)
         pairs = [builder.fadd(a, b) for a, b in zip(*halves)]    # vhsum's level 8
         s = builder.fmul(_tree_sums(builder, pairs, 8),     # its levels 4, 2, 1
-                         builder.shuffle_vector(
-                             builder.insert_element(ir.Constant(_V8, ir.Undefined), sc_,
-                                                    ir.Constant(_I32, 0)),
-                             ir.Constant(_V8, ir.Undefined), ir.Constant(_I32x8, [0] * 8)))
+                         _splat8(builder, sc_))
         for i in range(4):            # lanes 2i, 2i+1: row i against k0, k1
             for k in range(2):
                 off = builder.add(o_, builder.add(builder.mul(W_, ir.Constant(i64, i)),
@@ -528,21 +542,17 @@ def _qk_t8(typingctx, qv, q0, q1, wt, b0, b1, D, sc, o0, o1, ob1, scale):
     def codegen(context, builder, sig, args):
         qa, q0_, q1_, wa, b0_, b1_, _D, sa, o0_, o1_, ob1_, sc_ = args
         i64 = ir.IntType(64)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V8, [_V8] * 3), "llvm.fma.v8f32")
+        fma = _fma8(builder)
         qp = context.make_array(sig.args[0])(context, builder, qa).data
         wp = context.make_array(sig.args[3])(context, builder, wa).data
         sp = context.make_array(sig.args[7])(context, builder, sa).data
-        undef = ir.Constant(_V8, ir.Undefined)
-        lane0 = ir.Constant(_I32x8, [0] * 8)
         rows, blocks = (q0_, q1_), (b0_, b1_)
 
         def splat(x):
-            return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(_I32, 0)),
-                                          undef, lane0)
+            return _splat8(builder, x)
 
         def at(base, off):
-            return builder.bitcast(builder.gep(base, [off]), _V8.as_pointer())
+            return _v8_at(builder, base, off)
 
         def pair(l):
             """p_l + p_(l+8) of each (row, block): vhsum's first level, after both chains."""
