@@ -1233,8 +1233,9 @@ def _plan(token_seq, positions, window, H, nh, tile, parts):
 @njit(inline="always", nogil=True)
 def _wide_floats(max_rows, D):
     """_tile's wf: WIDE_KEYS widened K or V rows, then max_rows output rows, then WIDE_KEYS
-    transposed K rows (_transpose8; or a stub)."""
-    return (2 * WIDE_KEYS + max_rows) * D if max_rows >= WIDE_MIN_ROWS else 16
+    transposed K rows on AVX2 (_transpose8; or a stub)."""
+    chunks = 2 if _SPLIT_HALVES else 1       # the transposed chunk: AVX2 only (_tile)
+    return (chunks * WIDE_KEYS + max_rows) * D if max_rows >= WIDE_MIN_ROWS else 16
 
 
 @njit(**_PJIT)
