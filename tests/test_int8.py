@@ -274,23 +274,41 @@ def _act_codes(x, p):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_product_bits_match_a_numpy_model_of_the_arithmetic(qtype):
-    """Independent of the tile layout: per block, in float32, t = s * (isum - zb) [+ o * bsf]
-    and acc += da * t, blocks in order (numpy rounds each op, as the kernel does)."""
-    from edgeinfer.backends.cpu.repack import unpack
+    """Independent of the tile layout. Legacy formats: per block, in float32, t = s * (isum -
+    zb) [+ o * bsf] and acc += da * t, blocks in order. K-quants: per 256-column super-block,
+    I = sum of sc * (isum - zb) and Imn = sum of mn * (block sum) exactly in int64 (the kernel's
+    int32 cannot overflow), t = d * float(I) [- dm * float(Imn)], acc += da * t (numpy rounds
+    each op, as the kernel does)."""
+    from edgeinfer.backends.cpu.repack import unpack_parts
     w = make(qtype, 37, 512, seed=21)
     p = PackedMatrix.from_quant(w)
-    codes, s, o, zp = unpack(w)
+    codes, zp, d, sc, dm, mn = unpack_parts(w)
     x = np.random.default_rng(22).standard_normal((5, w.K)).astype(np.float32)
     qa, da, bsf, zb = _act_codes(x, p)
+    sums = np.stack([qa[:, b * p.B:(b + 1) * p.B].astype(np.int64).sum(1)
+                     for b in range(w.K // p.B)])                                    # [nb, M]
+    np.testing.assert_array_equal(zb, sums if dm is not None else zp * sums)         # block_zb
     want = np.zeros((5, w.N), np.float32)
-    c32 = codes.astype(np.int32)
-    for b in range(w.K // p.B):
-        cols = slice(b * p.B, (b + 1) * p.B)
-        isum = qa[:, cols].astype(np.int32) @ c32[:, cols].T - zb[b][:, None]       # [M, N]
-        t = s[:, b].astype(np.float32) * isum.astype(np.float32)
-        if o is not None:
-            t = t + o[:, b].astype(np.float32) * bsf[b][:, None]
-        want = want + da[b][:, None] * t
+    c64 = codes.astype(np.int64) - zp
+    isums = [qa[:, b * p.B:(b + 1) * p.B].astype(np.int64) @ c64[:, b * p.B:(b + 1) * p.B].T
+             for b in range(w.K // p.B)]                                              # [M, N]
+    if sc is None:
+        for b, isum in enumerate(isums):
+            t = d[:, b].astype(np.float32) * isum.astype(np.float32)
+            if dm is not None:
+                t = t + dm[:, b].astype(np.float32) * bsf[b][:, None]
+            want = want + da[b][:, None] * t
+    else:
+        per = 256 // p.B
+        for sb in range(w.K // 256):
+            blocks = range(sb * per, (sb + 1) * per)
+            i_sc = sum(isums[b] * sc[:, b].astype(np.int64) for b in blocks)
+            assert np.abs(i_sc).max() < 2 ** 31
+            t = d[:, sb].astype(np.float32) * i_sc.astype(np.float32)
+            if dm is not None:
+                i_mn = sum(sums[b][:, None] * mn[:, b].astype(np.int64) for b in blocks)
+                t = t - dm[:, sb].astype(np.float32) * i_mn.astype(np.float32)
+            want = want + da[sb * per][:, None] * t
     for vnni in ([False, True] if _int8.HAVE_VNNI else [False]):
         np.testing.assert_array_equal(packed_matmul(x, p, use_vnni=vnni).view(np.uint32),
                                       want.view(np.uint32))

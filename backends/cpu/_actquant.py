@@ -4,7 +4,8 @@ The activation codes ggml's CPU backend feeds each weight type's dot product: Q8
 32 for the legacy quants, Q8_K blocks of 256 for the k-quants (kernels.quantize_act_block,
 which the float path's act_round_q8_0/_k use too). The same pass writes, per weight block of
 B columns, what the tile loop needs: da (the activation scale), bsf (sum of the codes) and zb
-(zero_point * that sum), as [nb, M].
+(zero_point * that sum; the sum itself for formats without a zero point, see block_zb), as
+[nb, M].
 
 `quantize_rows` does it with 16-lane vectors (LLVM IR below: numba leaves the scalar loops of
 quantize_act_block unvectorized, the amax search because of its branch and signed maximum).
@@ -166,6 +167,14 @@ def _codes(A, B, xp, qp, scale, clamp, sp, sstride):
 
 
 @njit(inline="always", nogil=True)
+def block_zb(sm, zp):
+    """zb of a block whose codes sum to sm: zero_point * sm, and for the formats without a
+    zero point (zp = 0: those with minimums) sm itself, the block sum the k-quant tile
+    kernels take as an integer (see _int8's module doc)."""
+    return np.int32(sm) if zp == 0 else np.int32(np.int32(zp) * np.int32(sm))
+
+
+@njit(inline="always", nogil=True)
 def _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb):
     """x[r, ab*A : (ab+1)*A] -> qa codes and, per B-column weight block, da, bsf, zb."""
     M, K = x.shape
@@ -205,14 +214,14 @@ def _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb):
         scale = np.float32(-127.0) / mx
         d = np.float32(1.0) / scale
         clamp = 1
-    # the codes' sums land in zb first (int32), then become bsf and zp * sum
+    # the codes' sums land in zb first (int32), then become bsf and block_zb
     _codes(A, B, xp, qa.ctypes.data + r * K + b0, scale, clamp,
            zb.ctypes.data + (wb0 * M + r) * 4, M * 4)
     for wb in range(wb0, wb0 + nwb):
         sm = zb[wb, r]
         da[wb, r] = d
         bsf[wb, r] = np.float32(sm)
-        zb[wb, r] = np.int32(zp) * sm
+        zb[wb, r] = block_zb(sm, zp)
 
 
 @njit(**_PJIT)
@@ -243,7 +252,7 @@ def _quantize_block(x, r, ab, A, B, zp, qa, da, bsf, zb):
             sm += np.int32(qa[r, wb * B + j])
         da[wb, r] = d
         bsf[wb, r] = np.float32(sm)
-        zb[wb, r] = np.int32(zp) * sm
+        zb[wb, r] = block_zb(sm, zp)
 
 
 @njit(**_PJIT)

@@ -20,22 +20,34 @@ row. The codes are stored with as many bits as the GGUF format has (`bits`):
   j at bits 2 (j % 4) of vector B/8 + j // 4 (a shift and an and put them in place).
 
 Scales: the legacy formats' (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are IEEE halves in the GGUF and stay
-halves (uint16 s, and o for an offset), widened exactly in the kernel (vcvtph2ps). A k-quant's
-block scale is a half per 256 columns times a small integer per block: s holds the integers
-(int8), d the halves [T, K/256, 16], and the kernel forms s = d * float(sc) (o = -(dm *
-float(mn)) for the formats with minimums), the same float32 product the GGUF decoding makes,
-exact. So decode reads about the bytes the GGUF holds. Per block and activation row the lanes
-then take one float update:
+halves (uint16 s, and o for an offset), widened exactly in the kernel (vcvtph2ps). Per block and
+activation row the lanes take one float update:
 
-    isum' = sum(q * a) - zb           (exact int32; zb = zero_point * sum(a) over the block)
+    isum' = sum(q * a) - zb           (exact int32; zb = zero_point * sum(a) over the block,
+                                       not subtracted for formats with offsets: no zero point)
     t     = s * float(isum') [+ o * float(sum(a))]
     acc  += da * t
 
+A k-quant's block scale is a half per 256 columns (a super-block) times a small integer per
+block: s holds the integers (int8; o the minimums' integers), d and dm the halves [T, K/256,
+16], so decode reads about the bytes the GGUF holds. As ggml's k-quant dot products do, the
+blocks of a super-block are summed in integers and the floats are touched once per 256
+columns (the activations' Q8_K scale da is the super-block's too):
+
+    I     = sum over the blocks of sc * isum'      (exact int32: |I| < 2^28)
+    Imn   = sum over the blocks of mn * sum(a)     (exact; formats with minimums, whose zb is
+                                                    sum(a): _actquant.block_zb)
+    t     = d * float(I) [- dm * float(Imn)]
+    acc  += da * t
+
+(a float update per block instead cost a third of a Q4_K or Q6_K prefill matmul.)
+
 Every output element is computed by that fixed sequence of float32 operations over the blocks
-in order, whatever the number of activation rows M, the tile a thread takes or the machine:
-a row's result is bit-identical alone or in any batch, and `_block_generic` (plain numba, used
-where VNNI is missing and by the tests) does the same operations in the same order, so it
-gives the same bits as the VNNI version.
+(super-blocks) in order, whatever the number of activation rows M, the tile a thread takes or
+the machine: a row's result is bit-identical alone or in any batch, and the portable loops
+(`_block_generic`, `_superblock_generic`: plain numba, used where no vector kernel runs and by
+the tests) do the same operations in the same order, so they give the same bits as the vector
+kernels.
 
 A format is one integer, `fmt_code(B, bits, has_o, sub)`. Each format's tile loop is a small
 serial kernel of its own (compiled and cached once per format and instruction set), and one
@@ -181,14 +193,6 @@ def _make_tile(rows: int):
         hv = builder.load(ptr(builder, base, builder.mul(i, ir.Constant(i64, 32)), v16f16), align=1)
         return builder.fpext(hv, v16f32)
 
-    def scales(builder, base, dbase, b, sub, per):
-        """The block's 16 scales: halves, or half d (per 256 columns) * float(int8)."""
-        if not sub:
-            return halves(builder, base, b)
-        sc = builder.load(ptr(builder, base, builder.mul(b, ir.Constant(i64, 16)), v16i8), align=1)
-        d = halves(builder, dbase, builder.udiv(b, ir.Constant(i64, per)))
-        return builder.fmul(d, builder.sitofp(builder.sext(sc, v16i32), v16f32))
-
     v8i32 = ir.VectorType(i32, 8)
     v32i8 = ir.VectorType(i8, 32)
     v16i16 = ir.VectorType(ir.IntType(16), 16)
@@ -265,31 +269,9 @@ def _make_tile(rows: int):
                 chains[h] = builder.add(chains[h], builder.call(maddwd, [ps[0], ones]))
         return join(builder, *chains)
 
-    def codegen(context, builder, sig, args):
-        B, bits, has_o, sub = fmt_parts(sig.args[-2].literal_value)
-        isa = sig.args[-1].literal_value
-        if isa == PORTABLE:          # never called: the portable kernel takes no vector path
-            return context.get_dummy_value()
-        signed8 = isa == AVX2 and bits == 8
-        (out_a, out_stride, w_a, h_a, s_a, o_a, d_a, dm_a, a_a, K, nb, da_a, bsf_a, zb_a,
-         M) = args[:15]
-        per = 256 // B               # blocks per k-quant super-block
+    def block_weights(builder, w_a, h_a, b, B, bits, nv, isa):
+        """Block b's B/4 quads of codes, unpacked to one byte per code (v16i32 each)."""
         nquads = B // 4
-        nv = code_planes(B, bits)
-        bbytes = nquads * 4          # columns (= activation bytes) per block
-        entry = builder.basic_block
-        loop = builder.append_basic_block("tile_loop")
-        done = builder.append_basic_block("tile_done")
-        builder.branch(loop)
-
-        builder.position_at_end(loop)
-        b = builder.phi(i64)
-        b.add_incoming(ir.Constant(i64, 0), entry)
-        accs = []
-        for r in range(rows):
-            phi = builder.phi(v16f32)
-            phi.add_incoming(ir.Constant(v16f32, None), entry)
-            accs.append(phi)
         w_b = builder.add(w_a, builder.mul(b, ir.Constant(i64, 64 * nv)))
         if rows < 8:
             pf = intrinsic_fn(builder.module, "llvm.prefetch.p0", ir.VoidType(),
@@ -303,61 +285,90 @@ def _make_tile(rows: int):
                                   ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         raw = [builder.load(ptr(builder, w_b, 64 * v, v16i32), align=1) for v in range(nv)]
         if bits == 8:
-            wv = raw
-        else:
-            m4 = ir.Constant(v16i32, [0x0F0F0F0F] * LANES)
-            four = ir.Constant(v16i32, [4] * LANES)
-            nib = raw[:nquads // 2]
-            wv = ([builder.and_(r_, m4) for r_ in nib]
-                  + [builder.and_(builder.lshr(r_, four), m4) for r_ in nib])
-            if bits == 6:
-                m30 = ir.Constant(v16i32, [0x30303030] * LANES)
-                for j in range(nquads):
-                    hv = raw[nquads // 2 + j // 4]
-                    sh = 2 * (j % 4)             # the two bits go to bits 4, 5 of each byte
-                    if sh < 4:
-                        hv = builder.shl(hv, ir.Constant(v16i32, [4 - sh] * LANES))
-                    elif sh > 4:
-                        hv = builder.lshr(hv, ir.Constant(v16i32, [sh - 4] * LANES))
-                    wv[j] = builder.or_(wv[j], builder.and_(hv, m30))
-            if bits == 5:
-                h_b = builder.add(h_a, builder.mul(b, ir.Constant(i64, 8 * nquads)))
-                sixteen = ir.Constant(v64i8, [16] * 64)
-                nothing = ir.Constant(v64i8, [0] * 64)
-                for j in range(nquads):
-                    word = builder.load(ptr(builder, h_b, 8 * j, i64), align=1)
-                    mask = builder.bitcast(word, v64i1)
-                    add = builder.select(mask, sixteen, nothing)
-                    wv[j] = builder.bitcast(builder.or_(builder.bitcast(wv[j], v64i8), add), v16i32)
-        sv = scales(builder, s_a, d_a, b, sub, per)
+            return raw
+        m4 = ir.Constant(v16i32, [0x0F0F0F0F] * LANES)
+        four = ir.Constant(v16i32, [4] * LANES)
+        nib = raw[:nquads // 2]
+        wv = ([builder.and_(r_, m4) for r_ in nib]
+              + [builder.and_(builder.lshr(r_, four), m4) for r_ in nib])
+        if bits == 6:
+            m30 = ir.Constant(v16i32, [0x30303030] * LANES)
+            for j in range(nquads):
+                hv = raw[nquads // 2 + j // 4]
+                sh = 2 * (j % 4)             # the two bits go to bits 4, 5 of each byte
+                if sh < 4:
+                    hv = builder.shl(hv, ir.Constant(v16i32, [4 - sh] * LANES))
+                elif sh > 4:
+                    hv = builder.lshr(hv, ir.Constant(v16i32, [sh - 4] * LANES))
+                wv[j] = builder.or_(wv[j], builder.and_(hv, m30))
+        if bits == 5:
+            h_b = builder.add(h_a, builder.mul(b, ir.Constant(i64, 8 * nquads)))
+            sixteen = ir.Constant(v64i8, [16] * 64)
+            nothing = ir.Constant(v64i8, [0] * 64)
+            for j in range(nquads):
+                word = builder.load(ptr(builder, h_b, 8 * j, i64), align=1)
+                mask = builder.bitcast(word, v64i1)
+                add = builder.select(mask, sixteen, nothing)
+                wv[j] = builder.bitcast(builder.or_(builder.bitcast(wv[j], v64i8), add), v16i32)
+        return wv
+
+    def row_isum(builder, a_r, zb_p, wv, B, bits, isa, signed8, has_o):
+        """Per lane, sum(q * a) - zb over one block of one activation row (exact int32);
+        formats with minimums have no zero point (zb = 0) and skip it."""
+        # Two independent chains (vpdpbusd's latency: one chain a row was ~10% slower even
+        # with eight rows in flight), the first starting at -zb rather than subtracting zb
+        # at the end (one vector op less per row and block: Q8_0, Q6_K 4-7% faster).
+        # Integer sums are exact, so neither changes a bit. signed8 summed (w - 128) * a:
+        # zb is already off.
+        start = ir.Constant(v16i32, None)
+        if not (signed8 or has_o):
+            zb = builder.load(ptr(builder, zb_p, 0, i32), align=1)
+            start = splat(builder, builder.neg(zb), v16i32)
+        aqs = [builder.load(ptr(builder, a_r, 4 * j, i32), align=1) for j in range(B // 4)]
+        if isa == AVX2 and bits < 8:
+            return avx2_grouped(builder, start, wv, aqs, bits)
+        chains = [start, ir.Constant(v16i32, None)]
+        for j in range(B // 4):
+            chains[j % 2] = dot(builder, isa, chains[j % 2], wv[j],
+                                splat(builder, aqs[j], v16i32), signed8)
+        return builder.add(chains[0], chains[1])
+
+    def codegen(context, builder, sig, args):
+        B, bits, has_o, sub = fmt_parts(sig.args[-2].literal_value)
+        isa = sig.args[-1].literal_value
+        if isa == PORTABLE:          # never called: the portable kernel takes no vector path
+            return context.get_dummy_value()
+        if sub:
+            return superblock_codegen(context, builder, args, B, bits, has_o, isa)
+        signed8 = isa == AVX2 and bits == 8
+        (out_a, out_stride, w_a, h_a, s_a, o_a, d_a, dm_a, a_a, K, nb, da_a, bsf_a, zb_a,
+         M) = args[:15]
+        bbytes = B                   # columns (= activation bytes) per block
+        entry = builder.basic_block
+        loop = builder.append_basic_block("tile_loop")
+        done = builder.append_basic_block("tile_done")
+        builder.branch(loop)
+
+        builder.position_at_end(loop)
+        b = builder.phi(i64)
+        b.add_incoming(ir.Constant(i64, 0), entry)
+        accs = []
+        for r in range(rows):
+            phi = builder.phi(v16f32)
+            phi.add_incoming(ir.Constant(v16f32, None), entry)
+            accs.append(phi)
+        wv = block_weights(builder, w_a, h_a, b, B, bits, code_planes(B, bits), isa)
+        sv = halves(builder, s_a, b)
         if has_o:
-            ov = scales(builder, o_a, dm_a, b, sub, per)
-            if sub:
-                ov = builder.fneg(ov)                        # o = -(dm * mn)
+            ov = halves(builder, o_a, b)
         ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0] of [nb, M]
         new_accs = []
         for r in range(rows):
             a_r = builder.add(a_a, builder.add(builder.mul(K, ir.Constant(i64, r)),
                                                builder.mul(b, ir.Constant(i64, bbytes))))
             off = builder.add(ent, ir.Constant(i64, 4 * r))
-            # Two independent chains (vpdpbusd's latency: one chain a row was ~10% slower even
-            # with eight rows in flight), the first starting at -zb rather than subtracting zb
-            # at the end (one vector op less per row and block: Q8_0, Q6_K 4-7% faster).
-            # Integer sums are exact, so neither changes a bit. signed8 summed (w - 128) * a:
-            # zb is already off.
-            start = ir.Constant(v16i32, None)
-            if not signed8:
-                zb = builder.load(ptr(builder, zb_a, off, i32), align=1)
-                start = splat(builder, builder.neg(zb), v16i32)
-            aqs = [builder.load(ptr(builder, a_r, 4 * j, i32), align=1) for j in range(nquads)]
-            if isa == AVX2 and bits < 8:
-                isum = avx2_grouped(builder, start, wv, aqs, bits)
-            else:
-                chains = [start, ir.Constant(v16i32, None)]
-                for j in range(nquads):
-                    chains[j % 2] = dot(builder, isa, chains[j % 2], wv[j],
-                                        splat(builder, aqs[j], v16i32), signed8)
-                isum = builder.add(chains[0], chains[1])
+            isum = row_isum(builder, a_r, builder.add(zb_a, off), wv, B, bits, isa, signed8,
+                            has_o)
             t = builder.fmul(sv, builder.sitofp(isum, v16f32))
             if has_o:
                 bsf = builder.load(ptr(builder, bsf_a, off, f32), align=1)
@@ -375,6 +386,92 @@ def _make_tile(rows: int):
         for r in range(rows):
             builder.store(new_accs[r], ptr(builder, out_a, builder.mul(out_stride, ir.Constant(i64, r)),
                                            v16f32), align=1)
+        return context.get_dummy_value()
+
+    def superblock_codegen(context, builder, args, B, bits, has_o, isa):
+        """The k-quants: a super-block's (256 columns') integer sums scaled by the blocks'
+        integer scales, summed exactly in int32, and one float update per super-block (see
+        the module doc). The float accumulators live in the output rows (stored zero first,
+        then loaded, updated and stored once per super-block): with eight rows, the int32
+        sums of scales and of minimums take the registers."""
+        (out_a, out_stride, w_a, h_a, s_a, o_a, d_a, dm_a, a_a, K, nb, da_a, bsf_a, zb_a,
+         M) = args[:15]
+        per = 256 // B
+        out_rows = [ptr(builder, out_a, builder.mul(out_stride, ir.Constant(i64, r)), v16f32)
+                    for r in range(rows)]
+        for op_ in out_rows:
+            builder.store(ir.Constant(v16f32, None), op_, align=1)
+        entry = builder.basic_block
+        loop = builder.append_basic_block("sb_loop")
+        flush = builder.append_basic_block("sb_flush")
+        latch = builder.append_basic_block("sb_latch")
+        done = builder.append_basic_block("sb_done")
+        builder.branch(loop)
+
+        builder.position_at_end(loop)
+        b = builder.phi(i64)
+        b.add_incoming(ir.Constant(i64, 0), entry)
+        zero = ir.Constant(v16i32, None)
+        isums, msums = [], []
+        for r in range(rows):
+            isums.append(builder.phi(v16i32))
+            isums[-1].add_incoming(zero, entry)
+            if has_o:
+                msums.append(builder.phi(v16i32))
+                msums[-1].add_incoming(zero, entry)
+        wv = block_weights(builder, w_a, h_a, b, B, bits, code_planes(B, bits), isa)
+        boff = builder.mul(b, ir.Constant(i64, LANES))
+        sc = builder.sext(builder.load(ptr(builder, s_a, boff, v16i8), align=1), v16i32)
+        if has_o:
+            mn = builder.sext(builder.load(ptr(builder, o_a, boff, v16i8), align=1), v16i32)
+        ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0] of [nb, M]
+        new_i, new_m = [], []
+        for r in range(rows):
+            a_r = builder.add(a_a, builder.add(builder.mul(K, ir.Constant(i64, r)),
+                                               builder.mul(b, ir.Constant(i64, B))))
+            off = builder.add(ent, ir.Constant(i64, 4 * r))
+            isum = row_isum(builder, a_r, builder.add(zb_a, off), wv, B, bits, isa, False, has_o)
+            new_i.append(builder.add(isums[r], builder.mul(isum, sc)))
+            if has_o:          # with minimums zb is the block's sum of codes (block_zb)
+                bsum = builder.load(ptr(builder, zb_a, off, i32), align=1)
+                new_m.append(builder.add(msums[r], builder.mul(mn, splat(builder, bsum, v16i32))))
+        b_next = builder.add(b, ir.Constant(i64, 1))
+        body_end = builder.basic_block
+        at_end = builder.icmp_signed("==", builder.and_(b_next, ir.Constant(i64, per - 1)),
+                                     ir.Constant(i64, 0))
+        builder.cbranch(at_end, flush, latch)
+
+        builder.position_at_end(flush)
+        sb = builder.udiv(b, ir.Constant(i64, per))
+        dv = halves(builder, d_a, sb)
+        if has_o:
+            dmv = halves(builder, dm_a, sb)
+        for r in range(rows):
+            t = builder.fmul(dv, builder.sitofp(new_i[r], v16f32))
+            if has_o:
+                t = builder.fsub(t, builder.fmul(dmv, builder.sitofp(new_m[r], v16f32)))
+            off = builder.add(ent, ir.Constant(i64, 4 * r))
+            da = builder.load(ptr(builder, da_a, off, f32), align=1)
+            acc = builder.load(out_rows[r], align=1)
+            builder.store(builder.fadd(acc, builder.fmul(splat(builder, da, v16f32), t)),
+                          out_rows[r], align=1)
+        builder.branch(latch)
+
+        builder.position_at_end(latch)
+        b.add_incoming(b_next, latch)
+        for r in range(rows):
+            phi = builder.phi(v16i32)
+            phi.add_incoming(new_i[r], body_end)
+            phi.add_incoming(zero, flush)
+            isums[r].add_incoming(phi, latch)
+            if has_o:
+                phi = builder.phi(v16i32)
+                phi.add_incoming(new_m[r], body_end)
+                phi.add_incoming(zero, flush)
+                msums[r].add_incoming(phi, latch)
+        builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+
+        builder.position_at_end(done)
         return context.get_dummy_value()
 
     @intrinsic
@@ -480,37 +577,59 @@ def code_at(qp, hp, t, b, j, lane, k, nb, nv, nq, bits):
 
 
 @njit(inline="always", nogil=True)
-def scale_at(sp, dp, t, b, lane, nb, nsb, sub, per):
-    """A block's scale (or offset magnitude) as float32: see the module doc. sp: s [T, nb, 16]
-    (int8 with sub, else uint16 halves); dp: d uint16[T, nsb, 16]."""
-    if sub:
-        return (widen(_ld_u16(dp + ((t * nsb + b // per) * LANES + lane) * 2))
-                * np.float32(_ld_i8(sp + (t * nb + b) * LANES + lane)))
-    return widen(_ld_u16(sp + ((t * nb + b) * LANES + lane) * 2))
+def _block_isum(qp, hp, t, b, lane, nb, nv, nq, bits, ap):
+    """sum(q * a) over block b of one lane (output row) of tile t; ap: the block's first
+    activation code."""
+    isum = np.int32(0)
+    for j in range(nq):
+        for k in range(4):
+            isum += (code_at(qp, hp, t, b, j, lane, k, nb, nv, nq, bits)
+                     * np.int32(_ld_i8(ap + 4 * j + k)))
+    return isum
 
 
 @njit(inline="always", nogil=True)
-def _block_generic(acc, m, qp, hp, t, b, sp, op, dp, dmp, nb, nv, nsb, fmt, qap, K, a0, da,
-                   bsf, zb):
-    """The same update as the VNNI intrinsic, lane by lane, same float operations in order."""
+def _block_generic(acc, m, qp, hp, t, b, sp, op, nb, nv, fmt, ap, da, bsf, zb):
+    """A legacy format's block update of the vector tile, lane by lane, same float
+    operations in order."""
     B = fmt & 63
     bits = (fmt >> 6) & 15
     has_o = (fmt >> 10) & 1
-    sub = (fmt >> 11) & 1
-    per = 256 // B
-    nq = B // 4
     for lane in range(LANES):
-        isum = np.int32(0)
-        for j in range(nq):
-            for k in range(4):
-                isum += (code_at(qp, hp, t, b, j, lane, k, nb, nv, nq, bits)
-                         * np.int32(_ld_i8(qap + m * K + a0 + 4 * j + k)))
-        isum -= zb
-        tv = scale_at(sp, dp, t, b, lane, nb, nsb, sub, per) * np.float32(isum)
+        isum = _block_isum(qp, hp, t, b, lane, nb, nv, B // 4, bits, ap)
+        if not has_o:                   # (with minimums, zb is the block sum: block_zb)
+            isum -= zb
+        tv = widen(_ld_u16(sp + ((t * nb + b) * LANES + lane) * 2)) * np.float32(isum)
         if has_o:
-            ov = scale_at(op, dmp, t, b, lane, nb, nsb, sub, per)
-            tv = tv + (-ov if sub else ov) * bsf
+            tv = tv + widen(_ld_u16(op + ((t * nb + b) * LANES + lane) * 2)) * bsf
         acc[m, lane] = acc[m, lane] + da * tv
+
+
+@njit(inline="always", nogil=True)
+def _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt, qap, K, M,
+                        dap, bsfp, zbp):
+    """A k-quant's super-block update of the vector tile, lane by lane: the same int32 sums
+    and float operations in order."""
+    B = fmt & 63
+    bits = (fmt >> 6) & 15
+    has_o = (fmt >> 10) & 1
+    per = 256 // B
+    for lane in range(LANES):
+        isc = np.int32(0)
+        imn = np.int32(0)
+        for b in range(sb * per, sb * per + per):
+            e = (b * M + m) * 4             # [b, m] of the [nb, M] arrays
+            isum = _block_isum(qp, hp, t, b, lane, nb, nv, B // 4, bits, qap + m * K + b * B)
+            if has_o:                   # zb: the block sum (block_zb)
+                imn += np.int32(_ld_i8(op + (t * nb + b) * LANES + lane)) * _ld_i32(zbp + e)
+            else:
+                isum -= _ld_i32(zbp + e)
+            isc += isum * np.int32(_ld_i8(sp + (t * nb + b) * LANES + lane))
+        dsb = ((t * nsb + sb) * LANES + lane) * 2
+        tv = widen(_ld_u16(dp + dsb)) * np.float32(isc)
+        if has_o:
+            tv = tv - widen(_ld_u16(dmp + dsb)) * np.float32(imn)
+        acc[m, lane] = acc[m, lane] + _ld_f32(dap + sb * per * M * 4 + m * 4) * tv
 
 
 # -- the matmul ----------------------------------------------------------------------------
@@ -604,11 +723,17 @@ def _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt):
     qp, hp, sp, op, dp, dmp, nb, nv, nsb = _w_fields(wp)
     n0 = t * LANES
     acc = np.zeros((M, LANES), np.float32)
-    for b in range(nb):
-        for m in range(M):
-            e = (b * M + m) * 4             # [b, m] of the [nb, M] arrays
-            _block_generic(acc, m, qp, hp, t, b, sp, op, dp, dmp, nb, nv, nsb, fmt, qap, K,
-                           b * B, _ld_f32(dap + e), _ld_f32(bsfp + e), _ld_i32(zbp + e))
+    if (fmt >> 11) & 1:
+        for sb in range(nb * B // 256):
+            for m in range(M):
+                _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt,
+                                    qap, K, M, dap, bsfp, zbp)
+    else:
+        for b in range(nb):
+            for m in range(M):
+                e = (b * M + m) * 4             # [b, m] of the [nb, M] arrays
+                _block_generic(acc, m, qp, hp, t, b, sp, op, nb, nv, fmt, qap + m * K + b * B,
+                               _ld_f32(dap + e), _ld_f32(bsfp + e), _ld_i32(zbp + e))
     for m in range(M):
         for lane in range(min(LANES, N - n0)):
             _st_f32(outp + (m * N + n0 + lane) * 4, acc[m, lane])

@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import _stamp
-from ._actquant import _quantize_block_vec
+from ._actquant import _quantize_block_vec, block_zb
 from ._int8 import _fetch_add
 from ._moe import _call_tiles
 from ._norm import _rms_group, _rms_row
@@ -35,7 +35,7 @@ from .kernels import _rope_head
 # inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
 _DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py", "_swiglu.py",
          "_int8.py")
-_DEPS_HASH = "adf7c3ee2865d41f"
+_DEPS_HASH = "9b3bd864fbd957f6"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
@@ -76,7 +76,7 @@ def _quantize_for(h, P, m, qa, da, bsf, zb):
         bsf[m, :nb] = bsf[src, :nb]
     for b in range(nb):
         for r in range(T):
-            zb[m, b, r] = np.int32(bsf[m, b, r]) * np.int32(zp)
+            zb[m, b, r] = block_zb(bsf[m, b, r], zp)
 
 
 @njit(inline="always", nogil=True)

@@ -32,7 +32,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import _stamp
-from ._actquant import _quantize_block_vec
+from ._actquant import _quantize_block_vec, block_zb
 from ._int8 import _fetch_add
 from ._router import route_rows
 from ._swiglu import swiglu_row
@@ -40,7 +40,7 @@ from ._swiglu import swiglu_row
 # inlined here (quantize_act_block's vector form and its deps, _int8's atomic counter): see
 # _stamp.py. _int8's tile kernels are called by address, not compiled in.
 _DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py", "_swiglu.py", "_int8.py")
-_DEPS_HASH = "898a499a91c1e99a"
+_DEPS_HASH = "1fc5c70270d6edaa"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
@@ -87,7 +87,7 @@ def _gather(qa, da, bsf, zp, order, k, gstart, glen, grp, qa_g, da_g, bsf_g, zb_
         i = base + b * n + r
         da_g[i] = da[b, t]
         bsf_g[i] = bsf[b, t]
-        zb_g[i] = np.int32(bsf[b, t]) * np.int32(zp)   # exact: |sum| < 2^24
+        zb_g[i] = block_zb(bsf[b, t], zp)   # exact: |sum| < 2^24
 
 
 @njit(inline="always", nogil=True)
@@ -326,7 +326,7 @@ def moe_ffn(x, rw, route, ids, wts, Wt, P, out, nw, par_quant, stats, counter, w
                 _gather(qa2, da2, bsf2, P[1, ZP], order, k, gstart, glen, grp, qu, du, bu, zu, p)
     if same:        # up's codes are gate's; only its zero point's zb differs
         for i in range(npair * nbu):
-            zu[i] = np.int32(bg[i]) * np.int32(P[1, ZP])
+            zu[i] = block_zb(bg[i], P[1, ZP])
     # -- gate and up of every group: one parallel region ------------------------------------
     acts = np.empty((3, 4), np.int64)
     acts[0, 0], acts[0, 1], acts[0, 2], acts[0, 3] = qg.ctypes.data, dg.ctypes.data, bg.ctypes.data, zg.ctypes.data

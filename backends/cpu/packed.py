@@ -48,7 +48,7 @@ class ActCodes:
     def zb_for(self, zp: int) -> np.ndarray:
         zb = self.zb.get(zp)
         if zb is None:          # bsf holds the exact integer sums (|sum| <= 127 * 32)
-            zb = self.zb[zp] = np.multiply(self.bsf, zp, dtype=np.int32, casting="unsafe")
+            zb = self.zb[zp] = np.multiply(self.bsf, zp or 1, dtype=np.int32, casting="unsafe")  # block_zb
         return zb
 
     def arrays(self, zp: int) -> tuple:
