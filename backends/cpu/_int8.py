@@ -333,6 +333,17 @@ def _make_tile(rows: int):
                                 splat(builder, aqs[j], v16i32), signed8)
         return builder.add(chains[0], chains[1])
 
+    def block_loop(builder, *names):
+        """(entry, the named blocks, b): a loop over the blocks begins at the first of them,
+        b its block index from 0 (a phi: the caller adds the back edge)."""
+        entry = builder.basic_block
+        blocks = [builder.append_basic_block(n) for n in names]
+        builder.branch(blocks[0])
+        builder.position_at_end(blocks[0])
+        b = builder.phi(i64)
+        b.add_incoming(ir.Constant(i64, 0), entry)
+        return entry, blocks, b
+
     def codegen(context, builder, sig, args):
         B, bits, has_o, sub = fmt_parts(sig.args[-2].literal_value)
         isa = sig.args[-1].literal_value
@@ -344,14 +355,7 @@ def _make_tile(rows: int):
         (out_a, out_stride, w_a, h_a, s_a, o_a, d_a, dm_a, a_a, K, nb, da_a, bsf_a, zb_a,
          M) = args[:15]
         bbytes = B                   # columns (= activation bytes) per block
-        entry = builder.basic_block
-        loop = builder.append_basic_block("tile_loop")
-        done = builder.append_basic_block("tile_done")
-        builder.branch(loop)
-
-        builder.position_at_end(loop)
-        b = builder.phi(i64)
-        b.add_incoming(ir.Constant(i64, 0), entry)
+        entry, (loop, done), b = block_loop(builder, "tile_loop", "tile_done")
         accs = []
         for r in range(rows):
             phi = builder.phi(v16f32)
@@ -401,16 +405,8 @@ def _make_tile(rows: int):
                     for r in range(rows)]
         for op_ in out_rows:
             builder.store(ir.Constant(v16f32, None), op_, align=1)
-        entry = builder.basic_block
-        loop = builder.append_basic_block("sb_loop")
-        flush = builder.append_basic_block("sb_flush")
-        latch = builder.append_basic_block("sb_latch")
-        done = builder.append_basic_block("sb_done")
-        builder.branch(loop)
-
-        builder.position_at_end(loop)
-        b = builder.phi(i64)
-        b.add_incoming(ir.Constant(i64, 0), entry)
+        entry, (loop, flush, latch, done), b = block_loop(builder, "sb_loop", "sb_flush",
+                                                          "sb_latch", "sb_done")
         zero = ir.Constant(v16i32, None)
         isums, msums = [], []
         for r in range(rows):
