@@ -130,6 +130,8 @@ def _make_codes(A: int, B: int):
         vs = _splat(builder, scale, _VF)
         c127 = ir.Constant(_VF, [127.0] * 16)
         do_clamp = builder.icmp_signed("!=", clamp, ir.Constant(_I64, 0))
+        zp32 = builder.trunc(zp, _I32)
+        no_zp = builder.icmp_signed("==", zp32, ir.Constant(_I32, 0))
         group = None
         for i in range(n):
             x = builder.load(_vptr(builder, xp, 64 * i, _VF), align=4)
@@ -143,9 +145,7 @@ def _make_codes(A: int, B: int):
                 g = (i + 1) // per - 1
                 off = builder.mul(sstride, ir.Constant(_I64, g))
                 sm = builder.call(radd, [group])
-                zp32 = builder.trunc(zp, _I32)
-                zb = builder.select(builder.icmp_signed("==", zp32, ir.Constant(_I32, 0)), sm,
-                                    builder.mul(zp32, sm))          # block_zb
+                zb = builder.select(no_zp, sm, builder.mul(zp32, sm))          # block_zb
                 builder.store(zb, builder.inttoptr(builder.add(sp, off), _I32.as_pointer()),
                               align=4)
                 builder.store(builder.sitofp(sm, _F32),

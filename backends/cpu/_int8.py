@@ -315,11 +315,12 @@ def _make_tile(rows: int):
     def row_isum(builder, a_r, zb_p, wv, B, bits, isa, signed8, has_o):
         """Per lane, sum(q * a) - zb over one block of one activation row (exact int32);
         formats with minimums have no zero point (zb = 0) and skip it."""
-        # Two independent chains (vpdpbusd's latency: one chain a row was ~10% slower even
-        # with eight rows in flight), the first starting at -zb rather than subtracting zb
-        # at the end (one vector op less per row and block: Q8_0, Q6_K 4-7% faster).
-        # Integer sums are exact, so neither changes a bit. signed8 summed (w - 128) * a:
-        # zb is already off.
+        # Two independent chains for 32-column blocks (vpdpbusd's latency: one chain a row
+        # was ~10% slower even with eight rows in flight), one for 16-column blocks (two of
+        # two and their add: Q6_K 5% slower); the first chain starts at -zb rather than
+        # subtracting zb at the end (one vector op less per row and block: Q8_0, Q6_K 4-7%
+        # faster). Integer sums are exact, so none of this changes a bit. signed8 summed
+        # (w - 128) * a: zb is already off.
         start = ir.Constant(v16i32, None)
         if not (signed8 or has_o):
             zb = builder.load(ptr(builder, zb_p, 0, i32), align=1)
@@ -327,16 +328,20 @@ def _make_tile(rows: int):
         aqs = [builder.load(ptr(builder, a_r, 4 * j, i32), align=1) for j in range(B // 4)]
         if isa == AVX2 and bits < 8:
             return avx2_grouped(builder, start, wv, aqs, bits)
-        if B == 16:        # four quads: one chain (two of two and their add: Q6_K 5% slower)
-            chain = start
-            for j in range(4):
-                chain = dot(builder, isa, chain, wv[j], splat(builder, aqs[j], v16i32), signed8)
-            return chain
-        chains = [start, ir.Constant(v16i32, None)]
+        nch = 1 if B == 16 else 2
+        chains = [start] + [ir.Constant(v16i32, None)] * (nch - 1)
         for j in range(B // 4):
-            chains[j % 2] = dot(builder, isa, chains[j % 2], wv[j],
-                                splat(builder, aqs[j], v16i32), signed8)
-        return builder.add(chains[0], chains[1])
+            chains[j % nch] = dot(builder, isa, chains[j % nch], wv[j],
+                                  splat(builder, aqs[j], v16i32), signed8)
+        return chains[0] if nch == 1 else builder.add(chains[0], chains[1])
+
+    def row_offsets(builder, a_a, K, M, b, B):
+        """Per activation row r of the tile: (address of its block b codes, byte offset of
+        its [b, r] entry in the [nb, M] arrays)."""
+        ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0]
+        a_b = builder.add(a_a, builder.mul(b, ir.Constant(i64, B)))
+        return [(builder.add(a_b, builder.mul(K, ir.Constant(i64, r))),
+                 builder.add(ent, ir.Constant(i64, 4 * r))) for r in range(rows)]
 
     def block_loop(builder, *names):
         """(entry, the named blocks, b): a loop over the blocks begins at the first of them,
@@ -359,7 +364,6 @@ def _make_tile(rows: int):
         signed8 = isa == AVX2 and bits == 8
         (out_a, out_stride, w_a, h_a, s_a, o_a, d_a, dm_a, a_a, K, nb, da_a, bsf_a, zb_a,
          M) = args[:15]
-        bbytes = B                   # columns (= activation bytes) per block
         entry, (loop, done), b = block_loop(builder, "tile_loop", "tile_done")
         accs = []
         for r in range(rows):
@@ -370,12 +374,8 @@ def _make_tile(rows: int):
         sv = halves(builder, s_a, b)
         if has_o:
             ov = halves(builder, o_a, b)
-        ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0] of [nb, M]
         new_accs = []
-        for r in range(rows):
-            a_r = builder.add(a_a, builder.add(builder.mul(K, ir.Constant(i64, r)),
-                                               builder.mul(b, ir.Constant(i64, bbytes))))
-            off = builder.add(ent, ir.Constant(i64, 4 * r))
+        for r, (a_r, off) in enumerate(row_offsets(builder, a_a, K, M, b, B)):
             isum = row_isum(builder, a_r, builder.add(zb_a, off), wv, B, bits, isa, signed8,
                             has_o)
             t = builder.fmul(sv, builder.sitofp(isum, v16f32))
@@ -425,12 +425,9 @@ def _make_tile(rows: int):
         sc = builder.sext(builder.load(ptr(builder, s_a, boff, v16i8), align=1), v16i32)
         if has_o:
             mn = builder.sext(builder.load(ptr(builder, o_a, boff, v16i8), align=1), v16i32)
-        ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0] of [nb, M]
         new_i, new_m = [], []
-        for r in range(rows):
-            a_r = builder.add(a_a, builder.add(builder.mul(K, ir.Constant(i64, r)),
-                                               builder.mul(b, ir.Constant(i64, B))))
-            off = builder.add(ent, ir.Constant(i64, 4 * r))
+        rows_at = row_offsets(builder, a_a, K, M, b, B)
+        for r, (a_r, off) in enumerate(rows_at):
             isum = row_isum(builder, a_r, builder.add(zb_a, off), wv, B, bits, isa, False, has_o)
             new_i.append(builder.add(isums[r], builder.mul(isum, sc)))
             if has_o:          # with minimums zb is the block's sum of codes (block_zb)
@@ -451,8 +448,7 @@ def _make_tile(rows: int):
             t = builder.fmul(dv, builder.sitofp(new_i[r], v16f32))
             if has_o:
                 t = builder.fsub(t, builder.fmul(dmv, builder.sitofp(new_m[r], v16f32)))
-            off = builder.add(ent, ir.Constant(i64, 4 * r))
-            da = builder.load(ptr(builder, da_a, off, f32), align=1)
+            da = builder.load(ptr(builder, da_a, rows_at[r][1], f32), align=1)
             acc = builder.load(out_rows[r], align=1)
             builder.store(builder.fadd(acc, builder.fmul(splat(builder, da, v16f32), t)),
                           out_rows[r], align=1)
@@ -600,9 +596,10 @@ def _block_generic(acc, m, qp, hp, t, b, sp, op, nb, nv, fmt, ap, da, bsf, zb):
         isum = _block_isum(qp, hp, t, b, lane, nb, nv, B // 4, bits, ap)
         if not has_o:                   # (with minimums, zb is the block sum: block_zb)
             isum -= zb
-        tv = widen(_ld_u16(sp + ((t * nb + b) * LANES + lane) * 2)) * np.float32(isum)
+        e = ((t * nb + b) * LANES + lane) * 2          # [t, b, lane] of s and o (halves)
+        tv = widen(_ld_u16(sp + e)) * np.float32(isum)
         if has_o:
-            tv = tv + widen(_ld_u16(op + ((t * nb + b) * LANES + lane) * 2)) * bsf
+            tv = tv + widen(_ld_u16(op + e)) * bsf
         acc[m, lane] = acc[m, lane] + da * tv
 
 
@@ -620,12 +617,13 @@ def _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt
         imn = np.int32(0)
         for b in range(sb * per, sb * per + per):
             e = (b * M + m) * 4             # [b, m] of the [nb, M] arrays
+            i = (t * nb + b) * LANES + lane             # [t, b, lane] of s and o (int8)
             isum = _block_isum(qp, hp, t, b, lane, nb, nv, B // 4, bits, qap + m * K + b * B)
             if has_o:                   # zb: the block sum (block_zb)
-                imn += np.int32(_ld_i8(op + (t * nb + b) * LANES + lane)) * _ld_i32(zbp + e)
+                imn += np.int32(_ld_i8(op + i)) * _ld_i32(zbp + e)
             else:
                 isum -= _ld_i32(zbp + e)
-            isc += isum * np.int32(_ld_i8(sp + (t * nb + b) * LANES + lane))
+            isc += isum * np.int32(_ld_i8(sp + i))
         dsb = ((t * nsb + sb) * LANES + lane) * 2
         tv = widen(_ld_u16(dp + dsb)) * np.float32(isc)
         if has_o:

@@ -47,8 +47,9 @@ class ActCodes:
 
     def zb_for(self, zp: int) -> np.ndarray:
         zb = self.zb.get(zp)
-        if zb is None:          # bsf holds the exact integer sums (|sum| <= 127 * 32)
-            zb = self.zb[zp] = np.multiply(self.bsf, zp or 1, dtype=np.int32, casting="unsafe")  # block_zb
+        if zb is None:          # bsf holds the exact integer sums (|sum| <= 127 * 32);
+            # _actquant.block_zb's rule: zp * sum, or the sum itself where zp = 0
+            zb = self.zb[zp] = np.multiply(self.bsf, zp or 1, dtype=np.int32, casting="unsafe")
         return zb
 
     def arrays(self, zp: int) -> tuple:
