@@ -137,6 +137,9 @@ class Ops(Protocol):
     def scale(self, x: Any, s: float) -> Any: ...             # in place on x
     def take_rows(self, x: Any, rows: Any) -> Any: ...
     def put_rows(self, x: Any, rows: Any, values: Any) -> Any: ...  # in place: x[rows] = values
+    def decode_graphs(self, model: Any, kv: Any) -> Any: ...
+    # ^ an object whose applies(batch) / run(batch) take pure decode steps of a graph_safe
+    #   model (backends/torch/graphs.py), or None where decode steps run as any other
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
                      head_dim: int, layer_blocks: Any = None) -> Any: ...
     # ^ layer_blocks: blocks per layer when they differ (a sliding-window group's pool)

@@ -3,6 +3,7 @@ for speed measurements where the real file is not at hand offline (never for qua
 
     .venv/bin/python benchmarks/shaped_model.py --preset qwen2.5-1.5b [--ftype Q4_K_M] \
         [--out .cache/shaped/qwen2.5-1.5b-q4_k_m.gguf]
+    ... --ftype F16 --like FILE    (no llama.cpp needed: a GPU machine's torch benchmark)
 
 The vocabulary, template and every other metadata key come from a real file of the same
 family (--like; default the bundled Qwen2.5-Coder 0.5B Instruct), the shape from the preset
@@ -25,6 +26,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 # config.json of Qwen/Qwen2.5-1.5B-Instruct (and Qwen2.5-Coder-1.5B-Instruct): tied embeddings
 PRESETS = {
+    "qwen2.5-0.5b": dict(arch="qwen2", layers=24, hidden=896, ffn=4864, heads=14, kv_heads=2,
+                         tied=True, size_label="0.5B"),
     "qwen2.5-1.5b": dict(arch="qwen2", layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2,
                          tied=True, size_label="1.5B"),
 }
@@ -85,6 +88,25 @@ def write_f16(out: Path, like: str, p: dict) -> Path:
     return out
 
 
+def write_metadata(out: Path, like: str) -> Path:
+    """`like`'s metadata with no tensors: the vocabulary and template a shaped model takes,
+    a few MB where the model is hundreds (what travels to a GPU machine)."""
+    import gguf
+
+    from edgeinfer.formats.gguf_file import read_gguf
+    src = read_gguf(like)
+    w = gguf.GGUFWriter(str(out), src.metadata["general.architecture"])
+    for k, v in src.metadata.items():
+        if k != "general.architecture":
+            _add(w, k, v)
+    src.close()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def _add(w, key: str, v) -> None:
     import gguf
     if isinstance(v, bool):
@@ -111,15 +133,23 @@ def main() -> None:
                     "store's qwen2.5-coder:0.5b)")
     ap.add_argument("--ftype", default="Q4_K_M")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--metadata-only", metavar="OUT", default=None,
+                    help="write only --like's metadata (no tensors) to OUT: a small --like")
     a = ap.parse_args()
-    from synth import quantize
-
-    from edgeinfer.store.model_store import Store
-    like = a.like or str(Store().resolve("qwen2.5-coder:0.5b").path)
+    if a.like is None:
+        from edgeinfer.store.model_store import Store
+        a.like = str(Store().resolve("qwen2.5-coder:0.5b").path)
+    if a.metadata_only:
+        print(write_metadata(Path(a.metadata_only), a.like))
+        return
     out = Path(a.out or REPO / ".cache" / "shaped" / f"{a.preset}-{a.ftype.lower()}.gguf")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if a.ftype.upper() == "F16":
+        print(write_f16(out, a.like, PRESETS[a.preset]))
+        return
+    from synth import quantize
     f16 = out.with_suffix(".f16.gguf")
-    write_f16(f16, like, PRESETS[a.preset])
+    write_f16(f16, a.like, PRESETS[a.preset])
     quantize(f16, out.with_suffix(".tmp"), a.ftype).rename(out)
     f16.unlink()
     print(out)

@@ -22,6 +22,7 @@ edge reads the environment: a test that wants another setting builds another Set
 | EDGEINFER_REPACK              | repack              | per model (int8 tiles on AVX2+ CPUs) |
 | EDGEINFER_BATCH_INVARIANT     | batch_invariant     | off                                 |
 | EDGEINFER_TORCH_DTYPE         | torch_dtype         | the device's choice                 |
+| EDGEINFER_TORCH_GRAPHS        | torch_graphs        | on (CUDA: decode steps as graphs)   |
 | EDGEINFER_SPECULATIVE         | speculative         | on (prompt-lookup drafts, batch <= 2)|
 | EDGEINFER_HF_ENDPOINT / HF_TOKEN | hf_endpoint / hf_token | huggingface.co / none        |
 | EDGEINFER_DEBUG               | debug               | off                                 |
@@ -144,6 +145,7 @@ class Settings:
     repack: bool | None = None              # None = per model
     batch_invariant: bool = False
     torch_dtype: str | None = None
+    torch_graphs: bool = True
     speculative: bool = True
     hf_endpoint: str | None = None
     hf_token: str | None = None
@@ -184,6 +186,7 @@ class Settings:
             repack=_flag(env, "EDGEINFER_REPACK"),
             batch_invariant=bool(_flag(env, "EDGEINFER_BATCH_INVARIANT")),
             torch_dtype=env.get("EDGEINFER_TORCH_DTYPE") or None,
+            torch_graphs=_flag(env, "EDGEINFER_TORCH_GRAPHS") is not False,
             speculative=_flag(env, "EDGEINFER_SPECULATIVE") is not False,
             hf_endpoint=env.get("EDGEINFER_HF_ENDPOINT") or None,
             hf_token=env.get("HF_TOKEN") or None,

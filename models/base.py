@@ -15,6 +15,9 @@ class Model(Protocol):
     accepts_embeddings: bool    # image spans: rows whose input is an embedding (embd_rows)
     has_rank_head: bool         # a classification head for rank pooling (rerankers)
     post_pool: Callable[[np.ndarray], np.ndarray] | None   # a projection after pooling
+    # forward reads the batch only through the ops (no host values of positions or ids in
+    # Python), so a backend may record it once and replay it (backends/torch/graphs.py)
+    graph_safe: bool
 
     def forward(self, batch: ForwardBatch, kv: Any) -> Any: ...
     def rank_head(self, h: np.ndarray) -> np.ndarray: ...
@@ -29,6 +32,7 @@ class ModelBase:
     accepts_embeddings = False
     has_rank_head = False
     post_pool = None
+    graph_safe = False
 
     def rank_head(self, h: np.ndarray) -> np.ndarray:
         raise RuntimeError("this model has no classification head for rank pooling")

@@ -15,6 +15,7 @@ from edgeinfer.models.llama import attention, final_head, load_head, load_layers
 
 class Gemma3Model(ModelBase):
     accepts_embeddings = True       # image spans (ForwardBatch.embd_rows)
+    graph_safe = True               # its forward reads the batch only through ops
 
     def __init__(self, cfg: ModelConfig, ops, gf):
         self.cfg, self.ops = cfg, ops

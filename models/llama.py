@@ -86,6 +86,7 @@ def load_head(cfg: ModelConfig, ops, gf):
 
 class LlamaModel(ModelBase):
     accepts_embeddings = True       # image spans (ForwardBatch.embd_rows): SmolVLM's text model
+    graph_safe = True               # its forward reads the batch only through ops
 
     def __init__(self, cfg: ModelConfig, ops, gf):
         self.cfg, self.ops = cfg, ops

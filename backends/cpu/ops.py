@@ -264,6 +264,10 @@ class CpuOps:
         before a load, so the request stands."""
         return requested
 
+    def decode_graphs(self, model, kv) -> None:
+        """None: a decode step here is a few numba calls per layer, nothing to record."""
+        return None
+
     def begin_step(self) -> None:
         """Called by the runner before each forward, on the thread that runs it."""
         if self.governor is None:       # a lone ops object (scripts, tests): its own budget

@@ -91,6 +91,37 @@ class StepLayout:
                        torch.from_numpy(mask[:, None]).to(self.device))
 
 
+@dataclass
+class StaticLayout:
+    """A padded decode step's layout, computed on the device from its inputs
+    (graphs.StaticStep): one query row per sequence, every block of the bucket gathered and
+    masked by position, so nothing in it depends on host values (a CUDA graph replays it)."""
+    slots: torch.Tensor        # int64 [S]
+    positions: torch.Tensor    # int64 [S]
+    tables: torch.Tensor       # int64 [S, NB]
+    S: int
+    block_size: int
+    M: int = 1
+    gathers: dict[int, _Gather] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, step) -> "StaticLayout":
+        return cls(step.slots, step.positions, step.tables, int(step.tables.shape[0]),
+                   step.block_size)
+
+    def gather(self, window: int) -> _Gather:
+        g = self.gathers.get(window)
+        if g is None:
+            L = self.tables.shape[1] * self.block_size
+            k_pos = torch.arange(L, device=self.tables.device)[None, :]
+            q = self.positions[:, None]
+            mask = k_pos <= q
+            if window > 0:
+                mask = mask & (k_pos > q - window)
+            g = self.gathers[window] = _Gather(self.tables, mask[:, None, None, :])
+        return g
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Store this step's K/V rows [T, KVH, D] at flat slots of [blocks, block_size, KVH, D]."""
@@ -100,7 +131,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    layout: StepLayout, scale: float, window: int) -> torch.Tensor:
+                    layout: StepLayout | StaticLayout, scale: float,
+                    window: int) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D], attending through the block tables (see module doc)."""
     T, H, D = q.shape
     kvh = k_cache.shape[2]
@@ -110,9 +142,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # [S, NB, bs, KVH, D] -> [S, KVH, L, D], in the compute dtype
     k = k_cache[g.tables].reshape(S, L, kvh, D).transpose(1, 2).to(q.dtype)
     v = v_cache[g.tables].reshape(S, L, kvh, D).transpose(1, 2).to(q.dtype)
-    qp = q.new_zeros(S * M, H, D)
-    qp[layout.pad_index] = q
-    qp = qp.view(S, M, H, D).transpose(1, 2)               # [S, H, M, D]
+    # decode (one token per sequence, in sequence order) needs no padding: the same values
+    one_row = M == 1 and T == S
+    if one_row:
+        qp = q.reshape(S, 1, H, D).transpose(1, 2)
+    else:
+        qp = q.new_zeros(S * M, H, D)
+        qp[layout.pad_index] = q
+        qp = qp.view(S, M, H, D).transpose(1, 2)           # [S, H, M, D]
     gqa = {}
     if kvh != H:
         if q.device.type in _NATIVE_GQA:
@@ -121,4 +158,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             k = k.repeat_interleave(H // kvh, dim=1)
             v = v.repeat_interleave(H // kvh, dim=1)
     o = F.scaled_dot_product_attention(qp, k, v, attn_mask=g.mask, scale=scale, **gqa)
-    return o.transpose(1, 2).reshape(S * M, H, D)[layout.pad_index]
+    o = o.transpose(1, 2).reshape(S * M, H, D)
+    return o if one_row else o[layout.pad_index]

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.torch import device as dev
-from edgeinfer.backends.torch.attention import StepLayout, paged_attention, write_kv
+from edgeinfer.backends.torch.attention import (StaticLayout, StepLayout, paged_attention,
+                                                write_kv)
 from edgeinfer.backends.torch.weights import dense_bytes, load_tensor
 from edgeinfer.formats.kv_cache_types import check_kv_cache_type
 
@@ -26,6 +27,7 @@ class TorchKVCache:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     block_size: int
+    scratch_block: int      # one block past the pool's: padded decode rows write there (graphs.py)
 
     @property
     def nbytes(self) -> int:
@@ -43,7 +45,8 @@ class TorchOps:
     per_row = False
 
     def __init__(self, device: str | None = None, check_memory: bool = True,
-                 dtype: str | None = None, kv_cache_type: str | None = None):
+                 dtype: str | None = None, kv_cache_type: str | None = None,
+                 graphs: bool | None = None):
         if kv_cache_type not in (None, "f16"):
             check_kv_cache_type(kv_cache_type)
             raise ValueError(f"the torch backend keeps its KV cache in f16 (bf16/f32 on some "
@@ -62,6 +65,10 @@ class TorchOps:
         self.name = f"torch:{self.info.kind}"
         self.check_memory = check_memory
         self._checked = False
+        # decode steps as recorded CUDA graphs (graphs.py): on by default on CUDA; True on
+        # another device runs the same padded static steps eagerly (how the CPU tests see it)
+        self.graphs = (self.info.kind == "cuda") if graphs is None else graphs
+        self._rope_inv: dict = {}       # (base, D, factors) -> device float64 frequencies
 
     @property
     def kv_cache_type(self) -> str:
@@ -111,11 +118,23 @@ class TorchOps:
         return load_tensor(gguf_file, name, self.device, torch.float32).reshape(-1)
 
     # -- per-step tensors ------------------------------------------------------------------
-    def _layout(self, batch: ForwardBatch, block_size: int) -> StepLayout:
+    def _layout(self, batch: ForwardBatch, block_size: int) -> StepLayout | StaticLayout:
         lay = batch.cache.get("torch_layout")
         if lay is None:
-            lay = batch.cache["torch_layout"] = StepLayout.build(batch, block_size, self.device)
+            static = batch.cache.get("torch_static")
+            lay = batch.cache["torch_layout"] = (
+                StaticLayout.of(static) if static is not None
+                else StepLayout.build(batch, block_size, self.device))
         return lay
+
+    def decode_graphs(self, model, kv: TorchKVCache):
+        """graphs.DecodeGraphs for `model` (whose forward reads the batch only through these
+        ops: Model.graph_safe), or None when this backend runs decode steps as any other."""
+        if not self.graphs or self.info.kind == "mps":      # MPS: no float64 rope angles
+            return None
+        from edgeinfer.backends.torch.graphs import DecodeGraphs
+        return DecodeGraphs(model, kv, self.device, kv.scratch_block,
+                            capture=self.device.type == "cuda")
 
     # -- element-wise ----------------------------------------------------------------------
     def embed(self, table: torch.Tensor, ids) -> torch.Tensor:
@@ -152,14 +171,20 @@ class TorchOps:
         D = x.shape[-1]
         key = ("torch_rope", base, scale, D)
         tables = batch.cache.get(key)
-        if tables is None:  # once per step and rope base, shared by every layer
+        static = batch.cache.get("torch_static")
+        if tables is None and static is not None:
+            # a graphs.py step: the same float64 angles, from the positions on the device
+            inv = self._rope_inv.get((base, D, id(freq_factors)))
+            if inv is None:
+                inv = torch.from_numpy(_inv_freq(base, D, freq_factors)).to(self.device)
+                self._rope_inv[(base, D, id(freq_factors))] = inv
+            ang = (static.positions.double() / scale)[:, None] * inv[None, :]
+            tables = batch.cache[key] = (torch.cos(ang).float()[:, None, :],
+                                         torch.sin(ang).float()[:, None, :])
+        elif tables is None:  # once per step and rope base, shared by every layer
             # float64 on the host (MPS has no float64), like the CPU backend's tables
-            inv = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-            if freq_factors is not None:
-                ff = freq_factors if isinstance(freq_factors, np.ndarray) else \
-                    freq_factors.detach().cpu().numpy()      # (YaRN factors come as numpy)
-                inv = inv / ff.astype(np.float64)
-            ang = np.outer(batch.positions.astype(np.float64) / scale, inv)
+            ang = np.outer(batch.positions.astype(np.float64) / scale,
+                           _inv_freq(base, D, freq_factors))
             cos, sin = (torch.from_numpy(f(ang).astype(np.float32))[:, None, :].to(self.device)
                         for f in (np.cos, np.sin))
             tables = batch.cache[key] = (cos, sin)
@@ -238,14 +263,14 @@ class TorchOps:
     # -- paged KV cache --------------------------------------------------------------------
     def new_kv_cache(self, n_layers: int, num_blocks: int, block_size: int, n_kv_head: int,
                      head_dim: int) -> TorchKVCache:
-        shape = (num_blocks, block_size, n_kv_head, head_dim)
+        shape = (num_blocks + 1, block_size, n_kv_head, head_dim)    # + the scratch block
         if self.check_memory:
-            need = 2 * n_layers * num_blocks * block_size * n_kv_head * head_dim
+            need = 2 * n_layers * (num_blocks + 1) * block_size * n_kv_head * head_dim
             need *= self.kv_bytes_per_value
             dev.check_fits(dev.detect(self.info.kind), need, f"the KV cache ({num_blocks} blocks)")
         mk = lambda: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)  # noqa: E731
         return TorchKVCache([mk() for _ in range(n_layers)], [mk() for _ in range(n_layers)],
-                            block_size)
+                            block_size, scratch_block=num_blocks)
 
     def attention(self, q, k, v, cache: TorchKVCache, layer: int, batch: ForwardBatch,
                   scale: float, window: int) -> torch.Tensor:
@@ -253,3 +278,14 @@ class TorchOps:
         lay = self._layout(batch, cache.block_size)
         write_kv(cache.k[layer], cache.v[layer], k, v, lay.slots)
         return paged_attention(q, cache.k[layer], cache.v[layer], lay, scale, window)
+
+
+def _inv_freq(base: float, D: int, freq_factors) -> np.ndarray:
+    """Rope's float64 frequencies for a head of D dims, divided by per-pair factors if any
+    (rope_freqs tensors, or YaRN's as numpy)."""
+    inv = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)
+    if freq_factors is not None:
+        ff = freq_factors if isinstance(freq_factors, np.ndarray) else \
+            freq_factors.detach().cpu().numpy()
+        inv = inv / ff.astype(np.float64)
+    return inv

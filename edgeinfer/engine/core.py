@@ -60,6 +60,7 @@ class EngineConfig:
     batch_invariant: bool = False
     repack: bool | None = None            # CPU weights as int8 tiles; None = per model
     torch_dtype: str | None = None        # torch weights' dtype; None = the device's choice
+    torch_graphs: bool = True             # torch on CUDA: decode steps as CUDA graphs
     threads: int | None = None            # a fixed CPU thread count (None: measured per step)
     speculative: bool = True              # prompt-lookup drafts for small batches
     repack_cache: str | None = None       # a directory for repacked CPU weights; None: off
@@ -76,7 +77,8 @@ class EngineConfig:
         return cls(backend=backend or settings.backend, kv_budget_bytes=settings.kv_budget_bytes,
                    max_running_seqs=settings.max_running_seqs,
                    batch_invariant=settings.batch_invariant, repack=settings.repack,
-                   torch_dtype=settings.torch_dtype, threads=settings.threads,
+                   torch_dtype=settings.torch_dtype, torch_graphs=settings.torch_graphs,
+                   threads=settings.threads,
                    speculative=settings.speculative, repack_cache=settings.repack_cache,
                    repack_cache_bytes=settings.repack_cache_bytes, governor=governor, **kw)
 
@@ -155,6 +157,7 @@ class Engine(PromptMethods):
             max_tokens_per_step=config.max_tokens_per_step,
             batch_invariant=config.batch_invariant, governor=config.governor,
             n_threads=config.threads, repack=config.repack, torch_dtype=config.torch_dtype,
+            torch_graphs=config.torch_graphs,
             kv_cache_type=config.kv_cache_type, repack_cache=config.repack_cache,
             repack_cache_bytes=config.repack_cache_bytes)
         try:

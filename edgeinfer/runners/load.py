@@ -9,7 +9,7 @@ def load_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
                 max_tokens_per_step: int = 512, batch_invariant: bool = False,
                 governor=None, n_threads: int | None = None, repack: bool | None = None,
                 torch_dtype: str | None = None, kv_cache_type: str | None = None,
-                repack_cache: str | None = None, repack_cache_bytes: int = 0) -> Runner:
+                torch_graphs: bool = True, repack_cache: str | None = None, repack_cache_bytes: int = 0) -> Runner:
     """A native ModelRunner (cpu, torch:*) or the llama.cpp runner. `backend` may be "auto"
     (resolved here from the file's architecture, edgeinfer.runners.choice.resolve_for_file);
     the governor is the process's CPU thread budget, shared by every loaded model."""
@@ -26,7 +26,7 @@ def load_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
     return ModelRunner.load(path, backend, kv_budget_bytes=kv_budget_bytes,
                             block_size=block_size, min_kv_tokens=min_kv_tokens,
                             batch_invariant=batch_invariant, governor=governor,
-                            repack=repack, torch_dtype=torch_dtype,
+                            repack=repack, torch_dtype=torch_dtype, torch_graphs=torch_graphs,
                             kv_cache_type=kv_cache_type, max_running_seqs=max_running_seqs,
                             max_tokens_per_step=max_tokens_per_step, threads=n_threads,
                             repack_cache=repack_cache, repack_cache_bytes=repack_cache_bytes)

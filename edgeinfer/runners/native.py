@@ -25,10 +25,12 @@ from edgeinfer.runners.sampling_stage import SamplingStage
 def make_ops(backend: str, batch_invariant: bool = False, governor=None,
              repack: bool | None = None, torch_dtype: str | None = None,
              kv_cache_type: str | None = None, threads: int | None = None,
-             repack_cache: str | None = None, repack_cache_bytes: int = 0) -> Ops:
+             repack_cache: str | None = None, repack_cache_bytes: int = 0,
+             torch_graphs: bool = True) -> Ops:
     """The ops object for a resolved native backend name (`cpu`, `torch[:device]`).
     `threads`: a fixed CPU thread count when no governor is given (None: measured);
-    `repack_cache`: where the CPU backend keeps repacked weights (None: nowhere)."""
+    `repack_cache`: where the CPU backend keeps repacked weights (None: nowhere);
+    `torch_graphs`: torch on CUDA records decode steps as graphs (backends/torch/graphs.py)."""
     if backend == "cpu":
         from edgeinfer.backends.cpu.ops import CpuOps
         return CpuOps(batch_invariant=batch_invariant, governor=governor, repack=repack,
@@ -37,7 +39,7 @@ def make_ops(backend: str, batch_invariant: bool = False, governor=None,
     if backend == "torch" or backend.startswith("torch:"):
         from edgeinfer.backends.torch.ops import TorchOps
         return TorchOps(device=backend.partition(":")[2] or None, dtype=torch_dtype,
-                        kv_cache_type=kv_cache_type)
+                        kv_cache_type=kv_cache_type, graphs=None if torch_graphs else False)
     raise ValueError(f"unknown native backend {backend!r}")
 
 
@@ -82,6 +84,13 @@ def build_forward_batch(spans: Sequence[ScheduledSpan], block_size: int,
     return batch
 
 
+def _forward_owner_says(model, promise: str) -> bool:
+    """Whether the class whose forward runs makes `promise` itself: a subclass with a forward
+    of its own does not inherit it (it could break it silently)."""
+    owner = next((c for c in type(model).__mro__ if "forward" in vars(c)), None)
+    return owner is not None and bool(vars(owner).get(promise, False))
+
+
 def _build_tokenizer(metadata: dict):
     from edgeinfer.formats.tokenizer import Tokenizer
     return Tokenizer.from_gguf(metadata)
@@ -117,6 +126,9 @@ class ModelRunner:
         else:
             self.kv = ops.new_kv_cache(cfg.n_layers, kv_plan.num_blocks, kv_plan.block_size,
                                        cfg.n_kv_head, cfg.head_dim)
+        # pure decode steps through the backend's recorded graphs (torch on CUDA), if any
+        self._decode = (ops.decode_graphs(self.model, self.kv)
+                        if _forward_owner_says(self.model, "graph_safe") else None)
         self.sampling = SamplingStage(self.tokenizer.eot_ids)
         self._prompts: dict[int, tuple[int, ...]] = {}   # prompt logprobs' targets
         self._images: dict[int, tuple] = {}     # request id -> its prompt's ImageSpans
@@ -136,12 +148,14 @@ class ModelRunner:
              torch_dtype: str | None = None,
              kv_cache_type: str | None = None, max_running_seqs: int = 16,
              max_tokens_per_step: int = 512, threads: int | None = None,
-             repack_cache: str | None = None, repack_cache_bytes: int = 0) -> "ModelRunner":
+             repack_cache: str | None = None, repack_cache_bytes: int = 0,
+             torch_graphs: bool = True) -> "ModelRunner":
         gf = read_gguf(path, compiled_walk=backend == "cpu")     # numba runs here anyway
         try:
             cfg = load_model_config(gf)
             ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype,
-                           kv_cache_type, threads, repack_cache, repack_cache_bytes)
+                           kv_cache_type, threads, repack_cache, repack_cache_bytes,
+                           torch_graphs)
             kv_budget_bytes = ops.fit_kv_budget(gf, kv_budget_bytes)
             # backends whose attention reads per-layer block tables keep Gemma 3's
             # sliding-window layers in a pool of their own (ForwardBatch.tables_for)
@@ -226,10 +240,7 @@ class ModelRunner:
     def supports_images(self) -> bool:
         """The model takes embeddings in place of tokens and the backend attends inside an
         image (ForwardBatch.embd_rows / attn_until: every backend's put_rows and attention)."""
-        # the class whose forward runs must say so itself: a subclass with a forward of its
-        # own does not inherit the promise (it would drop the embeddings silently)
-        owner = next((c for c in type(self.model).__mro__ if "forward" in vars(c)), None)
-        return owner is not None and bool(vars(owner).get("accepts_embeddings", False))
+        return _forward_owner_says(self.model, "accepts_embeddings")
 
     def image_encoder(self, mmproj: str) -> None:
         """None: the engine runs the projector's native tower on this backend's ops."""
@@ -273,6 +284,10 @@ class ModelRunner:
             batch.logits_indices = np.array([batch.num_tokens - 1], np.int64)
             self.model.forward(batch, self.kv)
             return np.empty((0, self.cfg.vocab_size), np.float32)
+        if self._decode is not None and self._decode.applies(batch):
+            logits = self._decode.run(batch)
+            if logits is not None:
+                return self.ops.to_numpy(logits)
         return self.ops.to_numpy(self.model.forward(batch, self.kv))
 
     def _check_blocks(self, batch) -> None:
