@@ -11,7 +11,8 @@ device's default dtype (bf16 on CUDA), measured through the engine as a user's r
 rounds interleaved (off, on, off, on...), medians with the range. Then --check prompts of
 greedy text, graphs off against on, in the default dtype and in float32, and in float32
 each prompt alone against all of them together (the padded buckets must not change a row).
-Prints peak device memory. Random-weight files (shaped_model.py --ftype F16) suit the speed
+Prints peak device memory; --profile adds the GPU kernels of one decode step (the padded
+static forward, run op by op: the kernels a replay runs), by total time. Random-weight files (shaped_model.py --ftype F16) suit the speed
 figures; the text checks compare the two paths with each other, so any weights do.
 """
 from __future__ import annotations
@@ -55,6 +56,37 @@ def prompts_for(rng, n, length, vocab):
     return [[int(t) for t in rng.integers(100, min(vocab, 30000), length)] for _ in range(n)]
 
 
+def profile_step(eng, device: str, rows: int = 1, context: int = 64) -> None:
+    """torch.profiler over one padded decode step, run op by op: kernels by total time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from edgeinfer.runners.base import ScheduledSpan
+    r = eng.runner
+    d = r._decode
+    if d is None:
+        print("no decode graphs on this engine")
+        return
+    table = tuple(range(context // r.kv_plan.block_size + 1))
+    spans = [ScheduledSpan(i, context, (100 + i,), table, True) for i in range(rows)]
+    from edgeinfer.runners.native import build_forward_batch
+    batch = build_forward_batch(spans, r.kv_plan.block_size)
+    S, NB = d.bucket_of(batch)
+    d._stage(batch, S, NB)
+    r.model.forward(d._padded(S, NB), r.kv)     # warm
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as p:
+        r.model.forward(d._padded(S, NB), r.kv)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    kernels = [e for e in p.events() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time for e in kernels)
+    print(f"one decode step ({rows} row, {r.cfg.n_layers} layers): {len(kernels)} kernels, "
+          f"{total / 1e3:.2f} ms of kernel time")
+    print(p.key_averages().table(sort_by="device_time_total" if device == "cuda"
+                                 else "cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +97,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check", type=int, default=4)
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     import torch
     streams = [int(s) for s in a.streams.split(",")]
@@ -95,6 +128,8 @@ def main() -> None:
               f"{statistics.median(on) / statistics.median(off):.2f}x", flush=True)
     if a.device == "cuda":
         print(f"peak device memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    if a.profile:
+        profile_step(engines[True], a.device)
     # greedy text: graphs off vs on, then float32 alone vs batched through the graphs
     ps = prompts_for(np.random.default_rng(1), a.check, 24, vocab)
     outs = {g: run_all(eng, ps, 48)[2] for g, eng in engines.items()}

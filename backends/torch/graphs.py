@@ -87,9 +87,7 @@ class DecodeGraphs:
         if self.disabled:
             return None
         T = batch.num_tokens
-        bs = self.block_size
-        need = int(batch.positions.max()) // bs + 1
-        S, NB = bucket(T), bucket(need)
+        S, NB = self.bucket_of(batch)
         if NB > self.max_blocks:
             return None
         self._stage(batch, S, NB)
@@ -114,6 +112,11 @@ class DecodeGraphs:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
+
+    def bucket_of(self, batch: ForwardBatch) -> tuple[int, int]:
+        """(rows, blocks) of the bucket a pure decode step pads to."""
+        need = int(batch.positions.max()) // self.block_size + 1
+        return bucket(batch.num_tokens), bucket(need)
 
     # -- inputs ----------------------------------------------------------------------------
     def _regions(self, S: int, NB: int) -> tuple[slice, slice, slice, slice]:

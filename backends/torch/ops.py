@@ -69,6 +69,7 @@ class TorchOps:
         # another device runs the same padded static steps eagerly (how the CPU tests see it)
         self.graphs = (self.info.kind == "cuda") if graphs is None else graphs
         self._rope_inv: dict = {}       # (base, D, factors) -> device float64 frequencies
+        self._casts: dict = {}          # (id, dtype) -> (vector, its cast): add_bias
 
     @property
     def kv_cache_type(self) -> str:
@@ -149,12 +150,21 @@ class TorchOps:
         return tuple(self.matmul(x, w) for w in ws)
 
     def add_bias(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return x + b.to(x.dtype)
+        return x.add_(self._as(b, x.dtype))
+
+    def _as(self, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A float32 weight vector in `dtype`, cast once (not one cast kernel per use)."""
+        if v.dtype == dtype:
+            return v
+        key = (id(v), dtype)
+        hit = self._casts.get(key)
+        if hit is None or hit[0] is not v:
+            hit = self._casts[key] = (v, v.to(dtype))
+        return hit[1]
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
-        return y.to(x.dtype)
+        # one op (a fused kernel where torch has one) in float32 whatever x's dtype
+        return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
 
     def add_rms_norm(self, x: torch.Tensor, a: torch.Tensor, w_a: torch.Tensor,
                      w_x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,24 +189,25 @@ class TorchOps:
                 inv = torch.from_numpy(_inv_freq(base, D, freq_factors)).to(self.device)
                 self._rope_inv[(base, D, id(freq_factors))] = inv
             ang = (static.positions.double() / scale)[:, None] * inv[None, :]
-            tables = batch.cache[key] = (torch.cos(ang).float()[:, None, :],
-                                         torch.sin(ang).float()[:, None, :])
+            tables = batch.cache[key] = _rotation(torch.cos(ang).float()[:, None, :],
+                                                  torch.sin(ang).float()[:, None, :], neox)
         elif tables is None:  # once per step and rope base, shared by every layer
             # float64 on the host (MPS has no float64), like the CPU backend's tables
             ang = np.outer(batch.positions.astype(np.float64) / scale,
                            _inv_freq(base, D, freq_factors))
             cos, sin = (torch.from_numpy(f(ang).astype(np.float32))[:, None, :].to(self.device)
                         for f in (np.cos, np.sin))
-            tables = batch.cache[key] = (cos, sin)
-        cos, sin = tables
+            tables = batch.cache[key] = _rotation(cos, sin, neox)
+        cos2, sin2 = tables
         xf = x.float()
+        # (a, b) -> (a cos - b sin, b cos + a sin): x * cos2 + swapped(x) * sin2, where sin2
+        # carries -sin on the first of each pair; the same products and sums as written out
         if neox:
-            a, b = xf[..., :D // 2], xf[..., D // 2:]
-            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+            half = D // 2
+            swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
         else:
-            a, b = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-        return out.to(x.dtype)
+            swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return (xf * cos2).add_(swapped.mul_(sin2)).to(x.dtype)
 
     def geglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.gelu(gate, approximate="tanh") * up
@@ -278,6 +289,16 @@ class TorchOps:
         lay = self._layout(batch, cache.block_size)
         write_kv(cache.k[layer], cache.v[layer], k, v, lay.slots)
         return paged_attention(q, cache.k[layer], cache.v[layer], lay, scale, window)
+
+
+def _rotation(cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> tuple:
+    """Rope's per-step tables [T, 1, D/2] spread over the whole head [T, 1, D]: cos on both
+    members of a pair, -sin on the first and sin on the second (pairs are (i, i + D/2) in
+    NeoX order, (2i, 2i + 1) otherwise)."""
+    if neox:
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    return (torch.stack((cos, cos), dim=-1).flatten(-2),
+            torch.stack((-sin, sin), dim=-1).flatten(-2))
 
 
 def _inv_freq(base: float, D: int, freq_factors) -> np.ndarray:
