@@ -117,3 +117,33 @@ def test_graph_safe_is_not_inherited_by_a_forward_of_its_own():
 
     assert _forward_owner_says(object.__new__(LlamaModel), "graph_safe")
     assert not _forward_owner_says(object.__new__(Own), "graph_safe")
+
+
+def test_a_failed_record_falls_back_to_op_by_op(caplog):
+    """Recording on a device that cannot (here: torch's CPU device, which has no CUDA
+    streams) logs once, runs that step and every later one op by op, with the same logits."""
+    from synth import synthetic_model
+    path = str(synthetic_model(SYNTH, "llama", "F32"))
+    eager, r = _runner(path, False), _runner(path, True)
+    r._decode.capture = True
+    if DEVICE == "cuda":        # a recording that fails on a real GPU
+        r._decode._pool = "not a pool"
+    table = list(range(4))
+    for x in (eager, r):
+        x.forward([_span(0, 0, list(range(5, 25)), table)])
+    with caplog.at_level("WARNING"):
+        a = [eager.forward([_span(0, 20 + i, [7 + i], table)]) for i in range(3)]
+        b = [r.forward([_span(0, 20 + i, [7 + i], table)]) for i in range(3)]
+    assert r._decode.disabled and not r._decode._graphs
+    assert sum("CUDA graph recording failed" in m for m in caplog.messages) == 1
+    # (on a GPU the first step's logits are the padded warm-up's: equal up to rounding)
+    assert all(np.abs(x - y).max() <= 1e-4 * np.abs(x).max() for x, y in zip(a, b))
+    assert [int(x.argmax()) for x in a] == [int(y.argmax()) for y in b]
+
+
+def test_close_lets_go_of_the_model():
+    from synth import synthetic_model
+    r = _runner(str(synthetic_model(SYNTH, "llama", "F32")), True)
+    d = r._decode
+    r.close()
+    assert r._decode is None and d.model is None and d.kv is None and d.disabled

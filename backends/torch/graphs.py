@@ -98,15 +98,14 @@ class DecodeGraphs:
             return rec.logits[:T]
         if not self.capture:
             return self.model.forward(self._padded(S, NB), self.kv)[:T]
-        # the first step of a bucket runs eagerly on a side stream (CUDA graphs' warm-up: lazy
-        # kernel and library set-up happens outside the record), and its logits are the step's
-        side, main = self._side_stream(), torch.cuda.current_stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            logits = self.model.forward(self._padded(S, NB), self.kv)
-        main.wait_stream(side)
-        self._record(key, S, NB)
-        return logits[:T]
+        logits = self._warm_and_record(key, S, NB)
+        return None if logits is None else logits[:T]
+
+    def close(self) -> None:
+        """Let go of the recordings, their memory pool and the model (an unload)."""
+        self._graphs.clear()
+        self._pool = self._stream = self.model = self.kv = None
+        self.disabled = True
 
     def _side_stream(self):
         if self._stream is None:
@@ -154,17 +153,28 @@ class DecodeGraphs:
         return batch
 
     # -- record ----------------------------------------------------------------------------
-    def _record(self, key: tuple[int, int], S: int, NB: int) -> None:
-        """Record the bucket's forward (the eager run just before it warmed every kernel and
-        filled TorchOps' per-device constants, so nothing crosses to the host inside)."""
+    def _warm_and_record(self, key: tuple[int, int], S: int, NB: int) -> torch.Tensor | None:
+        """The first step of a bucket: run eagerly on a side stream (CUDA graphs' warm-up:
+        lazy kernel and library set-up, and TorchOps' per-device constants, happen outside
+        the record), then record the same forward. Its logits are the warm-up's. On any
+        failure this model's decode steps run op by op from then on: the warm-up's logits
+        if it got that far, else None (the caller runs the step op by op)."""
+        logits = None
         try:
+            side, main = self._side_stream(), torch.cuda.current_stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                logits = self.model.forward(self._padded(S, NB), self.kv)
+            main.wait_stream(side)
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self.model.forward(self._padded(S, NB), self.kv)
+                out = self.model.forward(self._padded(S, NB), self.kv)
             self._pool = g.pool()
-            self._graphs[key] = _Recorded(g, logits)
-        except Exception as e:      # a kernel that cannot be recorded: eager from now on
-            log.warning("decode graphs off for this model: recording failed (%s)", e)
+            self._graphs[key] = _Recorded(g, out)
+        except Exception as e:      # e.g. a kernel that cannot be recorded
+            log.warning("decode steps of this model run op by op: CUDA graph recording "
+                        "failed (%s: %s)", type(e).__name__, e)
             self.disabled = True
             self._graphs.clear()
+        return logits

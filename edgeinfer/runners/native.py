@@ -368,6 +368,9 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the weights, the KV pool and the file mapping (deterministic unload)."""
         self.ops.release()
+        if self._decode is not None:
+            self._decode.close()        # its recordings hold the weights and the KV pool
+            self._decode = None
         self.model = None
         self.kv = None
         self.sampling = SamplingStage()
