@@ -80,7 +80,9 @@ class TorchOps:
         """Nothing per step: torch keeps its own thread pool and device queues."""
 
     def release(self) -> None:
-        """Nothing in the background."""
+        """The model is unloading: drop the device copies made from its weights."""
+        self._casts.clear()
+        self._rope_inv.clear()
 
     def weights_format_for(self, gguf_file) -> str:
         return self.weights_format
