@@ -348,3 +348,29 @@ def test_load_refused_or_kv_capped_by_free_memory(gemma3_path, monkeypatch):
     monkeypatch.setattr(dev, "detect", lambda kind=None: roomy)
     budget = TorchOps("cpu").fit_kv_budget(read_gguf(str(gemma3_path)), 1 << 30)
     assert 0 < budget <= int(need * 1.25 * 0.9) - need < 1 << 30
+
+
+def test_matrices_read_together_share_one_gemm():
+    """ops.matmuls over q/k/v-like matrices: one buffer after the first call, the tensors
+    re-pointed into it (same values, no second copy), the products equal to separate ones;
+    views of a larger tensor are left alone."""
+    from edgeinfer.backends.torch.ops import TorchOps
+    ops = TorchOps(device=DEVICE, dtype=F32, check_memory=False)
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, 64, generator=g).to(ops.device) for n in (64, 16, 16)]
+    before = [w.clone() for w in ws]
+    x = torch.randn(5, 64, generator=g).to(ops.device)
+    first = ops.matmuls(x, ws)
+    assert all(torch.equal(a, b) for a, b in zip(ws, before))
+    ptr = ws[0].untyped_storage().data_ptr()
+    assert all(w.untyped_storage().data_ptr() == ptr for w in ws)
+    again = ops.matmuls(x, ws)
+    for a, b, w in zip(first, again, ws):
+        assert a.shape == (5, w.shape[0])
+        assert torch.allclose(a, x @ w.T, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(b, x @ w.T, rtol=1e-5, atol=1e-5)
+    big = torch.randn(96, 64, generator=g).to(ops.device)
+    views = [big[:64], big[64:]]
+    out = ops.matmuls(x, views)
+    assert big.untyped_storage().data_ptr() == views[1].untyped_storage().data_ptr()
+    assert torch.allclose(out[1], x @ big[64:].T, rtol=1e-5, atol=1e-5)

@@ -70,6 +70,8 @@ class TorchOps:
         self.graphs = (self.info.kind == "cuda") if graphs is None else graphs
         self._rope_inv: dict = {}       # (base, D, factors) -> device float64 frequencies
         self._casts: dict = {}          # (id, dtype) -> (vector, its cast): add_bias
+        self._fused: dict = {}          # ids of matrices read together -> (buffer, rows)
+        self._keep: list = []
 
     @property
     def kv_cache_type(self) -> str:
@@ -83,6 +85,8 @@ class TorchOps:
         """The model is unloading: drop the device copies made from its weights."""
         self._casts.clear()
         self._rope_inv.clear()
+        self._fused.clear()
+        self._keep.clear()
 
     def weights_format_for(self, gguf_file) -> str:
         return self.weights_format
@@ -149,7 +153,39 @@ class TorchOps:
         return F.linear(x.to(w.dtype), w)
 
     def matmuls(self, x: torch.Tensor, ws) -> tuple:
-        return tuple(self.matmul(x, w) for w in ws)
+        """One GEMM for matrices read together (q/k/v, gate/up): the first call moves them
+        into one [sum of rows, in] buffer, each tensor re-pointed at its rows there (no
+        second copy), and later calls multiply by the whole buffer and return column views.
+        On a GPU a decode step's small GEMMs are launch-bound: this is 3 fewer a layer."""
+        key = tuple(map(id, ws))
+        fused = self._fused[key] if key in self._fused else self._fuse(ws)
+        if fused is None:
+            return tuple(self.matmul(x, w) for w in ws)
+        buf, sizes = fused
+        return F.linear(x.to(buf.dtype), buf).split(sizes, dim=-1)
+
+    def _fuse(self, ws):
+        """(buffer, row counts) for matrices that can share one, else None (and remembered:
+        views of a larger tensor, say, keep their own storage)."""
+        key = tuple(map(id, ws))
+        ok = (len(ws) > 1 and all(
+            isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous()
+            and w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.nbytes
+            and w.dtype == ws[0].dtype and w.device == ws[0].device
+            and w.shape[1] == ws[0].shape[1] for w in ws))
+        if not ok:
+            self._fused[key] = None
+            return None
+        buf = torch.cat(ws)
+        row = 0
+        for w in ws:
+            n = w.shape[0]
+            w.set_(buf.untyped_storage(), buf.storage_offset() + row * buf.shape[1],
+                   w.shape, w.stride())
+            row += n
+        fused = self._fused[key] = (buf, [w.shape[0] for w in ws])
+        self._keep.extend(ws)       # the ids above stay theirs while the model lives
+        return fused
 
     def add_bias(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return x.add_(self._as(b, x.dtype))
