@@ -53,7 +53,20 @@ def test_engine_config_carries_the_settings():
         Settings.from_env({"EDGEINFER_REPACK": "1", "EDGEINFER_MAX_MODEL_LEN": "2048",
                            "EDGEINFER_THREADS": "1"}), "cpu")
     assert cfg.repack is True and cfg.max_model_len == 2048 and cfg.backend == "cpu"
-    assert cfg.threads == 1
+    assert cfg.threads == 1 and cfg.torch_graphs is True
+    off = EngineConfig.from_settings(Settings.from_env({"EDGEINFER_TORCH_GRAPHS": "0"}), "torch")
+    assert off.torch_graphs is False
+
+
+def test_torch_graphs_reach_the_ops():
+    """EDGEINFER_TORCH_GRAPHS=0 -> make_ops(torch_graphs=False) -> TorchOps(graphs=False);
+    on, the device decides (CUDA only)."""
+    pytest.importorskip("torch")
+    from edgeinfer.runners.native import make_ops
+    assert make_ops("torch:cpu", torch_graphs=False).graphs is False
+    assert make_ops("torch:cpu").graphs is False        # not on the CPU device
+    with pytest.raises(SettingsError, match="EDGEINFER_TORCH_GRAPHS"):
+        Settings.from_env({"EDGEINFER_TORCH_GRAPHS": "sometimes"})
 
 
 def test_cli_reports_a_bad_setting_in_one_line(monkeypatch, capsys):
