@@ -94,8 +94,51 @@ class LlamaModel(ModelBase):
         self.rope_freqs = ops.vector(gf, "rope_freqs.weight") if cfg.has_rope_freqs else None
         self.layers = load_layers(cfg, ops, gf)
 
+    # -- a step of a few tokens on the CPU: the attention block's small ops fused ------------
+    def _fused_model(self) -> bool:
+        """Whether every layer can take the CPU backend's fused attention block (ops.fused_layer:
+        backends/cpu/fused.py, _layer.py): repacked q/k/v/o matrices, QK-norm on both q and k
+        or on neither, biases on all of q/k/v or none, no post-norms. Decided once."""
+        ok = self.__dict__.get("_fused_ok")
+        if ok is None:
+            cfg, ops = self.cfg, self.ops
+            rows = getattr(ops, "fused_layer_rows", None)       # the CPU backend's
+            width = max(cfg.n_embd, cfg.q_dim)
+            ok = self._fused_ok = rows is not None and all(
+                (w.q_norm is None) == (w.k_norm is None)
+                and (w.bq is None) == (w.bk is None) == (w.bv is None)
+                and (w.q_norm is None or w.bq is None)
+                and w.post_attn_norm is None and w.post_ffw_norm is None
+                and rows(1, width, (w.wq, w.wk, w.wv, w.wo)) for w in self.layers)
+        return ok
+
+    def _fused_parts(self) -> tuple:
+        return fused_parts(self)
+
+    def _forward_fused(self, batch: ForwardBatch, kv):
+        """forward's ops with the same bits, for a few rows: each layer's residual add, norm,
+        q/k/v, biases or QK-norm and rope are one kernel call, its output projection,
+        residual add and FFN norm another (ops.fused_layer), the step's shared choices made
+        once (ops.layer_step): ~6 calls a layer where there were ~14."""
+        cfg, ops = self.cfg, self.ops
+        fused, head, step = fused_step(self, batch)
+        T = batch.num_tokens
+        threads, cos, sin = step.threads, step.cos, step.sin
+        x = ops.embed(self.tok_embd, batch.token_ids)
+        f = None                # the previous layer's FFN output, added by the next attn_in
+        for i, (w, fl) in enumerate(zip(self.layers, fused)):
+            q, k, v = fl.attn_in(x, f, cos, sin, threads)
+            h = fl.attn_out(step.attend(q, k, v, kv, i).reshape(T, cfg.q_dim), x, threads)
+            f = ops.matmul(ops.swiglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down)
+        if head is not None and batch.hidden_indices is None and len(batch.logits_indices) == T:
+            return head(x, f, threads)      # final_head's bits: every row is a logits row
+        return self.logits(ops.add(x, f), batch)
+
     def forward(self, batch: ForwardBatch, kv):
         cfg, ops = self.cfg, self.ops
+        if (batch.embd_rows is None and self._fused_model()
+                and ops.fused_layer_rows(batch.num_tokens, max(cfg.n_embd, cfg.q_dim), ())):
+            return self._forward_fused(batch, kv)
         x = ops.embed(self.tok_embd, batch.token_ids)
         if batch.embd_rows is not None:
             x = ops.put_rows(x, batch.embd_rows, batch.embd_values)
@@ -108,6 +151,36 @@ class LlamaModel(ModelBase):
 
     def logits(self, x, batch: ForwardBatch):
         return final_head(self.cfg, self.ops, x, batch, self.output_norm, self.output)
+
+
+def fused_parts(model, bank_of=lambda w: None) -> tuple:
+    """(each layer's ops.fused_layer, the ops.fused_head or None) of a model whose layers are
+    llama blocks (wq/wk/wv/wo, attention and FFN norms, QK-norm or q/k/v biases or neither),
+    made once; `bank_of(layer)` is a layer's grouped expert bank for ops.fused_layer
+    (qwen3moe)."""
+    parts = model.__dict__.get("_fused_parts_")
+    if parts is None:
+        cfg, ops = model.cfg, model.ops
+        layers = [ops.fused_layer(w.attn_norm, cfg.rms_eps, (w.wq, w.wk, w.wv),
+                                  (cfg.n_head, cfg.n_kv_head), w.q_norm, w.k_norm, cfg.rope_neox,
+                                  w.wo, w.ffn_norm, bank_of(w), head_dim=cfg.head_dim,
+                                  biases=None if getattr(w, "bq", None) is None
+                                  else (w.bq, w.bk, w.bv))
+                  for w in model.layers]
+        head = ops.fused_head(model.output_norm, cfg.rms_eps, model.output)
+        parts = model._fused_parts_ = (layers, head)
+    return parts
+
+
+def fused_step(model, batch: ForwardBatch) -> tuple:
+    """(the model's fused layers, its fused head or None: fused_parts) and this step's
+    ops.layer_step (rope tables, threads, attention plan), for a fused forward."""
+    cfg = model.cfg
+    fused, head = model._fused_parts()
+    step = model.ops.layer_step(batch, cfg.n_head, cfg.n_kv_head, cfg.head_dim,
+                                1.0 / math.sqrt(cfg.head_dim), cfg.rope_base, cfg.rope_scale,
+                                model.rope_freqs)
+    return fused, head, step
 
 
 def final_head(cfg: ModelConfig, ops, x, batch: ForwardBatch, norm, output):

@@ -16,12 +16,11 @@ Runs on the numba CPU backend; other backends are refused with a clear error.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from edgeinfer.formats.model_config import ModelConfig
-from edgeinfer.models.llama import final_head
+from edgeinfer.models.llama import final_head, fused_parts, fused_step
 from edgeinfer.models.variants import VariantModel
 
 
@@ -124,17 +123,7 @@ class Qwen3MoeModel(VariantModel):
 
     def _fused_parts(self) -> tuple:
         """(the layers' ops.fused_layer, the ops.fused_head or None), made once."""
-        parts = self.__dict__.get("_fused_parts_")
-        if parts is None:
-            cfg, ops = self.cfg, self.ops
-            layers = [ops.fused_layer(w.attn_norm, cfg.rms_eps, (w.wq, w.wk, w.wv),
-                                      (cfg.n_head, cfg.n_kv_head), w.q_norm, w.k_norm,
-                                      cfg.rope_neox, w.wo, w.ffn_norm,
-                                      w.moe.bank if type(w.moe) is ExpertFFN else None)
-                      for w in self.layers]
-            head = ops.fused_head(self.output_norm, cfg.rms_eps, self.output)
-            parts = self._fused_parts_ = (layers, head)
-        return parts
+        return fused_parts(self, lambda w: w.moe.bank if type(w.moe) is ExpertFFN else None)
 
     def _load_fused_kernels(self) -> None:
         """Load the fused kernels that decode steps take and a prefill does not (from numba's
@@ -162,11 +151,8 @@ class Qwen3MoeModel(VariantModel):
         if not self._fusable(batch):
             return super().forward(batch, kv)
         cfg, ops = self.cfg, self.ops
-        fused, head = self._fused_parts()
+        fused, head, step = fused_step(self, batch)
         T = batch.num_tokens
-        step = ops.layer_step(batch, cfg.n_head, cfg.n_kv_head, cfg.head_dim,
-                              1.0 / math.sqrt(cfg.head_dim), cfg.rope_base, cfg.rope_scale,
-                              self.rope_freqs)
         threads, cos, sin = step.threads, step.cos, step.sin
         own_ffn = "ffn" not in self.__dict__        # not replaced on the instance (tests)
         x = ops.embed(self.tok_embd, batch.token_ids)

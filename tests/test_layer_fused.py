@@ -242,3 +242,45 @@ def test_layer_step_rope_rows_are_rope_tables():
                              np.zeros(1, np.int64))
             step = ops.layer_step(b, 8, 1, 64, 0.125, 1e6, 1.0)
             assert np.array_equal(step.cos, cos) and np.array_equal(step.sin, sin)
+
+
+def _llama_logits(path: Path, fused: bool, kv: str | None = None) -> tuple[np.ndarray, int]:
+    """_logits' steps on a llama-family model (models/llama.py), its fused path on or off;
+    with how many forwards took it."""
+    from edgeinfer.models.llama import LlamaModel
+    from edgeinfer.runners.native import ModelRunner
+    r = ModelRunner.load(str(path), kv_budget_bytes=32 << 20, kv_cache_type=kv)
+    model = r.model
+    assert isinstance(model, LlamaModel)
+    took = []
+    real = model._forward_fused
+
+    def counted(batch, cache):
+        took.append(1)
+        return real(batch, cache)
+    model._forward_fused = counted
+    if not fused:
+        model._fused_ok = False
+    toks = [int(t) for t in np.random.default_rng(1).integers(3, 250, 40)]
+    ta, tb = list(range(0, 4)), list(range(4, 8))
+    rows = [r.forward([_span(0, 0, toks[:20], ta)])]
+    rows += [r.forward([_span(0, i, [toks[i]], ta)]) for i in range(20, 26)]
+    rows.append(r.forward([_span(1, 0, toks[5:17], tb)]))
+    for i in range(26, 32):
+        rows.append(r.forward([_span(0, i, [toks[i]], ta), _span(1, i - 14, [toks[i]], tb)]))
+    return np.concatenate(rows), len(took)
+
+
+@pytest.mark.parametrize("arch,kv", [("llama", None), ("qwen2", None), ("qwen3", None),
+                                     ("qwen2", "q8_0")])
+def test_llama_family_fused_forward_gives_the_same_logits(arch, kv):
+    """The dense llama block's decode steps through the fused attention block: q/k/v biases
+    (qwen2), QK-norm (qwen3) or neither (llama); the same bits as the separate ops."""
+    from synth import synthetic_model
+    path = synthetic_model(CACHE.parent / "synth", arch, "Q4_K_M")
+    fused, n = _llama_logits(path, True, kv)
+    plain, m = _llama_logits(path, False, kv)
+    assert m == 0
+    if _int8.HAVE_SIMD:
+        assert n >= 12            # the decode steps (one and two rows) took the fused path
+    assert np.array_equal(fused, plain)

@@ -188,6 +188,39 @@ def norm_qkv(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, qn, kn, cos, sin, neox,
     _norm_rope_heads(k, KVH, kn, eps, cos, sin, neox)
 
 
+@njit(inline="always", nogil=True)
+def _rope_heads(x, H, cos, sin, neox):
+    """kernels.rope_inplace's serial loop on x[T, H*D] seen as [T, H, D]."""
+    T = x.shape[0]
+    x3 = x.reshape((T, H, x.shape[1] // H))
+    for th in range(T * H):
+        _rope_head(x3, cos, sin, neox, th // H, th % H)
+
+
+@njit(inline="always", nogil=True)
+def _add_bias(x, b):
+    """x[T, N] += b[N], as numpy's broadcast add (one rounding per element)."""
+    for r in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            x[r, i] += b[i]
+
+
+@njit(**_JIT)
+def norm_qkv_rope(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, bq, bk, bv, bias, cos, sin,
+                  neox, nw, counter):
+    """norm_qkv for a block without QK-norm (llama, qwen2): x += y when add, h = rms_norm(x)
+    * wn, q/k/v = h @ W_m^T, plus bq/bk/bv when bias (qwen2), then rope on each head of q (H)
+    and k (KVH): the bits of ops.add, rms_norm, matmuls, add_bias and rope."""
+    qa, da, bsf, zb = _add_norm_codes(x, y, add, wn, eps, P, 3)
+    _matmuls(P, Wt, qa, da, bsf, zb, q, k, v, nw, counter)
+    if bias:
+        _add_bias(q, bq)
+        _add_bias(k, bk)
+        _add_bias(v, bv)
+    _rope_heads(q, H, cos, sin, neox)
+    _rope_heads(k, KVH, cos, sin, neox)
+
+
 @njit(**_JIT)
 def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
     """o = a @ W^T (the one matrix of P, Wt), x += o in place, h = rms_norm(x) * wn."""

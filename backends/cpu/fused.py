@@ -83,22 +83,27 @@ class LayerStep:
                           self.scale, self.ggml, np.empty_like(q))
 
 
+_NO_BIAS = np.zeros(1, np.float32)
+
+
 class FusedQKV:
     """ops.norm_qkv with its arguments bound: x += f (when f is given), rms_norm, the q/k/v
-    matrices, QK-norm and rope in one _layer.norm_qkv call."""
+    matrices, QK-norm and rope in one _layer.norm_qkv call; without QK-norm (q_norm None:
+    llama, qwen2) _layer.norm_qkv_rope, with the q/k/v biases when given."""
 
     __slots__ = ("wn", "eps", "P", "Wt", "N", "cols", "H", "KVH", "D", "qn", "kn", "neox",
-                 "counter")
+                 "biases", "counter")
 
     def __init__(self, ops, attn_norm, eps: float, qkv, heads: tuple[int, int], q_norm,
-                 k_norm, neox: bool):
+                 k_norm, neox: bool, head_dim: int | None = None, biases=None):
         self.wn, self.eps = attn_norm, eps
         self.P, self.Wt, _ = ops._fused_mats(qkv)
         self.N = tuple(w.N for w in qkv)
         self.cols = qkv[0].K * sum(self.N)
         self.H, self.KVH = heads
-        self.D = q_norm.shape[0]
+        self.D = head_dim or q_norm.shape[0]
         self.qn, self.kn, self.neox = q_norm, k_norm, neox
+        self.biases = biases                    # (bq, bk, bv) or None
         self.counter = np.zeros(1, np.int64)    # the tile region's (the kernel resets it)
 
     def __call__(self, x, f, cos, sin, threads: int) -> tuple:
@@ -106,9 +111,16 @@ class FusedQKV:
         T = x.shape[0]
         q, k, v = (np.empty((T, n), np.float32) for n in self.N)
         nw = 1 if T * self.cols < SERIAL_MACS else threads
-        _layer.norm_qkv(x, x if f is None else f, f is not None, self.wn, self.eps, self.P,
-                        self.Wt, q, k, v, self.H, self.KVH, self.qn, self.kn, cos, sin,
-                        self.neox, nw, self.counter)
+        y = x if f is None else f
+        if self.qn is None:
+            bq, bk, bv = self.biases or (_NO_BIAS,) * 3
+            _layer.norm_qkv_rope(x, y, f is not None, self.wn, self.eps, self.P, self.Wt,
+                                 q, k, v, self.H, self.KVH, bq, bk, bv, self.biases is not None,
+                                 cos, sin, self.neox, nw, self.counter)
+        else:
+            _layer.norm_qkv(x, y, f is not None, self.wn, self.eps, self.P, self.Wt, q, k, v,
+                            self.H, self.KVH, self.qn, self.kn, cos, sin, self.neox, nw,
+                            self.counter)
         return q, k, v
 
 
@@ -136,8 +148,10 @@ class FusedLayer:
     __slots__ = ("qkv", "out", "bank")
 
     def __init__(self, ops, attn_norm, eps: float, qkv, heads: tuple[int, int], q_norm,
-                 k_norm, neox: bool, wo, ffn_norm, bank=None):
-        self.qkv = FusedQKV(ops, attn_norm, eps, qkv, heads, q_norm, k_norm, neox)
+                 k_norm, neox: bool, wo, ffn_norm, bank=None, head_dim: int | None = None,
+                 biases=None):
+        self.qkv = FusedQKV(ops, attn_norm, eps, qkv, heads, q_norm, k_norm, neox, head_dim,
+                            biases)
         self.out = FusedOut(ops, wo, ffn_norm, eps)
         # a grouped bank with an F32 router (else None: the model runs its FFN itself)
         self.bank = bank if bank is not None and bank.grouped is not None \

@@ -417,13 +417,16 @@ class CpuOps:
         return h.reshape(x.shape)
 
     def fused_layer(self, attn_norm: np.ndarray, eps: float, qkv, heads: tuple[int, int],
-                    q_norm: np.ndarray, k_norm: np.ndarray, neox: bool, wo, ffn_norm: np.ndarray,
-                    bank: ExpertBank | None = None):
+                    q_norm: np.ndarray | None, k_norm: np.ndarray | None, neox: bool, wo,
+                    ffn_norm: np.ndarray, bank: ExpertBank | None = None,
+                    head_dim: int | None = None, biases=None):
         """A layer's norm_qkv, out_add_norm and (a grouped bank with an F32 router) moe
-        with their arguments bound once (fused.FusedLayer): the same calls, less Python."""
+        with their arguments bound once (fused.FusedLayer): the same calls, less Python.
+        Without QK-norm (q_norm None: head_dim given) the q/k/v step is add_bias (biases:
+        (bq, bk, bv) or None) and rope instead (_layer.norm_qkv_rope)."""
         from edgeinfer.backends.cpu.fused import FusedLayer
         return FusedLayer(self, attn_norm, eps, qkv, heads, q_norm, k_norm, neox, wo, ffn_norm,
-                          bank)
+                          bank, head_dim, biases)
 
     def fused_head(self, norm: np.ndarray, eps: float, output):
         """The residual add, final norm and output matrix of a step whose every row wants

@@ -18,7 +18,8 @@ Step keys:
 - "mxfp4": the MXFP4 kernels (mxfp4.py: gpt-oss's experts, read in place, never repacked).
 - "moe": the grouped expert kernels of repacked mixture-of-experts layers (experts.py:
   _moe's one call per layer, _router's routing), and the fused attention-block kernels
-  qwen3moe's decode steps take (_layer.py: ops.norm_qkv, ops.out_add_norm).
+  qwen3moe's and the llama family's decode steps take (_layer.py: ops.norm_qkv,
+  norm_qkv_rope, ops.out_add_norm).
 """
 from __future__ import annotations
 
@@ -197,6 +198,11 @@ def _layer_step(p) -> None:
     layer.attn_in(x, x.copy(), batch.cache[("rope", 1e4, 1.0, N // 2)][0],
                   batch.cache[("rope", 1e4, 1.0, N // 2)][1], 1)
     layer.attn_out(np.zeros((1, K), np.float32), a, 1)
+    # the llama/qwen2 block's variant (no QK-norm; biases or not: one signature)
+    plain = ops.fused_layer(wn, 1e-6, (p, p, p), (2, 2), None, None, True, p, wn,
+                            head_dim=N // 2, biases=(qn.repeat(2),) * 3)
+    plain.attn_in(x, x.copy(), batch.cache[("rope", 1e4, 1.0, N // 2)][0],
+                  batch.cache[("rope", 1e4, 1.0, N // 2)][1], 1)
     head = ops.fused_head(wn, 1e-6, p)
     for f in (None, x.copy()):
         head(x, f, 1)
