@@ -16,7 +16,6 @@ Runs on the numba CPU backend; other backends are refused with a clear error.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from edgeinfer.formats.model_config import ModelConfig
