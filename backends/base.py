@@ -137,6 +137,10 @@ class Ops(Protocol):
     def scale(self, x: Any, s: float) -> Any: ...             # in place on x
     def take_rows(self, x: Any, rows: Any) -> Any: ...
     def put_rows(self, x: Any, rows: Any, values: Any) -> Any: ...  # in place: x[rows] = values
+    def fused_layer_rows(self, T: int, width: int, mats: Any) -> bool: ...
+    # ^ whether a step of T rows (widest activation `width`) with these matrices runs through
+    #   the backend's fused attention-block calls (fused_layer, layer_step, fused_head: the CPU
+    #   backend's backends/cpu/fused.py); False where there are none
     def decode_graphs(self, model: Any, kv: Any) -> Any: ...
     # ^ an object whose applies(batch) / run(batch) take pure decode steps of a graph_safe
     #   model (backends/torch/graphs.py), or None where decode steps run as any other

@@ -102,14 +102,14 @@ class LlamaModel(ModelBase):
         ok = self.__dict__.get("_fused_ok")
         if ok is None:
             cfg, ops = self.cfg, self.ops
-            rows = getattr(ops, "fused_layer_rows", None)       # the CPU backend's
             width = max(cfg.n_embd, cfg.q_dim)
-            ok = self._fused_ok = rows is not None and all(
+            ok = self._fused_ok = all(
                 (w.q_norm is None) == (w.k_norm is None)
                 and (w.bq is None) == (w.bk is None) == (w.bv is None)
                 and (w.q_norm is None or w.bq is None)
                 and w.post_attn_norm is None and w.post_ffw_norm is None
-                and rows(1, width, (w.wq, w.wk, w.wv, w.wo)) for w in self.layers)
+                and ops.fused_layer_rows(1, width, (w.wq, w.wk, w.wv, w.wo))
+                for w in self.layers)
         return ok
 
     def _fused_parts(self) -> tuple:

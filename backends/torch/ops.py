@@ -134,6 +134,10 @@ class TorchOps:
                 else StepLayout.build(batch, block_size, self.device))
         return lay
 
+    def fused_layer_rows(self, T: int, width: int, mats) -> bool:
+        """False: no fused attention-block calls here (decode_graphs takes their place)."""
+        return False
+
     def decode_graphs(self, model, kv: TorchKVCache):
         """graphs.DecodeGraphs for `model` (whose forward reads the batch only through these
         ops: Model.graph_safe), or None when this backend runs decode steps as any other."""
