@@ -155,6 +155,12 @@ def _logits(path: Path, fused: bool, kv: str | None = None) -> tuple[np.ndarray,
         took.append(ok)
         return ok
     model._fusable = fusable
+    return _steps(r), sum(took)
+
+
+def _steps(r) -> np.ndarray:
+    """A prefill, decode steps of one token, then decode steps of two sequences at once,
+    on runner r: the logits of every step."""
     toks = [int(t) for t in np.random.default_rng(1).integers(3, 250, 40)]
     ta, tb = list(range(0, 4)), list(range(4, 8))
     rows = [r.forward([_span(0, 0, toks[:20], ta)])]
@@ -162,7 +168,7 @@ def _logits(path: Path, fused: bool, kv: str | None = None) -> tuple[np.ndarray,
     rows.append(r.forward([_span(1, 0, toks[5:17], tb)]))
     for i in range(26, 32):       # two sequences' decode rows in one step
         rows.append(r.forward([_span(0, i, [toks[i]], ta), _span(1, i - 14, [toks[i]], tb)]))
-    return np.concatenate(rows), sum(took)
+    return np.concatenate(rows)
 
 
 @pytest.mark.parametrize("ftype,kv", [("Q4_K_M", None), ("Q8_0", None), ("Q4_K_M", "q8_0")])
@@ -261,14 +267,7 @@ def _llama_logits(path: Path, fused: bool, kv: str | None = None) -> tuple[np.nd
     model._forward_fused = counted
     if not fused:
         model._fused_ok = False
-    toks = [int(t) for t in np.random.default_rng(1).integers(3, 250, 40)]
-    ta, tb = list(range(0, 4)), list(range(4, 8))
-    rows = [r.forward([_span(0, 0, toks[:20], ta)])]
-    rows += [r.forward([_span(0, i, [toks[i]], ta)]) for i in range(20, 26)]
-    rows.append(r.forward([_span(1, 0, toks[5:17], tb)]))
-    for i in range(26, 32):
-        rows.append(r.forward([_span(0, i, [toks[i]], ta), _span(1, i - 14, [toks[i]], tb)]))
-    return np.concatenate(rows), len(took)
+    return _steps(r), len(took)
 
 
 @pytest.mark.parametrize("arch,kv", [("llama", None), ("qwen2", None), ("qwen3", None),
