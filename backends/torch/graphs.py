@@ -57,11 +57,11 @@ class _Recorded:
 class DecodeGraphs:
     """One owner for the decode path's staging buffers and recorded graphs, by bucket."""
 
-    def __init__(self, model, kv, device: torch.device, num_blocks: int, capture: bool):
+    def __init__(self, model, kv, device: torch.device, capture: bool):
         self.model, self.kv, self.device, self.capture = model, kv, device, capture
         self.block_size = kv.block_size
-        self.scratch = kv.scratch_block
-        self.max_blocks = bucket(num_blocks)
+        self.scratch = kv.scratch_block         # = the pool's block count (TorchOps)
+        self.max_blocks = bucket(self.scratch)
         n = 3 * MAX_ROWS + MAX_ROWS * self.max_blocks
         pin = device.type == "cuda"
         self._host = torch.zeros(n, dtype=torch.int64, pin_memory=pin)

@@ -68,10 +68,11 @@ class TorchOps:
         # decode steps as recorded CUDA graphs (graphs.py): on by default on CUDA; True on
         # another device runs the same padded static steps eagerly (how the CPU tests see it)
         self.graphs = (self.info.kind == "cuda") if graphs is None else graphs
-        self._rope_inv: dict = {}       # (base, D, factors) -> device float64 frequencies
-        self._casts: dict = {}          # (id, dtype) -> (vector, its cast): add_bias
-        self._fused: dict = {}          # ids of matrices read together -> (buffer, rows)
-        self._keep: list = []
+        # made once from the model's tensors, keyed by their ids (_memo keeps them alive):
+        # rope's device frequencies, biases cast to the compute dtype, shared GEMM buffers
+        self._rope_inv: dict = {}
+        self._casts: dict = {}
+        self._fused: dict = {}
 
     @property
     def kv_cache_type(self) -> str:
@@ -83,10 +84,8 @@ class TorchOps:
 
     def release(self) -> None:
         """The model is unloading: drop the device copies made from its weights."""
-        self._casts.clear()
-        self._rope_inv.clear()
-        self._fused.clear()
-        self._keep.clear()
+        for memo in (self._casts, self._rope_inv, self._fused):
+            memo.clear()
 
     def weights_format_for(self, gguf_file) -> str:
         return self.weights_format
@@ -144,8 +143,7 @@ class TorchOps:
         if not self.graphs or self.info.kind == "mps":      # MPS: no float64 rope angles
             return None
         from edgeinfer.backends.torch.graphs import DecodeGraphs
-        return DecodeGraphs(model, kv, self.device, kv.scratch_block,
-                            capture=self.device.type == "cuda")
+        return DecodeGraphs(model, kv, self.device, capture=self.device.type == "cuda")
 
     # -- element-wise ----------------------------------------------------------------------
     def embed(self, table: torch.Tensor, ids) -> torch.Tensor:
@@ -161,48 +159,17 @@ class TorchOps:
         into one [sum of rows, in] buffer, each tensor re-pointed at its rows there (no
         second copy), and later calls multiply by the whole buffer and return column views.
         On a GPU a decode step's small GEMMs are launch-bound: this is 3 fewer a layer."""
-        key = tuple(map(id, ws))
-        fused = self._fused[key] if key in self._fused else self._fuse(ws)
-        if fused is None:
+        shared = _memo(self._fused, tuple(ws), lambda: _shared_buffer(ws))
+        if shared is None:
             return tuple(self.matmul(x, w) for w in ws)
-        buf, sizes = fused
-        return F.linear(x.to(buf.dtype), buf).split(sizes, dim=-1)
-
-    def _fuse(self, ws):
-        """(buffer, row counts) for matrices that can share one, else None (and remembered:
-        views of a larger tensor, say, keep their own storage)."""
-        key = tuple(map(id, ws))
-        ok = (len(ws) > 1 and all(
-            isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous()
-            and w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.nbytes
-            and w.dtype == ws[0].dtype and w.device == ws[0].device
-            and w.shape[1] == ws[0].shape[1] for w in ws))
-        if not ok:
-            self._fused[key] = None
-            return None
-        buf = torch.cat(ws)
-        row = 0
-        for w in ws:
-            n = w.shape[0]
-            w.set_(buf.untyped_storage(), buf.storage_offset() + row * buf.shape[1],
-                   w.shape, w.stride())
-            row += n
-        fused = self._fused[key] = (buf, [w.shape[0] for w in ws])
-        self._keep.extend(ws)       # the ids above stay theirs while the model lives
-        return fused
+        buf, rows = shared
+        return F.linear(x.to(buf.dtype), buf).split(rows, dim=-1)
 
     def add_bias(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return x.add_(self._as(b, x.dtype))
-
-    def _as(self, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A float32 weight vector in `dtype`, cast once (not one cast kernel per use)."""
-        if v.dtype == dtype:
-            return v
-        key = (id(v), dtype)
-        hit = self._casts.get(key)
-        if hit is None or hit[0] is not v:
-            hit = self._casts[key] = (v, v.to(dtype))
-        return hit[1]
+        # a float32 bias cast once to x's dtype, not one cast kernel per use
+        if b.dtype != x.dtype:
+            b = _memo(self._casts, (b,), lambda: b.to(x.dtype), x.dtype)
+        return x.add_(b)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         # one op (a fused kernel where torch has one) in float32 whatever x's dtype
@@ -221,15 +188,13 @@ class TorchOps:
     def rope(self, x: torch.Tensor, batch: ForwardBatch, base: float, scale: float, neox: bool,
              freq_factors=None) -> torch.Tensor:
         D = x.shape[-1]
-        key = ("torch_rope", base, scale, D)
+        key = ("torch_rope", base, scale, D, neox)
         tables = batch.cache.get(key)
         static = batch.cache.get("torch_static")
         if tables is None and static is not None:
             # a graphs.py step: the same float64 angles, from the positions on the device
-            inv = self._rope_inv.get((base, D, id(freq_factors)))
-            if inv is None:
-                inv = torch.from_numpy(_inv_freq(base, D, freq_factors)).to(self.device)
-                self._rope_inv[(base, D, id(freq_factors))] = inv
+            inv = _memo(self._rope_inv, (freq_factors,), lambda: torch.from_numpy(
+                _inv_freq(base, D, freq_factors)).to(self.device), base, D)
             ang = (static.positions.double() / scale)[:, None] * inv[None, :]
             tables = batch.cache[key] = _rotation(torch.cos(ang).float()[:, None, :],
                                                   torch.sin(ang).float()[:, None, :], neox)
@@ -331,6 +296,36 @@ class TorchOps:
         lay = self._layout(batch, cache.block_size)
         write_kv(cache.k[layer], cache.v[layer], k, v, lay.slots)
         return paged_attention(q, cache.k[layer], cache.v[layer], lay, scale, window)
+
+
+def _memo(table: dict, objs: tuple, make, *extra):
+    """table's value for these objects (by identity) and extra key parts, made on first use;
+    the entry holds the objects, so their ids stay theirs while it lives."""
+    key = (*map(id, objs), *extra)
+    hit = table.get(key)
+    if hit is None:
+        hit = table[key] = (objs, make())
+    return hit[1]
+
+
+def _shared_buffer(ws):
+    """Matrices read together moved into one [sum of rows, in] buffer, each tensor re-pointed
+    at its rows there (Tensor.set_: no second copy of the weights): (buffer, rows of each);
+    None where they cannot share one (views of a larger tensor keep their own storage, one matrix needs none)."""
+    w0 = ws[0]
+    if len(ws) < 2 or not all(
+            isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous()
+            and w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.nbytes
+            and w.dtype == w0.dtype and w.device == w0.device and w.shape[1] == w0.shape[1]
+            for w in ws):
+        return None
+    buf = torch.cat(ws)
+    row = 0
+    for w in ws:
+        w.set_(buf.untyped_storage(), buf.storage_offset() + row * buf.shape[1], w.shape,
+               w.stride())
+        row += w.shape[0]
+    return buf, [w.shape[0] for w in ws]
 
 
 def _rotation(cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> tuple:

@@ -9,7 +9,8 @@ def load_runner(path: str, backend: str = "cpu", kv_budget_bytes: int = 1 << 30,
                 max_tokens_per_step: int = 512, batch_invariant: bool = False,
                 governor=None, n_threads: int | None = None, repack: bool | None = None,
                 torch_dtype: str | None = None, kv_cache_type: str | None = None,
-                torch_graphs: bool = True, repack_cache: str | None = None, repack_cache_bytes: int = 0) -> Runner:
+                torch_graphs: bool = True, repack_cache: str | None = None,
+                repack_cache_bytes: int = 0) -> Runner:
     """A native ModelRunner (cpu, torch:*) or the llama.cpp runner. `backend` may be "auto"
     (resolved here from the file's architecture, edgeinfer.runners.choice.resolve_for_file);
     the governor is the process's CPU thread budget, shared by every loaded model."""
