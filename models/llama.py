@@ -134,10 +134,12 @@ class LlamaModel(ModelBase):
             return head(x, f, threads)      # final_head's bits: every row is a logits row
         return self.logits(ops.add(x, f), batch)
 
+    def _fusable(self, batch: ForwardBatch) -> bool:
+        return fusable(self, batch)
+
     def forward(self, batch: ForwardBatch, kv):
         cfg, ops = self.cfg, self.ops
-        if (batch.embd_rows is None and self._fused_model()
-                and ops.fused_layer_rows(batch.num_tokens, max(cfg.n_embd, cfg.q_dim), ())):
+        if self._fusable(batch):
             return self._forward_fused(batch, kv)
         x = ops.embed(self.tok_embd, batch.token_ids)
         if batch.embd_rows is not None:
@@ -151,6 +153,14 @@ class LlamaModel(ModelBase):
 
     def logits(self, x, batch: ForwardBatch):
         return final_head(self.cfg, self.ops, x, batch, self.output_norm, self.output)
+
+
+def fusable(model, batch: ForwardBatch) -> bool:
+    """Whether this step runs through the model's fused layers: every layer qualifies
+    (model._fused_model), no image rows, and few enough tokens (ops.fused_layer_rows)."""
+    cfg = model.cfg
+    return (batch.embd_rows is None and model._fused_model()
+            and model.ops.fused_layer_rows(batch.num_tokens, max(cfg.n_embd, cfg.q_dim), ()))
 
 
 def fused_parts(model, bank_of=lambda w: None) -> tuple:

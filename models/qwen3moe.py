@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeinfer.formats.model_config import ModelConfig
-from edgeinfer.models.llama import final_head, fused_parts, fused_step
+from edgeinfer.models.llama import final_head, fusable, fused_parts, fused_step
 from edgeinfer.models.variants import VariantModel
 
 
@@ -114,11 +114,7 @@ class Qwen3MoeModel(VariantModel):
         return ok
 
     def _fusable(self, batch) -> bool:
-        """Whether this step runs through the fused layers: a _fused_model, and few enough
-        tokens (ops.fused_layer_rows)."""
-        cfg = self.cfg
-        return self._fused_model() and self.ops.fused_layer_rows(
-            batch.num_tokens, max(cfg.n_embd, cfg.q_dim), ())
+        return fusable(self, batch)
 
     def _fused_parts(self) -> tuple:
         """(the layers' ops.fused_layer, the ops.fused_head or None), made once."""
