@@ -113,8 +113,8 @@ def main() -> None:
         def run_old():
             for po, pn, qa, da, bsf, zb, oo, _on in work:
                 t = nw if qa.shape[0] * po.K * po.N >= 1 << 18 else 1
-                old8.int8_matmul(po.q, po.s, po.o, po.has_o, qa, da, bsf, zb, oo, vnni, t,
-                                 np.zeros(1, np.int64))
+                old8.int8_matmul(po.q, po.h, po.s, po.o, po.d, po.dm, po.fmt, qa, da, bsf, zb, oo,
+                                 vnni, t, np.zeros(1, np.int64))
 
         def run_new():
             for po, pn, qa, da, bsf, zb, _oo, on in work:
