@@ -20,8 +20,7 @@ from edgeinfer.backends.cpu import kernels as K
 from edgeinfer.backends.cpu.matmul import matmul
 from edgeinfer.backends.cpu.ops import CpuOps, repacked_bytes
 from edgeinfer.backends.cpu.quants import QuantMatrix, random_quant_rows
-from edgeinfer.backends.cpu import packed
-from edgeinfer.backends.cpu.packed import SERIAL_MACS, packed_matmul, packed_matmuls
+from edgeinfer.backends.cpu.packed import SERIAL_MACS, packed_matmul
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -120,24 +119,20 @@ def test_a_row_is_bit_identical_alone_and_in_any_batch(qtype):
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
-def test_row_chunks_give_the_whole_products_bits(qtype, monkeypatch):
-    """A product over several row chunks (codes past ROW_CHUNK_BYTES), one matrix or three in
-    one region, gives the bits of the product in one pass; chunks end on and off 8 rows."""
+def test_row_groups_across_chunks_of_tiles(qtype):
+    """Products of 8 rows or more run each group of rows across a thread's chunk of tiles
+    (_int8._make_tiles): with several tiles a chunk, 8-, 4- and 1-row groups and a partial
+    last tile, every row has the bits of the row alone and of the portable loop."""
     _threads_for_parallel()
-    ws = [PackedMatrix.from_quant(make(qtype, n, 512, seed=n)) for n in (70, 16, 40)]
-    x = np.random.default_rng(12).standard_normal((45, 512)).astype(np.float32)
-    whole = [packed_matmul(x, w) for w in ws]
-    ran: list[int] = []
-    real = _int8.run_matmuls
-    monkeypatch.setattr(_int8, "run_matmuls", lambda jobs, *a: ran.append(len(jobs[0][2])) or
-                        real(jobs, *a))
-    monkeypatch.setattr(packed, "ROW_CHUNK_BYTES", 16 * 512)      # 16 rows a chunk
-    chunked = [packed_matmul(x, w) for w in ws]
-    together = packed_matmuls(x, ws)
-    assert ran == [16, 16, 13] * 4, ran
-    for a, b, c in zip(whole, chunked, together):
-        np.testing.assert_array_equal(b.view(np.uint32), a.view(np.uint32))
-        np.testing.assert_array_equal(c.view(np.uint32), a.view(np.uint32))
+    w = make(qtype, 16 * 100 + 5, 256, seed=21)
+    p = PackedMatrix.from_quant(w)
+    assert _int8._chunk_tiles(101, numba.get_num_threads(), 21, 64) >= 2
+    x = np.random.default_rng(22).standard_normal((21, w.K)).astype(np.float32)
+    y, alone, ran = _products(x, p, range(len(x)))
+    assert ran[0] > 1
+    np.testing.assert_array_equal(y, alone)
+    if _int8.HAVE_SIMD:
+        np.testing.assert_array_equal(y, packed_matmul(x, p, use_vnni=False))
 
 
 def _threads_for_parallel() -> int:

@@ -680,11 +680,17 @@ def _w_fields(wp):
 
 
 @njit(inline="always", nogil=True)
-def _one_tile(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa):
-    """Output columns 16t .. 16t+15 of every row by the vector tile loop of instruction set
-    isa (> 0); wp: the address of the matrix's W. A partial last tile (N not a multiple of
-    16) goes through the same loop into a scratch tile: the repacked arrays hold whole tiles
-    (the padding rows zero)."""
+def _group_rows(left):
+    """Rows of the next tile call (8, 4 or 1) with `left` rows to go."""
+    return 8 if left >= 8 else (4 if left >= 4 else 1)
+
+
+@njit(inline="always", nogil=True)
+def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tmpp):
+    """Rows m .. m+R-1 of output columns 16t .. 16t+15 by the vector tile loop of
+    instruction set isa (> 0); wp: the address of the matrix's W. A partial last tile (N not
+    a multiple of 16) goes through the same loop into the scratch rows at tmpp (float32[R,
+    16]): the repacked arrays hold whole tiles (the padding rows zero)."""
     B = fmt & 63
     bits = (fmt >> 6) & 15
     sub = (fmt >> 11) & 1
@@ -692,8 +698,7 @@ def _one_tile(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa):
     qp, hp, sp, op, dp, dmp, nb, nv, nsb = _w_fields(wp)
     n0 = t * LANES
     full = n0 + LANES <= N
-    tmp = np.empty((1 if full else M, LANES), np.float32)
-    dst = outp + n0 * 4 if full else tmp.ctypes.data
+    dst = outp + (m * N + n0) * 4 if full else tmpp
     stride = N * 4 if full else LANES * 4
     w = qp + t * nb * nv * 64
     hb = hp + (t * nb * nq * 8 if bits == 5 else 0)
@@ -702,21 +707,18 @@ def _one_tile(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa):
     ob = op + t * nb * LANES * ssz
     db = dp + (t * nsb * LANES * 2 if sub else 0)
     dmb = dmp + (t * nsb * LANES * 2 if sub else 0)
-    m = 0
-    while m < M:
-        R = 8 if M - m >= 8 else (4 if M - m >= 4 else 1)
-        _simd_tile(R, fmt, isa, dst + m * stride, stride, w, hb, sb, ob, db, dmb,
-                   qap + m * K, K, nb, dap + m * 4, bsfp + m * 4, zbp + m * 4, M)
-        m += R
+    _simd_tile(R, fmt, isa, dst, stride, w, hb, sb, ob, db, dmb,
+               qap + m * K, K, nb, dap + m * 4, bsfp + m * 4, zbp + m * 4, M)
     if not full:
-        for m in range(M):
+        for r in range(R):
             for lane in range(N - n0):
-                _st_f32(outp + (m * N + n0 + lane) * 4, tmp[m, lane])
+                _st_f32(outp + ((m + r) * N + n0 + lane) * 4,
+                        _ld_f32(tmpp + (r * LANES + lane) * 4))
 
 
 @njit(inline="always", nogil=True)
 def _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt):
-    """_one_tile's bits by the portable loop (CPUs without a vector kernel; the tests'
+    """_tile_rows' bits by the portable loop (CPUs without a vector kernel; the tests'
     reference): results go through acc."""
     B = fmt & 63
     qp, hp, sp, op, dp, dmp, nb, nv, nsb = _w_fields(wp)
@@ -753,8 +755,28 @@ def _make_tiles(fmt: int, isa: int):
 
     @cfunc(_TILES_SIG, cache=_CACHE)
     def tiles(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N):
-        for t in range(t0, t1):
-            _one_tile(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa)
+        tmp = np.empty((8, LANES), np.float32)        # a partial last tile's rows
+        tp = tmp.ctypes.data
+        if M < 8:
+            # decode and small batches, bound by the weights' bytes: each tile's codes are
+            # read from memory once, for every row
+            for t in range(t0, t1):
+                m = 0
+                while m < M:
+                    R = _group_rows(M - m)
+                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tp)
+                    m += R
+            return
+        # prefill, bound by the integer dot's rate: an 8-row group's codes are reused from L1
+        # across the chunk's tiles, whose codes come from L2 (a Qwen2.5 1.5B's matmuls at 512
+        # rows: 7-9% faster than every row group for each tile in turn, which read the
+        # codes of all the rows from L2 or L3 once per tile)
+        m = 0
+        while m < M:
+            R = _group_rows(M - m)
+            for t in range(t0, t1):
+                _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tp)
+            m += R
     return tiles
 
 
