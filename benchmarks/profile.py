@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/profile.py [--model PATH] [--threads 2] [--repeats 3]
         [--scenarios prefill512,prefill2048,prefill512@2048,decode0,decode2k,decode8k]
         [--markdown FILE]
-        [--baseline per-matrix]
+        [--baseline per-matrix] [--by-op]
 
 Each op of the CPU backend is timed on its own (a wrapper on the ops object; the int8 path's
 activation quantization and tile matmul are timed apart), and so is sampling. "Python between
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import model_path, setup_env, table  # noqa: E402
 
 GROUPS = {
-    "matmul": ("matmul", "matmuls"),
+    "matmul": ("matmul", "matmuls", "swiglu_matmul"),
     "attention": ("attention",),
     "norms / rope / activations": ("rms_norm", "rope", "geglu", "swiglu", "add", "scale",
                                    "embed", "take_rows", "add_bias", "add_rms_norm",
@@ -42,15 +42,20 @@ COLUMNS = ["matmul (int8 tiles)", "activation quantization", "attention",
 
 class Timers:
     def __init__(self):
-        self.t: dict[str, float] = defaultdict(float)
+        self.t: dict[str, float] = defaultdict(float)       # by group (COLUMNS)
+        self.op: dict[str, float] = defaultdict(float)      # by op name (--by-op)
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, op: str | None = None):
+        op = op or name
+
         def timed(*a, **kw):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                self.t[name] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.t[name] += dt
+                self.op[op] += dt
         return timed
 
 
@@ -60,9 +65,11 @@ def instrument(engine, timers: Timers) -> None:
     for group, names in GROUPS.items():
         for n in names:
             if hasattr(ops, n):
-                setattr(ops, n, timers.wrap(group, getattr(ops, n)))
+                setattr(ops, n, timers.wrap(group, getattr(ops, n), n))
     # inside ops.matmul on the int8 path: quantizing activations (the rest is the tile kernel)
-    aq.quantize_rows = timers.wrap("quantize", aq.quantize_rows)
+    aq.quantize_rows = timers.wrap("quantize", aq.quantize_rows, "quantize_rows")
+    aq.quantize_swiglu_rows = timers.wrap("quantize", aq.quantize_swiglu_rows,
+                                          "quantize_swiglu_rows")
     stage = engine.runner.sampling
     stage.sample = timers.wrap("sampling", stage.sample)
 
@@ -84,6 +91,7 @@ def per_matrix_baseline(engine) -> None:
 
 def one_step(engine, timers: Timers) -> dict[str, float]:
     timers.t.clear()
+    timers.op.clear()
     t0 = time.perf_counter()
     engine.step()
     wall = time.perf_counter() - t0
@@ -97,6 +105,7 @@ def one_step(engine, timers: Timers) -> dict[str, float]:
            "norms / rope / activations": t.get("norms / rope / activations", 0.0),
            "sampling": t.get("sampling", 0.0)}
     row["Python between kernels"] = wall - sum(row[c] for c in COLUMNS[:-1])
+    row["by_op"] = dict(timers.op)      # ops' times include the quantization inside them
     return row
 
 
@@ -150,6 +159,9 @@ def main() -> None:
     ap.add_argument("--scenarios", default="prefill512,prefill2048,decode0,decode2k,decode8k")
     ap.add_argument("--markdown")
     ap.add_argument("--baseline", choices=["per-matrix"])
+    ap.add_argument("--by-op", action="store_true",
+                    help="also list each op's time in the median step (ops.matmuls, "
+                    "ops.swiglu_matmul, ...; the quantizers inside them listed apart too)")
     a = ap.parse_args()
     setup_env(a.threads)
     from edgeinfer.engine.core import Engine, EngineConfig
@@ -173,6 +185,11 @@ def main() -> None:
     text = table(f"Share of the median step ({a.threads} threads, median of {a.repeats})",
                  header, rows)
     print(text)
+    if a.by_op:
+        for name, r in results.items():
+            print(f"\n{name}, by op (ms, % of the step):")
+            for op, t in sorted(r["by_op"].items(), key=lambda kv: -kv[1]):
+                print(f"  {op:24} {t * 1e3:9.2f}  {100 * t / r['wall']:5.1f}%")
     if a.markdown:
         Path(a.markdown).write_text(text + "\n")
     engine.close()
