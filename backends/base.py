@@ -133,6 +133,9 @@ class Ops(Protocol):
     # x += rms_norm(a, w_a) in place (a may be overwritten); returns rms_norm(x, w_x)
     def geglu(self, gate: Any, up: Any) -> Any: ...           # in place on gate
     def swiglu(self, gate: Any, up: Any) -> Any: ...          # in place on gate
+    def swiglu_matmul(self, gate: Any, up: Any, w: Any) -> Any: ...
+    # ^ matmul(swiglu(gate, up), w), the same values (gate may be overwritten); the CPU
+    #   backend quantizes the SwiGLU straight into w's activation codes
     def add(self, x: Any, y: Any) -> Any: ...                 # in place on x
     def scale(self, x: Any, s: float) -> Any: ...             # in place on x
     def take_rows(self, x: Any, rows: Any) -> Any: ...

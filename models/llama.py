@@ -129,7 +129,7 @@ class LlamaModel(ModelBase):
         for i, (w, fl) in enumerate(zip(self.layers, fused)):
             q, k, v = fl.attn_in(x, f, cos, sin, threads)
             h = fl.attn_out(step.attend(q, k, v, kv, i).reshape(T, cfg.q_dim), x, threads)
-            f = ops.matmul(ops.swiglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down)
+            f = ops.swiglu_matmul(*ops.matmuls(h, (w.w_gate, w.w_up)), w.w_down)
         if head is not None and batch.hidden_indices is None and len(batch.logits_indices) == T:
             return head(x, f, threads)      # final_head's bits: every row is a logits row
         return self.logits(ops.add(x, f), batch)
@@ -148,7 +148,7 @@ class LlamaModel(ModelBase):
             h = ops.rms_norm(x, w.attn_norm, cfg.rms_eps)
             x = ops.add(x, attention(cfg, ops, w, h, batch, kv, i, cfg.rope_base, 0, self.rope_freqs))
             h = ops.rms_norm(x, w.ffn_norm, cfg.rms_eps)
-            x = ops.add(x, ops.matmul(ops.swiglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down))
+            x = ops.add(x, ops.swiglu_matmul(*ops.matmuls(h, (w.w_gate, w.w_up)), w.w_down))
         return self.logits(x, batch)
 
     def logits(self, x, batch: ForwardBatch):

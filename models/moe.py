@@ -126,7 +126,7 @@ class SharedExpert:
                          if cfg.shexp_gate else None)
 
     def __call__(self, ops, h):
-        y = ops.matmul(ops.swiglu(*ops.matmuls(h, (self.w_gate, self.w_up))), self.w_down)
+        y = ops.swiglu_matmul(*ops.matmuls(h, (self.w_gate, self.w_up)), self.w_down)
         if self.gate_inp is not None:
             # each row's dot product on its own (numpy's pairwise sum along the row), so a
             # token's gate does not depend on the rows beside it
@@ -183,7 +183,7 @@ class MoeModel(ModelBase):
     def ffn(self, w: MoeLayer, h):
         ops = self.ops
         if w.moe is None:
-            return ops.matmul(ops.swiglu(*ops.matmuls(h, (w.w_gate, w.w_up))), w.w_down)
+            return ops.swiglu_matmul(*ops.matmuls(h, (w.w_gate, w.w_up)), w.w_down)
         y = w.moe(self.ops, h)
         if w.shared is not None:
             y = self.ops.add(y, w.shared(self.ops, h))

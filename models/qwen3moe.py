@@ -78,7 +78,7 @@ class ExpertFFN:
         return out
 
     def expert(self, ops, x, e: int):
-        return ops.matmul(ops.swiglu(*ops.matmuls(x, (self.gate[e], self.up[e]))), self.down[e])
+        return ops.swiglu_matmul(*ops.matmuls(x, (self.gate[e], self.up[e])), self.down[e])
 
 
 class Qwen3MoeModel(VariantModel):

@@ -167,10 +167,9 @@ class VariantModel(ModelBase):
         if w.w_gate is None:        # fused gate/up rows (phi3)
             gu = ops.matmul(h, w.w_up)
             n = gu.shape[-1] // 2
-            act = ops.swiglu(ops.contiguous(gu[:, :n]), ops.contiguous(gu[:, n:]))
-        else:
-            act = ops.swiglu(*ops.matmuls(h, (w.w_gate, w.w_up)))
-        return ops.matmul(act, w.w_down)
+            return ops.swiglu_matmul(ops.contiguous(gu[:, :n]), ops.contiguous(gu[:, n:]),
+                                     w.w_down)
+        return ops.swiglu_matmul(*ops.matmuls(h, (w.w_gate, w.w_up)), w.w_down)
 
     def forward(self, batch: ForwardBatch, kv):
         cfg, ops = self.cfg, self.ops

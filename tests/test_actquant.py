@@ -264,3 +264,40 @@ def test_geglu_vector_is_the_scalar_kernel(M, n, par):
     inplace = g.copy()                     # ops.geglu writes into gate
     _geglu.gelu_tanh_mul_f16(inplace, u, inplace, table, par)
     np.testing.assert_array_equal(inplace.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("A,B", FORMATS)
+@pytest.mark.parametrize("par", [False, True])
+def test_padded_entry_stride_is_the_same_entries(A, B, par):
+    """da, bsf, zb with a row stride S > M (entry_stride: no 2 KB strides at M = 512) hold
+    in their first M columns the entries of the [nb, M] layout."""
+    x = np.random.default_rng(31).standard_normal((40, 512)).astype(np.float32) * 3
+    M, Kc = x.shape
+    S = aq.entry_stride(M)
+    assert S >= M and S % 16 == 0 and (S // 16) % 2 == 1
+    nb = Kc // B
+    padded = (np.empty((M, Kc), np.int8), np.full((nb, S), 7, np.float32),
+              np.full((nb, S), 7, np.float32), np.full((nb, S), 7, np.int32))
+    aq.quantize_rows(x, A, B, 8, *padded, par)
+    want = quantize(aq.quantize_rows, x, A, B, 8, par)
+    assert_same_bits((padded[0],) + tuple(np.ascontiguousarray(a[:, :M]) for a in padded[1:]),
+                     want)
+    assert [aq.entry_stride(m) for m in (1, 8, 16, 17, 496, 512, 520)] == \
+        [1, 8, 16, 48, 496, 528, 528]
+
+
+@pytest.mark.parametrize("A,B", FORMATS)
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
+def test_quantize_swiglu_rows_is_swiglu_then_quantize(A, B, M):
+    """The fused SwiGLU + quantization gives quantize_rows(swiglu(gate, up))'s bits, serial
+    and parallel, with the scratch of ROW_GROUP rows cut anywhere."""
+    from edgeinfer.backends.cpu import _swiglu
+    rng = np.random.default_rng(M)
+    g = (rng.standard_normal((M, 768)) * 4).astype(np.float32)
+    u = rng.standard_normal((M, 768)).astype(np.float32)
+    g[0, :A] = 0.0                                   # an all-zero block
+    h = _swiglu.swiglu(g, u, np.empty_like(g), False)
+    want = quantize(aq.quantize_rows, h, A, B, 0, False)
+    for par in (False, True):
+        got = quantize(lambda x, *a: aq.quantize_swiglu_rows(x, u, *a), g, A, B, 0, par)
+        assert_same_bits(got, want)

@@ -451,3 +451,52 @@ def test_legacy_one_pass_repack_equals_the_unpacked_path(qtype):
         np.testing.assert_array_equal(a, b[:2], err_msg=name)
     assert (fast.has_o, fast.zero_point, fast.fmt) == (slow.has_o, slow.zero_point, slow.fmt)
     np.testing.assert_array_equal(fast.rows(np.arange(32)), slow.rows(np.arange(32)))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("M", [1, 5, 17, 40])
+def test_swiglu_matmul_is_matmul_of_swiglu(qtype, M):
+    """CpuOps.swiglu_matmul (SwiGLU straight into the activation codes) has the bits of
+    matmul(swiglu(gate, up)), on the vector and the portable kernel, and with weights that
+    are not repacked."""
+    from edgeinfer.backends.cpu import _swiglu
+    from edgeinfer.backends.cpu.packed import packed_swiglu_matmul
+    w = make(qtype, 48, 512, seed=M)
+    p = PackedMatrix.from_quant(w)
+    rng = np.random.default_rng(M + 1)
+    g = (rng.standard_normal((M, 512)) * 3).astype(np.float32)
+    u = rng.standard_normal((M, 512)).astype(np.float32)
+    h = _swiglu.swiglu(g, u, np.empty_like(g), False)
+    for vnni in ([True, False] if _int8.HAVE_SIMD else [False]):
+        np.testing.assert_array_equal(packed_swiglu_matmul(g, u, p, use_vnni=vnni),
+                                      packed_matmul(h, p, use_vnni=vnni))
+    ops = CpuOps(repack=True)
+    np.testing.assert_array_equal(ops.swiglu_matmul(g.copy(), u, p), ops.matmul(h, p))
+    plain = CpuOps(repack=False)
+    np.testing.assert_array_equal(plain.swiglu_matmul(g.copy(), u, w), plain.matmul(h, w))
+
+
+def test_padded_activation_entries_give_the_same_bits():
+    """int8_matmul reads da, bsf, zb with their row stride S >= M (packed.ActCodes pads it,
+    _actquant.entry_stride): the same bits as the [nb, M] layout."""
+    from edgeinfer.backends.cpu import _actquant
+    w = make(T.Q6_K, 64, 512, seed=4)
+    p = PackedMatrix.from_quant(w)
+    x = np.random.default_rng(9).standard_normal((24, 512)).astype(np.float32)
+    M, nb = 24, 512 // p.B
+    outs = []
+    for S in (M, _actquant.entry_stride(M)):
+        qa = np.empty((M, 512), np.int8)
+        da, bsf = np.empty((nb, S), np.float32), np.empty((nb, S), np.float32)
+        zb = np.empty((nb, S), np.int32)
+        _actquant.quantize_rows(x, p.A, p.B, p.zero_point, qa, da, bsf, zb, False)
+        for vnni in ([True, False] if _int8.HAVE_SIMD else [False]):
+            out = np.empty((M, p.N), np.float32)
+            _int8.int8_matmul(p.q, p.h, p.s, p.o, p.d, p.dm, p.fmt, qa, da, bsf, zb, out,
+                              vnni, 2, np.zeros(1, np.int64))
+            outs.append(out)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    with pytest.raises(ValueError, match="S >= M"):
+        _int8.int8_matmul(p.q, p.h, p.s, p.o, p.d, p.dm, p.fmt, qa, da[:, :4].copy(),
+                          bsf, zb, np.empty((M, p.N), np.float32), True, 1, np.zeros(1, np.int64))

@@ -158,7 +158,7 @@ def _make_tile(rows: int):
     Arguments (intp, then the format literal): out (float32, row r at out + r * out_stride
     bytes), w, h, s, o (the tile's first block: codes, fifth-bit plane, scales, offsets), a
     (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the first row's
-    entries of the [nb, M] arrays), M, fmt, isa (literals). The accumulators stay in
+    entries of the [nb, S] arrays), S (their row stride in entries), fmt, isa (literals). The accumulators stay in
     registers for the whole row of blocks and each block's weights are loaded (and unpacked)
     once for all the rows. Everything is 16-lane LLVM vector code but the integer dot
     (`dot`), which is the instruction set's own.
@@ -337,7 +337,7 @@ def _make_tile(rows: int):
 
     def row_offsets(builder, a_a, K, M, b, B):
         """Per activation row r of the tile: (address of its block b codes, byte offset of
-        its [b, r] entry in the [nb, M] arrays)."""
+        its [b, r] entry in the [nb, S] arrays; M is S here)."""
         ent = builder.mul(b, builder.mul(M, ir.Constant(i64, 4)))      # [b, row 0]
         a_b = builder.add(a_a, builder.mul(b, ir.Constant(i64, B)))
         return [(builder.add(a_b, builder.mul(K, ir.Constant(i64, r))),
@@ -604,7 +604,7 @@ def _block_generic(acc, m, qp, hp, t, b, sp, op, nb, nv, fmt, ap, da, bsf, zb):
 
 
 @njit(inline="always", nogil=True)
-def _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt, qap, K, M,
+def _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt, qap, K, S,
                         dap, bsfp, zbp):
     """A k-quant's super-block update of the vector tile, lane by lane: the same int32 sums
     and float operations in order."""
@@ -616,7 +616,7 @@ def _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt
         isc = np.int32(0)
         imn = np.int32(0)
         for b in range(sb * per, sb * per + per):
-            e = (b * M + m) * 4             # [b, m] of the [nb, M] arrays
+            e = (b * S + m) * 4             # [b, m] of the [nb, S] arrays
             i = (t * nb + b) * LANES + lane             # [t, b, lane] of s and o (int8)
             isum = _block_isum(qp, hp, t, b, lane, nb, nv, B // 4, bits, qap + m * K + b * B)
             if has_o:                   # zb: the block sum (block_zb)
@@ -628,7 +628,7 @@ def _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt
         tv = widen(_ld_u16(dp + dsb)) * np.float32(isc)
         if has_o:
             tv = tv - widen(_ld_u16(dmp + dsb)) * np.float32(imn)
-        acc[m, lane] = acc[m, lane] + _ld_f32(dap + sb * per * M * 4 + m * 4) * tv
+        acc[m, lane] = acc[m, lane] + _ld_f32(dap + sb * per * S * 4 + m * 4) * tv
 
 
 # -- the matmul ----------------------------------------------------------------------------
@@ -658,11 +658,11 @@ def _fetch_add(typingctx, addr, value):
     return types.int64(types.intp, types.int64), codegen
 
 
-_TILES_ARGS = 11     # t0, t1, w, qa, da, bsf, zb, out (addresses), M, K, N
+_TILES_ARGS = 12     # t0, t1, w, qa, da, bsf, zb, out (addresses), M, K, N, S
 
 
 @intrinsic
-def _call_tiles(typingctx, fn, t0, t1, w, qa, da, bsf, zb, out, M, K, N):
+def _call_tiles(typingctx, fn, t0, t1, w, qa, da, bsf, zb, out, M, K, N, S):
     """Call the tile kernel at address fn (see _make_tiles)."""
     def codegen(context, builder, sig, args):
         i64 = ir.IntType(64)
@@ -686,7 +686,7 @@ def _group_rows(left):
 
 
 @njit(inline="always", nogil=True)
-def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tmpp):
+def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp):
     """Rows m .. m+R-1 of output columns 16t .. 16t+15 by the vector tile loop of
     instruction set isa (> 0); wp: the address of the matrix's W. A partial last tile (N not
     a multiple of 16) goes through the same loop into the scratch rows at tmpp (float32[R,
@@ -708,7 +708,7 @@ def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tmpp):
     db = dp + (t * nsb * LANES * 2 if sub else 0)
     dmb = dmp + (t * nsb * LANES * 2 if sub else 0)
     _simd_tile(R, fmt, isa, dst, stride, w, hb, sb, ob, db, dmb,
-               qap + m * K, K, nb, dap + m * 4, bsfp + m * 4, zbp + m * 4, M)
+               qap + m * K, K, nb, dap + m * 4, bsfp + m * 4, zbp + m * 4, S)
     if not full:
         for r in range(R):
             for lane in range(N - n0):
@@ -717,7 +717,7 @@ def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tmpp):
 
 
 @njit(inline="always", nogil=True)
-def _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt):
+def _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, S, fmt):
     """_tile_rows' bits by the portable loop (CPUs without a vector kernel; the tests'
     reference): results go through acc."""
     B = fmt & 63
@@ -728,11 +728,11 @@ def _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt):
         for sb in range(nb * B // 256):
             for m in range(M):
                 _superblock_generic(acc, m, qp, hp, t, sb, sp, op, dp, dmp, nb, nv, nsb, fmt,
-                                    qap, K, M, dap, bsfp, zbp)
+                                    qap, K, S, dap, bsfp, zbp)
     else:
         for b in range(nb):
             for m in range(M):
-                e = (b * M + m) * 4             # [b, m] of the [nb, M] arrays
+                e = (b * S + m) * 4             # [b, m] of the [nb, S] arrays
                 _block_generic(acc, m, qp, hp, t, b, sp, op, nb, nv, fmt, qap + m * K + b * B,
                                _ld_f32(dap + e), _ld_f32(bsfp + e), _ld_i32(zbp + e))
     for m in range(M):
@@ -748,13 +748,13 @@ def _make_tiles(fmt: int, isa: int):
     constants of the closure, so its cache entry is its own."""
     if isa == PORTABLE:
         @cfunc(_TILES_SIG, cache=_CACHE)
-        def tiles_portable(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N):
+        def tiles_portable(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N, S):
             for t in range(t0, t1):
-                _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt)
+                _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, S, fmt)
         return tiles_portable
 
     @cfunc(_TILES_SIG, cache=_CACHE)
-    def tiles(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N):
+    def tiles(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N, S):
         tmp = np.empty((8, LANES), np.float32)        # a partial last tile's rows
         tp = tmp.ctypes.data
         if M < 8:
@@ -764,7 +764,7 @@ def _make_tiles(fmt: int, isa: int):
                 m = 0
                 while m < M:
                     R = _group_rows(M - m)
-                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tp)
+                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp)
                     m += R
             return
         # prefill, bound by the integer dot's rate: an 8-row group's codes are reused from L1
@@ -775,7 +775,7 @@ def _make_tiles(fmt: int, isa: int):
         while m < M:
             R = _group_rows(M - m)
             for t in range(t0, t1):
-                _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, M, K, N, fmt, isa, tp)
+                _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp)
             m += R
     return tiles
 
@@ -793,7 +793,8 @@ def _chunk_tiles(T, nw, M, tile_bytes):
 @njit(inline="always", nogil=True)
 def _tiles_of(f, w, qa, da, bsf, zb, out, t0, t1):
     _call_tiles(f, t0, t1, w.ctypes.data, qa.ctypes.data, da.ctypes.data, bsf.ctypes.data,
-                zb.ctypes.data, out.ctypes.data, qa.shape[0], qa.shape[1], out.shape[1])
+                zb.ctypes.data, out.ctypes.data, qa.shape[0], qa.shape[1], out.shape[1],
+                da.shape[1])
 
 
 @njit(**_PJIT)
@@ -873,8 +874,12 @@ def weight_fields(q, h, s, o, d, dm) -> np.ndarray:
 def _acts(qa, da, bsf, zb, out):
     """The activation arrays as the driver's one signature takes them."""
     c = np.ascontiguousarray
-    return (c(qa, dtype=np.int8), c(da, dtype=np.float32), c(bsf, dtype=np.float32),
+    acts = (c(qa, dtype=np.int8), c(da, dtype=np.float32), c(bsf, dtype=np.float32),
             c(zb, dtype=np.int32), out)
+    if not (acts[1].shape == acts[2].shape == acts[3].shape
+            and acts[1].shape[1] >= acts[0].shape[0]):
+        raise ValueError("int8_matmul: da, bsf and zb must be [nb, S] with S >= M")
+    return acts
 
 
 def run_matmuls(jobs, isa: int, nw: int, counter) -> None:
@@ -905,8 +910,9 @@ def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, coun
 
     q uint8[T, nb, code_planes(B, bits), 16, 4]; h uint8[T, nb, B/4, 8] (the fifth bits; any
     uint8 4-d array otherwise); s, o uint16 halves, or int8 with d, dm uint16[T, K/256, 16]
-    (k-quants; any uint16 3-d arrays otherwise); qa int8[M, K]; da, bsf float32[nb, M]; zb
-    int32[nb, M]; out float32[M, N] with N <= 16 T; use_vnni: the tile kernel (isa_of: True
+    (k-quants; any uint16 3-d arrays otherwise); qa int8[M, K]; da, bsf float32[nb, S]; zb
+    int32[nb, S] (S >= M: rows of the product are their first M columns, see
+    _actquant.entry_stride); out float32[M, N] with N <= 16 T; use_vnni: the tile kernel (isa_of: True
     the host's best vector kernel, False the portable loop, or a name); nw: threads to use
     (<= 1: the calling thread only); counter: int64[1] of zero, owned by the caller (an array made here could be
     freed after its last use by name while the threads still add to its address).

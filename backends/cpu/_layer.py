@@ -27,15 +27,14 @@ from numba import njit, prange
 
 from . import _stamp
 from ._actquant import _quantize_block_vec, block_zb
-from ._int8 import _fetch_add
-from ._moe import _call_tiles
+from ._int8 import _call_tiles, _fetch_add
 from ._norm import _rms_group, _rms_row
 from .kernels import _rope_head
 
 # inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
 _DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py", "_swiglu.py",
          "_int8.py")
-_DEPS_HASH = "e74db29f33a2d08c"
+_DEPS_HASH = "71b079eb8a8bf2c9"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
@@ -69,7 +68,7 @@ def _quantize_for(h, P, m, qa, da, bsf, zb):
         z2 = zb[m, :nb]
         for r in range(T):
             for ab in range(K // A):
-                _quantize_block_vec(h, r, ab, A, B, zp, q2, d2, b2, z2)
+                _quantize_block_vec(h, r, r, ab, A, B, zp, q2, d2, b2, z2)
     else:
         qa[m] = qa[src]
         da[m, :nb] = da[src, :nb]
@@ -85,7 +84,7 @@ def _tiles(P, Wt, m, qa, da, bsf, zb, out, t0, t1):
     nb = K // P[m, W_BLOCK]
     _call_tiles(P[m, FN], t0, t1, Wt[m].ctypes.data, qa[m].ctypes.data,
                 da[m, :nb].ctypes.data, bsf[m, :nb].ctypes.data, zb[m, :nb].ctypes.data,
-                out.ctypes.data, qa.shape[1], K, out.shape[1])
+                out.ctypes.data, qa.shape[1], K, out.shape[1], qa.shape[1])
 
 
 @njit(**_PJIT)

@@ -27,37 +27,21 @@ its addresses offset to the expert) and P int64[3, N_PARAMS] (see below).
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from . import _stamp
 from ._actquant import _quantize_block_vec, block_zb
-from ._int8 import _fetch_add
+from ._int8 import _call_tiles, _fetch_add
 from ._router import route_rows
 from ._swiglu import swiglu_row
 
 # inlined here (quantize_act_block's vector form and its deps, _int8's atomic counter): see
 # _stamp.py. _int8's tile kernels are called by address, not compiled in.
 _DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py", "_swiglu.py", "_int8.py")
-_DEPS_HASH = "4a70318992feca43"
+_DEPS_HASH = "d20563e69c6167ff"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
-
-_TILES_ARGS = 11     # _int8's tile kernel: t0, t1, w, qa, da, bsf, zb, out (addresses), M, K, N
-
-
-@intrinsic
-def _call_tiles(typingctx, fn, t0, t1, w, qa, da, bsf, zb, out, M, K, N):
-    """Call the tile kernel at address fn (_int8.kernel_address)."""
-    def codegen(context, builder, sig, args):
-        fty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * _TILES_ARGS)
-        builder.call(builder.inttoptr(args[0], fty.as_pointer()), args[1:])
-        return context.get_dummy_value()
-    return types.void(*([types.intp] * (_TILES_ARGS + 1))), codegen
-
-
 
 # P[m] fields of matrix m (0 gate, 1 up, 2 down)
 FN, ACT_BLOCK, W_BLOCK, ZP, K_COLS, N_ROWS, TILES, TILE_BYTES = range(8)
@@ -70,7 +54,7 @@ SMALL_M_CHUNK_BYTES = 1 << 17
 @njit(inline="always", nogil=True)
 def _quantize(x, A, B, zp, qa, da, bsf, zb, r):
     for ab in range(x.shape[1] // A):
-        _quantize_block_vec(x, r, ab, A, B, zp, qa, da, bsf, zb)
+        _quantize_block_vec(x, r, r, ab, A, B, zp, qa, da, bsf, zb)
 
 
 @njit(inline="always", nogil=True)
@@ -102,7 +86,7 @@ def _run_item(c, items, P, Wt, acts, outs, gstart, glen, gexp, stats):
     wp = Wt.ctypes.data + (m * Wt.shape[1] + e) * Wt.shape[2] * 8
     _call_tiles(P[m, FN], t0, t1, wp, acts[m, 0] + p0 * K, acts[m, 1] + p0 * nb * 4,
                 acts[m, 2] + p0 * nb * 4, acts[m, 3] + p0 * nb * 4, outs[m] + p0 * N * 4,
-                glen[g], K, N)
+                glen[g], K, N, glen[g])
     _fetch_add(stats.ctypes.data + (m * stats.shape[1] + e) * 8, t1 - t0)
 
 

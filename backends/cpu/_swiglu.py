@@ -95,15 +95,22 @@ def swiglu16(typingctx, g, u):
 @njit(inline="always", nogil=True)
 def swiglu_row(gate, up, out, r):
     """out[r] = silu(gate[r]) * up[r] (out may be gate); C-contiguous rows of one width."""
+    swiglu_row_to(gate, up, r, out, r)
+
+
+@njit(inline="always", nogil=True)
+def swiglu_row_to(gate, up, r, out, ro):
+    """out[ro] = silu(gate[r]) * up[r]; C-contiguous rows of one width."""
     n = gate.shape[1]
     o = r * n
+    d = ro * n
     i = 0
     while i + 16 <= n:
-        vstore(out, o + i, swiglu16(vload(gate, o + i), vload(up, o + i)))
+        vstore(out, d + i, swiglu16(vload(gate, o + i), vload(up, o + i)))
         i += 16
     for c in range(i, n):           # ggml's scalar tail: libm expf
         x = gate[r, c]
-        out[r, c] = x / (np.float32(1.0) + np.exp(-x)) * up[r, c]
+        out[ro, c] = x / (np.float32(1.0) + np.exp(-x)) * up[r, c]
 
 
 @njit(**_PJIT)

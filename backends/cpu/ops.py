@@ -22,7 +22,8 @@ from edgeinfer.backends.cpu._int8 import HAVE_SIMD
 from edgeinfer.backends.cpu.experts import ExpertBank, Workspace, groupable
 from edgeinfer.backends.cpu.matmul import QuantMatrix, matmul
 from edgeinfer.backends.cpu.quants import get_rows, row_bytes
-from edgeinfer.backends.cpu.packed import SERIAL_QUANT, packed_matmul, packed_matmuls
+from edgeinfer.backends.cpu.packed import (SERIAL_QUANT, packed_matmul, packed_matmuls,
+                                            packed_swiglu_matmul)
 from edgeinfer.backends.cpu.packed_cache import PackedCache
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
 from edgeinfer.backends.cpu.threads import ThreadGovernor
@@ -554,6 +555,15 @@ class CpuOps:
         if g is not gate:
             gate[...] = g
         return gate
+
+    def swiglu_matmul(self, gate: np.ndarray, up: np.ndarray, w) -> np.ndarray:
+        """matmul(swiglu(gate, up), w), the same bits (gate may be overwritten). Repacked
+        weights take the SwiGLU straight into their activation codes (packed.py)."""
+        if self.numerics == "ggml" and isinstance(w, PackedMatrix):
+            out = packed_swiglu_matmul(gate.reshape(-1, gate.shape[-1]),
+                                       up.reshape(-1, up.shape[-1]), w)
+            return out.reshape(w.N) if gate.ndim == 1 else out
+        return self.matmul(self.swiglu(gate, up), w)
 
     def add(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         x += y

@@ -26,24 +26,35 @@ SERIAL_QUANT = 1 << 16
 
 class ActCodes:
     """One input's activation codes for weights of block sizes (A, B): qa int8[M, K], da and
-    bsf float32[K/B, M], and zb int32[K/B, M] per zero point (made on first use)."""
+    bsf float32[K/B, S], and zb int32[K/B, S] per zero point (made on first use); S is
+    _actquant.entry_stride(M), the rows the first M columns."""
     __slots__ = ("qa", "da", "bsf", "zb")
 
-    def __init__(self, x2: np.ndarray, A: int, B: int, zp: int, par: bool):
+    def __init__(self, x2: np.ndarray, A: int, B: int, zp: int, par: bool,
+                 up: np.ndarray | None = None):
+        """The codes of x2, or with `up` of swiglu(x2, up) (the same bits, without the float
+        input in between: _actquant.quantize_swiglu_rows)."""
         M, K = x2.shape
         nb = K // B
+        S = _actquant.entry_stride(M)
         self.qa = np.empty((M, K), np.int8)
-        self.da = np.empty((nb, M), np.float32)
-        self.bsf = np.empty((nb, M), np.float32)
-        zb = np.empty((nb, M), np.int32)
-        _actquant.quantize_rows(x2, A, B, zp, self.qa, self.da, self.bsf, zb, par)
+        self.da = np.empty((nb, S), np.float32)
+        self.bsf = np.empty((nb, S), np.float32)
+        zb = np.empty((nb, S), np.int32)
+        if up is None:
+            _actquant.quantize_rows(x2, A, B, zp, self.qa, self.da, self.bsf, zb, par)
+        else:
+            _actquant.quantize_swiglu_rows(x2, up, A, B, zp, self.qa, self.da, self.bsf, zb, par)
         self.zb = {zp: zb}
 
     def zb_for(self, zp: int) -> np.ndarray:
         zb = self.zb.get(zp)
         if zb is None:          # bsf holds the exact integer sums (|sum| <= 127 * 32);
-            # _actquant.block_zb's rule: zp * sum, or the sum itself where zp = 0
-            zb = self.zb[zp] = np.multiply(self.bsf, zp or 1, dtype=np.int32, casting="unsafe")
+            # _actquant.block_zb's rule: zp * sum, or the sum itself where zp = 0. Only the
+            # first M columns: the padding past them is not written (entry_stride)
+            M = self.qa.shape[0]
+            zb = self.zb[zp] = np.empty(self.bsf.shape, np.int32)
+            np.multiply(self.bsf[:, :M], zp or 1, out=zb[:, :M], casting="unsafe")
         return zb
 
     def arrays(self, zp: int) -> tuple:
@@ -96,6 +107,23 @@ def packed_matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None,
     nw = _threads(M, K, w.N, numba.get_num_threads())
     codes = ActCodes(x2, w.A, w.B, w.zero_point, nw > 1 and M * K >= SERIAL_QUANT)
     return _run(codes, w, out, vnni, nw)
+
+
+def packed_swiglu_matmul(gate: np.ndarray, up: np.ndarray, w: PackedMatrix,
+                         use_vnni: bool | None = None) -> np.ndarray:
+    """packed_matmul(swiglu(gate, up), w), the same bits: the activation codes come straight
+    from gate and up, a few rows at a time, so the float32 SwiGLU output (a 512-token
+    prefill of a 1.5B model: 18 MB a layer) is never written to memory and read back."""
+    g, u = _as_rows(gate), _as_rows(up)
+    M, K = g.shape
+    if u.shape != g.shape:
+        raise ValueError(f"swiglu: gate {g.shape} and up {u.shape} differ")
+    if K != w.K:
+        raise ValueError(f"matmul: x has {K} columns but the weight rows have {w.K}")
+    vnni = _int8.HAVE_SIMD if use_vnni is None else use_vnni
+    nw = _threads(M, K, w.N, numba.get_num_threads())
+    codes = ActCodes(g, w.A, w.B, w.zero_point, nw > 1 and M * K >= SERIAL_QUANT, up=u)
+    return _run(codes, w, None, vnni, nw)
 
 
 def packed_matmuls(x: np.ndarray, ws: Sequence[PackedMatrix],

@@ -222,6 +222,9 @@ class TorchOps:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
+    def swiglu_matmul(self, gate: torch.Tensor, up: torch.Tensor, w) -> torch.Tensor:
+        return self.matmul(self.swiglu(gate, up), w)
+
     # -- encoder models (BERT) ---------------------------------------------------------------
     def layer_norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
                    eps: float) -> torch.Tensor:
