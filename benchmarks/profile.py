@@ -68,8 +68,9 @@ def instrument(engine, timers: Timers) -> None:
                 setattr(ops, n, timers.wrap(group, getattr(ops, n), n))
     # inside ops.matmul on the int8 path: quantizing activations (the rest is the tile kernel)
     aq.quantize_rows = timers.wrap("quantize", aq.quantize_rows, "quantize_rows")
-    aq.quantize_swiglu_rows = timers.wrap("quantize", aq.quantize_swiglu_rows,
-                                          "quantize_swiglu_rows")
+    if hasattr(aq, "quantize_swiglu_rows"):         # (not in older trees: A/B runs)
+        aq.quantize_swiglu_rows = timers.wrap("quantize", aq.quantize_swiglu_rows,
+                                              "quantize_swiglu_rows")
     stage = engine.runner.sampling
     stage.sample = timers.wrap("sampling", stage.sample)
 
