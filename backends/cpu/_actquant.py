@@ -252,7 +252,8 @@ def entry_stride(M: int) -> int:
 @njit(**_PJIT)
 def quantize_rows(x, A, B, zp, qa, da, bsf, zb, par):
     """x float32[M, K] (C-contiguous) -> int8 codes qa[M, K] and the per-weight-block da, bsf,
-    zb [K/B, S] (S >= M, entry_stride(M) for speed; columns M.. are not written); par=False: on the calling thread (small inputs: no parallel region to wake)."""
+    zb [K/B, S] (S >= M, entry_stride(M) for speed; columns M.. are not written);
+    par=False: on the calling thread (small inputs: no parallel region to wake)."""
     M, K = x.shape
     na = K // A
     nc = (M + ROW_GROUP - 1) // ROW_GROUP

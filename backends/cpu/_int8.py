@@ -158,9 +158,9 @@ def _make_tile(rows: int):
     Arguments (intp, then the format literal): out (float32, row r at out + r * out_stride
     bytes), w, h, s, o (the tile's first block: codes, fifth-bit plane, scales, offsets), a
     (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the first row's
-    entries of the [nb, S] arrays), S (their row stride in entries), fmt, isa (literals). The accumulators stay in
-    registers for the whole row of blocks and each block's weights are loaded (and unpacked)
-    once for all the rows. Everything is 16-lane LLVM vector code but the integer dot
+    entries of the [nb, S] arrays), S (their row stride in entries), fmt, isa (literals).
+    The accumulators stay in registers for the whole row of blocks and each block's weights
+    are loaded (and unpacked) once for all the rows. Everything is 16-lane LLVM vector code but the integer dot
     (`dot`), which is the instruction set's own.
     """
     i1 = ir.IntType(1)
@@ -912,8 +912,8 @@ def int8_matmul(q, h, s, o, d, dm, fmt, qa, da, bsf, zb, out, use_vnni, nw, coun
     uint8 4-d array otherwise); s, o uint16 halves, or int8 with d, dm uint16[T, K/256, 16]
     (k-quants; any uint16 3-d arrays otherwise); qa int8[M, K]; da, bsf float32[nb, S]; zb
     int32[nb, S] (S >= M: rows of the product are their first M columns, see
-    _actquant.entry_stride); out float32[M, N] with N <= 16 T; use_vnni: the tile kernel (isa_of: True
-    the host's best vector kernel, False the portable loop, or a name); nw: threads to use
+    _actquant.entry_stride); out float32[M, N] with N <= 16 T; use_vnni: the tile kernel
+    (isa_of: True the host's best vector kernel, False the portable loop, or a name); nw: threads to use
     (<= 1: the calling thread only); counter: int64[1] of zero, owned by the caller (an array made here could be
     freed after its last use by name while the threads still add to its address).
     """

@@ -26,8 +26,8 @@ SERIAL_QUANT = 1 << 16
 
 class ActCodes:
     """One input's activation codes for weights of block sizes (A, B): qa int8[M, K], da and
-    bsf float32[K/B, S], and zb int32[K/B, S] per zero point (made on first use); S is
-    _actquant.entry_stride(M), the rows the first M columns."""
+    bsf float32[K/B, S], and zb int32[K/B, S] per zero point (made on first use), with
+    S = _actquant.entry_stride(M) >= M: row m's entries are in column m."""
     __slots__ = ("qa", "da", "bsf", "zb")
 
     def __init__(self, x2: np.ndarray, A: int, B: int, zp: int, par: bool,
