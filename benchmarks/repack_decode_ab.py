@@ -62,10 +62,7 @@ def main() -> None:
     engine = Engine(path, EngineConfig(kv_budget_bytes=256 << 20, max_model_len=4096,
                                        max_tokens_per_step=2048, threads=a.threads,
                                        speculative=False))
-    old_set, new_set = old8, _int8
-
-    def use(kernels):
-        Shim.which = kernels
+    kernels = {"base": old8, "ours": _int8}
 
     rng = np.random.default_rng(3)
     prompt = [2] + [int(x) for x in rng.integers(1000, 100_000, 511)]
@@ -85,18 +82,16 @@ def main() -> None:
         return pre, statistics.median(steps)
 
     outs = {}
-    for name, ws in (("base", old_set), ("ours", new_set)):
-        use(ws)
+    for name in ("base", "ours"):
+        Shim.which = kernels[name]
         r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=a.tokens,
                                                    ignore_eos=True))
         outs[name] = r.token_ids
     same = outs["base"] == outs["ours"]
     res = {"base": ([], []), "ours": ([], [])}
     for r in range(a.rounds):
-        order = (("base", old_set), ("ours", new_set)) if r % 2 == 0 else \
-            (("ours", new_set), ("base", old_set))
-        for name, ws in order:
-            use(ws)
+        for name in ("base", "ours") if r % 2 == 0 else ("ours", "base"):
+            Shim.which = kernels[name]
             prompt[1] = 1000 + 7 * r + (name == "ours")       # no prefix-cache hit
             pre, step = run()
             res[name][0].append(512 / pre)

@@ -12,14 +12,16 @@ rounds interleaved (off, on, off, on...), medians with the range. Then --check p
 greedy text, graphs off against on, in the default dtype and in float32, and in float32
 each prompt alone against all of them together (the padded buckets must not change a row).
 Prints peak device memory; --profile adds the GPU kernels of one decode step (the padded
-static forward, run op by op: the kernels a replay runs), by total time. Random-weight files (shaped_model.py --ftype F16) suit the speed
-figures; the text checks compare the two paths with each other, so any weights do.
+static forward, run op by op: the kernels a replay runs), by total time. Random-weight files
+(shaped_model.py --ftype F16) suit the speed figures; the text checks compare the two paths
+with each other, so any weights do.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,8 +34,15 @@ def engine(path: str, device: str, graphs: bool, dtype: str | None = None):
                                      speculative=False))
 
 
-def run_all(eng, prompts, n):
-    """(seconds after the first step's tokens, tokens after those, outputs in order)."""
+class Run(NamedTuple):
+    decode_s: float          # from the first step's tokens to the end
+    decode_tokens: int       # tokens after each request's first
+    outs: list               # each request's tokens, in submission order
+    ttft_s: float            # from submitting to the first token
+
+
+def run_all(eng, prompts, n) -> Run:
+    """The prompts submitted together, n greedy tokens each, stepped to the end."""
     from edgeinfer.engine.core import greedy
     got: dict[int, list[int]] = {}
     first: list[float] = []
@@ -49,7 +58,8 @@ def run_all(eng, prompts, n):
         eng.step()
     t1 = time.perf_counter()
     outs = [got.get(i, []) for i in ids]
-    return t1 - (first[0] if first else t0), sum(len(o) for o in outs) - len(outs), outs, t0, first
+    t_first = first[0] if first else t0
+    return Run(t1 - t_first, sum(len(o) for o in outs) - len(outs), outs, t_first - t0)
 
 
 def prompts_for(rng, n, length, vocab):
@@ -113,12 +123,12 @@ def main() -> None:
         for n in streams:
             ps = prompts_for(rng, n, 16, vocab)
             for g, eng in engines.items():
-                secs, toks, *_ = run_all(eng, ps, a.tokens)
-                res.setdefault(("decode", n, g), []).append(toks / secs)
+                run = run_all(eng, ps, a.tokens)
+                res.setdefault(("decode", n, g), []).append(run.decode_tokens / run.decode_s)
         long = prompts_for(rng, 1, a.prefill, vocab)
         for g, eng in engines.items():
-            _, _, _, t0, first = run_all(eng, long, 1)
-            res.setdefault(("prefill", a.prefill, g), []).append(a.prefill / (first[0] - t0))
+            res.setdefault(("prefill", a.prefill, g), []).append(
+                a.prefill / run_all(eng, long, 1).ttft_s)
         print(f"round {r + 1} done", flush=True)
     print(f"\n{'what':>14} | {'graphs off':>22} | {'graphs on':>22} | on/off")
     for (what, n, g) in sorted(k for k in res if not k[2]):
@@ -132,15 +142,15 @@ def main() -> None:
         profile_step(engines[True], a.device)
     # greedy text: graphs off vs on, then float32 alone vs batched through the graphs
     ps = prompts_for(np.random.default_rng(1), a.check, 24, vocab)
-    outs = {g: run_all(eng, ps, 48)[2] for g, eng in engines.items()}
+    outs = {g: run_all(eng, ps, 48).outs for g, eng in engines.items()}
     print(f"default dtype, greedy 48 tokens, graphs on == off: "
           f"{sum(x == y for x, y in zip(outs[False], outs[True]))}/{len(ps)}")
     del engines
     f32 = {g: engine(a.model, a.device, g, "float32") for g in (False, True)}
-    outs = {g: run_all(eng, ps, 48)[2] for g, eng in f32.items()}
+    outs = {g: run_all(eng, ps, 48).outs for g, eng in f32.items()}
     print(f"float32, greedy 48 tokens, graphs on == off: "
           f"{sum(x == y for x, y in zip(outs[False], outs[True]))}/{len(ps)}")
-    alone = [run_all(f32[True], [p], 48)[2][0] for p in ps]
+    alone = [run_all(f32[True], [p], 48).outs[0] for p in ps]
     print(f"float32, graphs on, alone == batched: "
           f"{sum(x == y for x, y in zip(alone, outs[True]))}/{len(ps)}")
     d = f32[True].runner._decode
