@@ -41,19 +41,14 @@ def write_f16(out: Path, like: str, p: dict) -> Path:
     arch = p["arch"]
     assert src.metadata["general.architecture"] == arch, "--like must be of the same family"
     w = gguf.GGUFWriter(str(out), arch)
-    shape_keys = {f"{arch}.block_count": p["layers"], f"{arch}.embedding_length": p["hidden"],
-                  f"{arch}.feed_forward_length": p["ffn"],
-                  f"{arch}.attention.head_count": p["heads"],
-                  f"{arch}.attention.head_count_kv": p["kv_heads"]}
-    for k, v in src.metadata.items():
-        if k in ("general.architecture", "general.file_type", "general.quantization_version"):
-            continue
-        v = shape_keys.get(k, v)
-        if k == "general.name":
-            v = f"shaped {p['size_label']} (random weights)"
-        if k == "general.size_label":
-            v = p["size_label"]
-        _add(w, k, v)
+    _copy_metadata(w, src.metadata, skip=("general.file_type", "general.quantization_version"),
+                   replace={f"{arch}.block_count": p["layers"],
+                            f"{arch}.embedding_length": p["hidden"],
+                            f"{arch}.feed_forward_length": p["ffn"],
+                            f"{arch}.attention.head_count": p["heads"],
+                            f"{arch}.attention.head_count_kv": p["kv_heads"],
+                            "general.name": f"shaped {p['size_label']} (random weights)",
+                            "general.size_label": p["size_label"]})
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     vocab = len(src.metadata["tokenizer.ggml.tokens"])
     src.close()
@@ -81,10 +76,7 @@ def write_f16(out: Path, like: str, p: dict) -> Path:
         w.add_tensor(b + "ffn_gate.weight", mat(f, h))
         w.add_tensor(b + "ffn_up.weight", mat(f, h))
         w.add_tensor(b + "ffn_down.weight", mat(h, f))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return out
 
 
@@ -96,15 +88,26 @@ def write_metadata(out: Path, like: str) -> Path:
     from edgeinfer.formats.gguf_file import read_gguf
     src = read_gguf(like)
     w = gguf.GGUFWriter(str(out), src.metadata["general.architecture"])
-    for k, v in src.metadata.items():
-        if k != "general.architecture":
-            _add(w, k, v)
+    _copy_metadata(w, src.metadata)
     src.close()
+    _finish(w)
+    return out
+
+
+def _copy_metadata(w, metadata: dict, skip: tuple = (), replace: dict | None = None) -> None:
+    """metadata's keys into the writer (but the architecture, which it was made with, and
+    `skip`), each value replaced by `replace`'s where it has one."""
+    replace = replace or {}
+    for k, v in metadata.items():
+        if k != "general.architecture" and k not in skip:
+            _add(w, k, replace.get(k, v))
+
+
+def _finish(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
 
 
 def _add(w, key: str, v) -> None:
