@@ -314,7 +314,8 @@ def _memo(table: dict, objs: tuple, make, *extra):
 def _shared_buffer(ws):
     """Matrices read together moved into one [sum of rows, in] buffer, each tensor re-pointed
     at its rows there (Tensor.set_: no second copy of the weights): (buffer, rows of each);
-    None where they cannot share one (views of a larger tensor keep their own storage, one matrix needs none)."""
+    None where they cannot share one (views of a larger tensor keep their own storage; one
+    matrix needs none)."""
     w0 = ws[0]
     if len(ws) < 2 or not all(
             isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous()
