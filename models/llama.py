@@ -113,7 +113,7 @@ class LlamaModel(ModelBase):
         return ok
 
     def _fused_parts(self) -> tuple:
-        return fused_parts(self)
+        return fused_parts(self, swiglu=True)
 
     def _forward_fused(self, batch: ForwardBatch, kv):
         """forward's ops with the same bits, for a few rows: each layer's residual add, norm,
@@ -128,7 +128,11 @@ class LlamaModel(ModelBase):
         f = None                # the previous layer's FFN output, added by the next attn_in
         for i, (w, fl) in enumerate(zip(self.layers, fused)):
             q, k, v = fl.attn_in(x, f, cos, sin, threads)
-            h = fl.attn_out(step.attend(q, k, v, kv, i).reshape(T, cfg.q_dim), x, threads)
+            a = step.attend(q, k, v, kv, i).reshape(T, cfg.q_dim)
+            if fl.ffn is not None and fl.ffn.takes(T):
+                f = fl.attn_out_ffn(a, x, threads)      # the same calls' bits, in one
+                continue
+            h = fl.attn_out(a, x, threads)
             f = ops.swiglu_matmul(*ops.matmuls(h, (w.w_gate, w.w_up)), w.w_down)
         if head is not None and batch.hidden_indices is None and len(batch.logits_indices) == T:
             return head(x, f, threads)      # final_head's bits: every row is a logits row
@@ -163,11 +167,11 @@ def fusable(model, batch: ForwardBatch) -> bool:
             and model.ops.fused_layer_rows(batch.num_tokens, max(cfg.n_embd, cfg.q_dim), ()))
 
 
-def fused_parts(model, bank_of=lambda w: None) -> tuple:
+def fused_parts(model, bank_of=lambda w: None, swiglu: bool = False) -> tuple:
     """(each layer's ops.fused_layer, the ops.fused_head or None) of a model whose layers are
     llama blocks (wq/wk/wv/wo, attention and FFN norms, QK-norm or q/k/v biases or neither),
     made once; `bank_of(layer)` is a layer's grouped expert bank for ops.fused_layer
-    (qwen3moe)."""
+    (qwen3moe); swiglu: every layer's FFN is w_gate/w_up/w_down with SwiGLU, bound too."""
     parts = model.__dict__.get("_fused_parts_")
     if parts is None:
         cfg, ops = model.cfg, model.ops
@@ -175,7 +179,8 @@ def fused_parts(model, bank_of=lambda w: None) -> tuple:
                                   (cfg.n_head, cfg.n_kv_head), w.q_norm, w.k_norm, cfg.rope_neox,
                                   w.wo, w.ffn_norm, bank_of(w), head_dim=cfg.head_dim,
                                   biases=None if getattr(w, "bq", None) is None
-                                  else (w.bq, w.bk, w.bv))
+                                  else (w.bq, w.bk, w.bv),
+                                  ffn=(w.w_gate, w.w_up, w.w_down) if swiglu else None)
                   for w in model.layers]
         head = ops.fused_head(model.output_norm, cfg.rms_eps, model.output)
         parts = model._fused_parts_ = (layers, head)

@@ -110,6 +110,17 @@ def test_fused_layer_ops_are_the_ops(types, T, threads):
         h2 = ops.out_add_norm(a, wo, x2, wn2, eps, threads)
         assert np.array_equal(x1, x2)
         assert np.array_equal(h1, h2)
+        # and the SwiGLU FFN of h in the same call (gate and up of different formats here)
+        F = 768
+        gate, up = _packed(rng, types[0], F, X), _packed(rng, types[1], F, X)
+        down = _packed(rng, types[2], X, F)
+        fl = ops.fused_layer(wn, eps, (wq, wk, wv), (H, KVH), qn, kn, True, wo, wn2,
+                             ffn=(gate, up, down))
+        assert fl.ffn is not None and fl.ffn.takes(T)
+        x3 = x.copy()
+        f = fl.attn_out_ffn(a, x3, threads)
+        assert np.array_equal(x1, x3)
+        assert np.array_equal(f, ops.swiglu_matmul(*ops.matmuls(h1, (gate, up)), down))
         # the step's end: the last residual add, final norm and output matrix (also one
         # whose rows end in a partial tile of 16)
         out_w = wq if T != 3 else _packed(rng, types[1], 40, X)

@@ -8,7 +8,8 @@ the work of those eight calls in two (and a third the four at the end of a step)
 - `norm_qkv`: x += y (the previous layer's FFN output, when given), h = rms_norm(x) * wn,
   q/k/v = h @ W^T (h quantized once per activation format, the tiles run as packed_matmuls
   runs them), then rms_norm * qn and rope on each head of q, and with kn on each head of k;
-- `out_add_norm`: o = a @ Wo^T, x += o, h = rms_norm(x) * wn;
+- `out_add_norm`: o = a @ Wo^T, x += o, h = rms_norm(x) * wn; `out_add_norm_ffn` that and
+  the SwiGLU FFN of h (gate/up, swiglu, down): decode's two FFN calls join it;
 - `add_norm_matmul` (the step's end): x += y, logits = rms_norm(x) * wn @ W^T.
 
 Each step is the code the separate ops run (the same inlined functions: _norm's row norms,
@@ -29,6 +30,7 @@ from . import _stamp
 from ._actquant import _quantize_block_vec, block_zb
 from ._int8 import _call_tiles, _fetch_add
 from ._norm import _rms_group, _rms_row
+from ._swiglu import swiglu_row_to
 from .kernels import _rope_head
 
 # inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
@@ -220,9 +222,8 @@ def norm_qkv_rope(x, y, add, wn, eps, P, Wt, q, k, v, H, KVH, bq, bk, bv, bias, 
     _rope_heads(k, KVH, cos, sin, neox)
 
 
-@njit(**_JIT)
-def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
-    """o = a @ W^T (the one matrix of P, Wt), x += o in place, h = rms_norm(x) * wn."""
+@njit(inline="always", nogil=True)
+def _out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
     T = a.shape[0]
     X = x.shape[1]
     qa, da, bsf, zb = _codes(a, P, 1)
@@ -233,7 +234,34 @@ def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
             x[r, i] += o[r, i]
     for g in range((T + 7) // 8):
         _rms_group(x, wn, eps, h, g)
+
+
+@njit(**_JIT)
+def out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter):
+    """o = a @ W^T (the one matrix of P, Wt), x += o in place, h = rms_norm(x) * wn."""
+    _out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter)
     return h
+
+
+@njit(**_JIT)
+def out_add_norm_ffn(a, P, Wt, x, wn, eps, Pgu, Wtgu, Pd, Wtd, nw, nw_gu, nw_d, counter):
+    """out_add_norm, then the SwiGLU FFN of its h: f = swiglu(h @ Wg^T, h @ Wu^T) @ Wd^T,
+    returned (Pgu, Wtgu: gate and up; Pd, Wtd: down; nw, nw_gu, nw_d: each product's
+    threads). The bits of ops.out_add_norm, ops.matmuls and ops.swiglu_matmul: the same
+    quantizer on the same SwiGLU rows (_swiglu.swiglu_row_to), the same tiles."""
+    T, X = x.shape
+    h = np.empty((T, X), np.float32)
+    _out_add_norm(a, P, Wt, x, wn, eps, h, nw, counter)
+    qa, da, bsf, zb = _codes(h, Pgu, 2)
+    g = np.empty((T, Pgu[0, N_ROWS]), np.float32)
+    u = np.empty((T, Pgu[1, N_ROWS]), np.float32)
+    _matmuls(Pgu, Wtgu, qa, da, bsf, zb, g, u, u, nw_gu, counter)
+    for r in range(T):
+        swiglu_row_to(g, u, r, g, r)        # in place, row by row: as quantize_swiglu_rows
+    qa, da, bsf, zb = _codes(g, Pd, 1)
+    f = np.empty((T, Pd[0, N_ROWS]), np.float32)
+    _matmuls(Pd, Wtd, qa, da, bsf, zb, f, f, f, nw_d, counter)
+    return f
 
 
 @njit(**_JIT)

@@ -17,7 +17,8 @@ import numpy as np
 from . import _layer
 from . import attention as A
 from . import kernels as K
-from .packed import SERIAL_MACS
+from .packed import SERIAL_MACS, SERIAL_QUANT
+from .repack import PackedMatrix
 
 
 # rope cos/sin rows of single decode tokens: (head dim, base, scale, position) -> (cos, sin)
@@ -141,18 +142,44 @@ class FusedOut:
                                    nw, self.counter)
 
 
+class FusedFFN:
+    """A SwiGLU FFN's matrices bound for _layer.out_add_norm_ffn: gate and up (P, Wt) and
+    down (Pd, Wtd), all repacked."""
+
+    __slots__ = ("P", "Wt", "Pd", "Wtd", "gu_cols", "d_cols", "width")
+
+    def __init__(self, ops, gate, up, down):
+        self.P, self.Wt, _ = ops._fused_mats((gate, up))
+        self.Pd, self.Wtd, _ = ops._fused_mats((down,))
+        self.gu_cols, self.d_cols = gate.K * (gate.N + up.N), down.K * down.N
+        self.width = down.K
+
+    @staticmethod
+    def fits(gate, up, down) -> bool:
+        return (all(isinstance(w, PackedMatrix) for w in (gate, up, down))
+                and gate.K == up.K and gate.N == up.N == down.K)
+
+    def takes(self, T: int) -> bool:
+        """A step whose SwiGLU activations the separate ops would quantize on the calling
+        thread too (the fused kernel runs everything but the tiles there)."""
+        return T * self.width < SERIAL_QUANT
+
+
 class FusedLayer:
-    """One layer's bound calls: `qkv` (ops.norm_qkv), `out` (ops.out_add_norm) and `moe`
+    """One layer's bound calls: `qkv` (ops.norm_qkv), `out` (ops.out_add_norm), `ffn`
+    (with it, ops.out_add_norm then a SwiGLU FFN in one call: attn_out_ffn) and `moe`
     (ops.moe of a grouped bank with an F32 router: routing and experts in one call)."""
 
-    __slots__ = ("qkv", "out", "bank")
+    __slots__ = ("qkv", "out", "ffn", "bank")
 
     def __init__(self, ops, attn_norm, eps: float, qkv, heads: tuple[int, int], q_norm,
                  k_norm, neox: bool, wo, ffn_norm, bank=None, head_dim: int | None = None,
-                 biases=None):
+                 biases=None, ffn=None):
         self.qkv = FusedQKV(ops, attn_norm, eps, qkv, heads, q_norm, k_norm, neox, head_dim,
                             biases)
         self.out = FusedOut(ops, wo, ffn_norm, eps)
+        # (gate, up, down) of a SwiGLU FFN, when every one is repacked; else None
+        self.ffn = FusedFFN(ops, *ffn) if ffn is not None and FusedFFN.fits(*ffn) else None
         # a grouped bank with an F32 router (else None: the model runs its FFN itself)
         self.bank = bank if bank is not None and bank.grouped is not None \
             and bank.router_f32 is not None else None
@@ -166,6 +193,18 @@ class FusedLayer:
     def attn_out(self, a, x, threads: int):
         """x += a times wo; rms_norm(x, ffn_norm), as ops.out_add_norm."""
         return self.out(a, x, threads)
+
+    def attn_out_ffn(self, a, x, threads: int):
+        """x += a times wo, then the FFN of rms_norm(x, ffn_norm):
+        ops.swiglu_matmul(*ops.matmuls(attn_out(a, x), (gate, up)), down), in one call
+        (self.ffn, for steps it takes)."""
+        o, f = self.out, self.ffn
+        T = x.shape[0]
+
+        def nw(cols: int) -> int:
+            return 1 if T * cols < SERIAL_MACS else threads
+        return _layer.out_add_norm_ffn(a, o.P, o.Wt, x, o.wn, o.eps, f.P, f.Wt, f.Pd, f.Wtd,
+                                       nw(o.cols), nw(f.gu_cols), nw(f.d_cols), o.counter)
 
     def moe(self, h, k: int, threads: int):
         """ops.moe(bank, h, k) of the grouped bank with an F32 router: routing and experts in

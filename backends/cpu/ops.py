@@ -420,14 +420,15 @@ class CpuOps:
     def fused_layer(self, attn_norm: np.ndarray, eps: float, qkv, heads: tuple[int, int],
                     q_norm: np.ndarray | None, k_norm: np.ndarray | None, neox: bool, wo,
                     ffn_norm: np.ndarray, bank: ExpertBank | None = None,
-                    head_dim: int | None = None, biases=None):
+                    head_dim: int | None = None, biases=None, ffn=None):
         """A layer's norm_qkv, out_add_norm and (a grouped bank with an F32 router) moe
         with their arguments bound once (fused.FusedLayer): the same calls, less Python.
         Without QK-norm (q_norm None: head_dim given) the q/k/v step is add_bias (biases:
-        (bq, bk, bv) or None) and rope instead (_layer.norm_qkv_rope)."""
+        (bq, bk, bv) or None) and rope instead (_layer.norm_qkv_rope). ffn: a SwiGLU FFN's
+        (gate, up, down), run with out_add_norm in one call (FusedLayer.attn_out_ffn)."""
         from edgeinfer.backends.cpu.fused import FusedLayer
         return FusedLayer(self, attn_norm, eps, qkv, heads, q_norm, k_norm, neox, wo, ffn_norm,
-                          bank, head_dim, biases)
+                          bank, head_dim, biases, ffn)
 
     def fused_head(self, norm: np.ndarray, eps: float, output):
         """The residual add, final norm and output matrix of a step whose every row wants
