@@ -5,8 +5,8 @@
 One engine (--model: a store name or a GGUF path; the bundled Gemma 3 270M by default), the
 same repacked weights (repack.py must be the base's), two sets of tile kernels: ours, and
 --base's _int8.py (benchmarks/repack_ab.py loads it; a shim in front of packed.py's kernel
-call sends every product to one or the other). Decode steps whose layers run fused kernels
-(backends/cpu/_layer.py) do not go through packed.py: the decode column compares the rest.
+call sends every product to one or the other, and the fused decode kernels' tables of
+kernel addresses, backends/cpu/_layer.py's, are rewritten to point at one set or the other).
 Rounds alternate the two on the same engine; each measures a 512-token prefill step and
 64 greedy decode steps (tokens/s from the median step), and checks both generate the same
 tokens. Prints the median and range of each and the ratio of medians.
@@ -63,6 +63,16 @@ def main() -> None:
                                        max_tokens_per_step=2048, threads=a.threads,
                                        speculative=False))
     kernels = {"base": old8, "ours": _int8}
+    ops = engine.runner.ops
+    isa = _int8.BEST_ISA
+
+    def use(name: str) -> None:
+        """Every product on `name`'s tile kernels: packed.py's through the shim, the fused
+        decode kernels' through their tables (ops._fused: P[m, 0] is matrix m's kernel)."""
+        Shim.which = kernels[name]
+        for P, _, mats in ops._fused.values():
+            for m, w in enumerate(mats):
+                P[m, 0] = kernels[name].kernel_address(w.fmt, isa)
 
     rng = np.random.default_rng(3)
     prompt = [2] + [int(x) for x in rng.integers(1000, 100_000, 511)]
@@ -81,9 +91,10 @@ def main() -> None:
             steps.append(time.perf_counter() - t0)
         return pre, statistics.median(steps)
 
+    engine.generate(prompt[:8], SamplingParams(temperature=0, max_tokens=2))   # the tables
     outs = {}
     for name in ("base", "ours"):
-        Shim.which = kernels[name]
+        use(name)
         r = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=a.tokens,
                                                    ignore_eos=True))
         outs[name] = r.token_ids
@@ -91,7 +102,7 @@ def main() -> None:
     res = {"base": ([], []), "ours": ([], [])}
     for r in range(a.rounds):
         for name in ("base", "ours") if r % 2 == 0 else ("ours", "base"):
-            Shim.which = kernels[name]
+            use(name)
             prompt[1] = 1000 + 7 * r + (name == "ours")       # no prefix-cache hit
             pre, step = run()
             res[name][0].append(512 / pre)
