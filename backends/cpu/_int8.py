@@ -269,6 +269,18 @@ def _make_tile(rows: int):
                 chains[h] = builder.add(chains[h], builder.call(maddwd, [ps[0], ones]))
         return join(builder, *chains)
 
+    def prefetch_ahead(builder, streams):
+        """Prefetch PREFETCH_BLOCKS blocks ahead in each (base, offset of this block, bytes a
+        block) stream: the 1- and 4-row tiles read a tile's scales (and super-block scales)
+        from arrays of their own beside the codes, more concurrent streams per thread than
+        the hardware prefetcher follows (a Qwen2.5 1.5B's layer products at one row: 3-5%
+        faster)."""
+        pf = intrinsic_fn(builder.module, "llvm.prefetch.p0", ir.VoidType(),
+                          [i8.as_pointer(), i32, i32, i32])
+        for base, off, per_block in streams:
+            at = ptr(builder, builder.add(base, off), PREFETCH_BLOCKS * per_block, i8)
+            builder.call(pf, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
     def block_weights(builder, w_a, h_a, b, B, bits, nv, isa):
         """Block b's B/4 quads of codes, unpacked to one byte per code (v16i32 each)."""
         nquads = B // 4
@@ -371,6 +383,9 @@ def _make_tile(rows: int):
             phi.add_incoming(ir.Constant(v16f32, None), entry)
             accs.append(phi)
         wv = block_weights(builder, w_a, h_a, b, B, bits, code_planes(B, bits), isa)
+        if rows < 8:        # the scales' streams too (halves: 32 bytes a block)
+            boff = builder.mul(b, ir.Constant(i64, 32))
+            prefetch_ahead(builder, [(s_a, boff, 32)] + ([(o_a, boff, 32)] if has_o else []))
         sv = halves(builder, s_a, b)
         if has_o:
             ov = halves(builder, o_a, b)
@@ -422,6 +437,10 @@ def _make_tile(rows: int):
                 msums[-1].add_incoming(zero, entry)
         wv = block_weights(builder, w_a, h_a, b, B, bits, code_planes(B, bits), isa)
         boff = builder.mul(b, ir.Constant(i64, LANES))
+        if rows < 8:        # the scales' streams too (d, dm: 32 bytes a super-block)
+            sboff = builder.mul(builder.udiv(b, ir.Constant(i64, per)), ir.Constant(i64, 32))
+            prefetch_ahead(builder, [(s_a, boff, LANES), (d_a, sboff, 32 // per)]
+                           + ([(o_a, boff, LANES), (dm_a, sboff, 32 // per)] if has_o else []))
         sc = builder.sext(builder.load(ptr(builder, s_a, boff, v16i8), align=1), v16i32)
         if has_o:
             mn = builder.sext(builder.load(ptr(builder, o_a, boff, v16i8), align=1), v16i32)
