@@ -424,6 +424,29 @@ def test_vector_kernels_at_the_largest_codes(qtype, fill, isa):
                                   packed_matmul(x, p, use_vnni=False).view(np.uint32))
 
 
+@pytest.mark.parametrize("isa", sorted(set(_int8.HOST_ISAS) - {_int8.PORTABLE}),
+                         ids=lambda i: {v: k for k, v in _int8.ISA_NAMES.items()}[i])
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t != T.Q8_0], ids=lambda t: t.name)
+def test_prefill_on_unpacked_codes_gives_the_portable_bits(qtype, isa):
+    """Products of UNPACK_MIN_ROWS rows or more of 5- and 6-bit codes unpack a thread's
+    tiles to a byte per code, UNPACKED_BYTES at a time, and run the 8-bit tile loop on them:
+    the portable loop's bits, over several such batches of tiles, a partial last tile, and
+    8-, 4- and 1-row groups (the other formats, the packed loop, at the same sizes)."""
+    name = {v: k for k, v in _int8.ISA_NAMES.items()}[isa]
+    K_ = 4096
+    tiles_a_batch = max(1, _int8.UNPACKED_BYTES // (K_ * 16))
+    N = 16 * (2 * tiles_a_batch + 1) + 5            # three batches, the last tile partial
+    p = PackedMatrix.from_quant(make(qtype, N, K_, seed=21))
+    M = _int8.UNPACK_MIN_ROWS + 13                  # groups of 8, then 4, then 1
+    x = np.random.default_rng(22).standard_normal((M, K_)).astype(np.float32) * 3
+    x[3, :300] = 0.0
+    want = packed_matmul(x, p, use_vnni=False).view(np.uint32)
+    np.testing.assert_array_equal(packed_matmul(x, p, use_vnni=name).view(np.uint32), want)
+    for m in (1, 7):                                # below the threshold: packed tiles
+        np.testing.assert_array_equal(packed_matmul(x[:m], p, use_vnni=name).view(np.uint32),
+                                      want[:m])
+
+
 def test_isa_detection_is_honest():
     feats = _int8._FEATURES
     assert _int8.HAVE_VNNI == bool(feats.get("avx512vnni") and feats.get("avx512bw"))

@@ -85,6 +85,15 @@ PREFETCH_BLOCKS = 16
 # -> 1.85-2.07 ms; one chunk per matrix, i.e. one thread, was no slower than 16 per thread).
 # Larger products keep 16 chunks per thread, for balance when the OS preempts a thread.
 SMALL_M_CHUNK_BYTES = 1 << 17
+# Products of at least UNPACK_MIN_ROWS activation rows (prefill) with 5- or 6-bit codes: a
+# thread unpacks its chunk's tiles to a byte per code, UNPACKED_BYTES of them at a time (in
+# L2), and every 8-row group runs the 8-bit tile loop on them, instead of each group
+# unpacking every tile again (a 512-row product unpacked each tile 64 times). Same
+# integers, same bits. At 512 rows, against unpacking in the tile loop: Q5_0 1.14x, Q6_K
+# 1.07-1.12x; 4-bit codes (one and, or a shift and an and, per two quads) 0.95-0.98x, so
+# they keep their loop.
+UNPACK_MIN_ROWS = 32
+UNPACKED_BYTES = 1 << 18
 
 
 # Tile kernels by instruction set (each a kernel of its own, compiled for it alone):
@@ -152,8 +161,8 @@ def code_planes(B: int, bits: int) -> int:
 
 # -- one tile, as one LLVM IR loop ----------------------------------------------------------
 
-def _make_tile(rows: int):
-    """An intrinsic computing `rows` activation rows x one 16-row weight tile, all blocks.
+def _make_tile(rows: int, unpack: bool = False):
+    """(unpack: the intrinsic `_unpack_tile` below instead.) An intrinsic computing `rows` activation rows x one 16-row weight tile, all blocks.
 
     Arguments (intp, then the format literal): out (float32, row r at out + r * out_stride
     bytes), w, h, s, o (the tile's first block: codes, fifth-bit plane, scales, offsets), a
@@ -496,10 +505,35 @@ def _make_tile(rows: int):
             return None
         return types.void(*([types.intp] * 15), fmt, isa), codegen
 
-    return tile
+    def unpack_codegen(context, builder, sig, args):
+        B, bits, _, _ = fmt_parts(sig.args[-2].literal_value)
+        isa = sig.args[-1].literal_value
+        dst, w_a, h_a, nb = args[:4]
+        _, (loop, done), b = block_loop(builder, "unpack_loop", "unpack_done")
+        wv = block_weights(builder, w_a, h_a, b, B, bits, code_planes(B, bits), isa)
+        d_b = builder.add(dst, builder.mul(b, ir.Constant(i64, 64 * (B // 4))))
+        for j, v in enumerate(wv):
+            builder.store(v, ptr(builder, d_b, 64 * j, v16i32), align=64)
+        b_next = builder.add(b, ir.Constant(i64, 1))
+        b.add_incoming(b_next, builder.basic_block)
+        builder.cbranch(builder.icmp_signed("<", b_next, nb), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def unpack_tile(typingctx, dst, w, h, nb, fmt, isa):
+        if not (isinstance(fmt, types.IntegerLiteral) and isinstance(isa, types.IntegerLiteral)):
+            return None
+        return types.void(*([types.intp] * 4), fmt, isa), unpack_codegen
+
+    return unpack_tile if unpack else tile
 
 
 _tile1, _tile4, _tile8 = _make_tile(1), _make_tile(4), _make_tile(8)
+# One tile's codes (nb blocks, w and h as the tiles take them) unpacked to one byte per code
+# at dst (64-byte aligned): the 8-bit layout (quad j of block b at dst + 64 (b B/4 + j)),
+# the same integers the tile loop of the format would unpack.
+_unpack_tile = _make_tile(8, unpack=True)
 
 
 @njit(inline="always", nogil=True)
@@ -705,11 +739,13 @@ def _group_rows(left):
 
 
 @njit(inline="always", nogil=True)
-def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp):
+def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp, codes):
     """Rows m .. m+R-1 of output columns 16t .. 16t+15 by the vector tile loop of
-    instruction set isa (> 0); wp: the address of the matrix's W. A partial last tile (N not
-    a multiple of 16) goes through the same loop into the scratch rows at tmpp (float32[R,
-    16]): the repacked arrays hold whole tiles (the padding rows zero)."""
+    instruction set isa (> 0); wp: the address of the matrix's W; codes: 0, or the address
+    of the tile's codes unpacked by _unpack_tile (fmt then the 8-bit format of the same
+    scales). A partial last tile (N not a multiple of 16) goes through the same loop into
+    the scratch rows at tmpp (float32[R, 16]): the repacked arrays hold whole tiles (the
+    padding rows zero)."""
     B = fmt & 63
     bits = (fmt >> 6) & 15
     sub = (fmt >> 11) & 1
@@ -719,7 +755,7 @@ def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp):
     full = n0 + LANES <= N
     dst = outp + (m * N + n0) * 4 if full else tmpp
     stride = N * 4 if full else LANES * 4
-    w = qp + t * nb * nv * 64
+    w = codes if codes else qp + t * nb * nv * 64
     hb = hp + (t * nb * nq * 8 if bits == 5 else 0)
     ssz = 1 if sub else 2
     sb = sp + t * nb * LANES * ssz
@@ -772,6 +808,12 @@ def _make_tiles(fmt: int, isa: int):
                 _one_tile_portable(t, wp, qap, dap, bsfp, zbp, outp, M, K, N, S, fmt)
         return tiles_portable
 
+    B, bits, has_o, sub = fmt_parts(fmt)
+    # prefill of 5- and 6-bit codes: unpacked once per few tiles (see UNPACK_MIN_ROWS)
+    unpack = bits in (5, 6) and isa in (AVXVNNI, AVX512VNNI)
+    fmt8 = fmt_code(B, 8, has_o, sub)
+    quads = B // 4
+
     @cfunc(_TILES_SIG, cache=_CACHE)
     def tiles(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N, S):
         tmp = np.empty((8, LANES), np.float32)        # a partial last tile's rows
@@ -783,19 +825,42 @@ def _make_tiles(fmt: int, isa: int):
                 m = 0
                 while m < M:
                     R = _group_rows(M - m)
-                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp)
+                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp,
+                               0)
                     m += R
             return
         # prefill, bound by the integer dot's rate: an 8-row group's codes are reused from L1
         # across the chunk's tiles, whose codes come from L2 (a Qwen2.5 1.5B's matmuls at 512
         # rows: 7-9% faster than every row group for each tile in turn, which read the
         # codes of all the rows from L2 or L3 once per tile)
-        m = 0
-        while m < M:
-            R = _group_rows(M - m)
-            for t in range(t0, t1):
-                _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp)
-            m += R
+        if not unpack or M < UNPACK_MIN_ROWS:
+            m = 0
+            while m < M:
+                R = _group_rows(M - m)
+                for t in range(t0, t1):
+                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp,
+                               0)
+                m += R
+            return
+        nb = K // B
+        tile_bytes = nb * quads * 64            # one tile's codes at a byte each
+        per = max(1, UNPACKED_BYTES // tile_bytes)
+        buf = np.empty(min(per, t1 - t0) * tile_bytes + 64, np.uint8)
+        bp = (buf.ctypes.data + 63) & ~63
+        qp, hp, _s, _o, _d, _dm, _nb, nv, _nsb = _w_fields(wp)
+        for c0 in range(t0, t1, per):
+            c1 = min(t1, c0 + per)
+            for t in range(c0, c1):
+                hb = hp + (t * nb * quads * 8 if bits == 5 else 0)
+                _unpack_tile(bp + (t - c0) * tile_bytes, qp + t * nb * nv * 64, hb, nb, fmt,
+                             isa)
+            m = 0
+            while m < M:
+                R = _group_rows(M - m)
+                for t in range(c0, c1):
+                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt8, isa, tp,
+                               bp + (t - c0) * tile_bytes)
+                m += R
     return tiles
 
 
