@@ -816,7 +816,9 @@ def _make_tiles(fmt: int, isa: int):
 
     @cfunc(_TILES_SIG, cache=_CACHE)
     def tiles(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N, S):
-        tmp = np.empty((8, LANES), np.float32)        # a partial last tile's rows
+        # scratch for a partial last tile's rows: used by address only, so each exit stores
+        # into it once more, or numba would free it after the last use of its name (here)
+        tmp = np.empty((8, LANES), np.float32)
         tp = tmp.ctypes.data
         if M < 8:
             # decode and small batches, bound by the weights' bytes: each tile's codes are
@@ -828,6 +830,7 @@ def _make_tiles(fmt: int, isa: int):
                     _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp,
                                0)
                     m += R
+            tmp[0, 0] = 0.0
             return
         # prefill, bound by the integer dot's rate: an 8-row group's codes are reused from L1
         # across the chunk's tiles, whose codes come from L2 (a Qwen2.5 1.5B's matmuls at 512
@@ -841,11 +844,12 @@ def _make_tiles(fmt: int, isa: int):
                     _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp,
                                0)
                 m += R
+            tmp[0, 0] = 0.0
             return
         nb = K // B
         tile_bytes = nb * quads * 64            # one tile's codes at a byte each
         per = max(1, UNPACKED_BYTES // tile_bytes)
-        buf = np.empty(min(per, t1 - t0) * tile_bytes + 64, np.uint8)
+        buf = np.empty(min(per, t1 - t0) * tile_bytes + 64, np.uint8)    # kept as tmp is
         bp = (buf.ctypes.data + 63) & ~63
         qp, hp, _s, _o, _d, _dm, _nb, nv, _nsb = _w_fields(wp)
         for c0 in range(t0, t1, per):
@@ -861,6 +865,8 @@ def _make_tiles(fmt: int, isa: int):
                     _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt8, isa, tp,
                                bp + (t - c0) * tile_bytes)
                 m += R
+        buf[0] = 0
+        tmp[0, 0] = 0.0
     return tiles
 
 
