@@ -36,8 +36,14 @@ GROUPS = {
                                    "embed", "take_rows", "add_bias", "add_rms_norm",
                                    "norm_rope"),
 }
+# A decode step of the llama family runs its layers through fused calls (backends/cpu/fused.py:
+# norm, q/k/v and rope in one; the output projection, norm and FFN in another; the head), not
+# through the ops above; those calls are timed as one column, their attention apart.
+FUSED_CALLS = {"FusedLayer": ("attn_in", "attn_out", "attn_out_ffn"),
+               "FusedHead": ("__call__",)}
 COLUMNS = ["matmul (int8 tiles)", "activation quantization", "attention",
-           "norms / rope / activations", "sampling", "Python between kernels"]
+           "norms / rope / activations", "fused layer calls", "sampling",
+           "Python between kernels"]
 
 
 class Timers:
@@ -73,6 +79,20 @@ def instrument(engine, timers: Timers) -> None:
                                               "quantize_swiglu_rows")
     stage = engine.runner.sampling
     stage.sample = timers.wrap("sampling", stage.sample)
+    try:
+        from edgeinfer.backends.cpu import fused
+    except ImportError:                 # (older trees: A/B runs)
+        return
+    for cls, names in FUSED_CALLS.items():
+        klass = getattr(fused, cls, None)
+        for n in names:
+            if klass is not None and hasattr(klass, n):
+                setattr(klass, n, timers.wrap("fused", getattr(klass, n), f"{cls}.{n}"))
+    # a fused step's attention (its fallback, ops.attention, is timed above too: steps with
+    # a sliding window, image rows or a q8_0 cache would count it twice)
+    if hasattr(fused, "LayerStep"):
+        fused.LayerStep.attend = timers.wrap("attention", fused.LayerStep.attend,
+                                             "LayerStep.attend")
 
 
 def per_matrix_baseline(engine) -> None:
@@ -104,6 +124,7 @@ def one_step(engine, timers: Timers) -> dict[str, float]:
            "activation quantization": quant,
            "attention": t.get("attention", 0.0),
            "norms / rope / activations": t.get("norms / rope / activations", 0.0),
+           "fused layer calls": t.get("fused", 0.0),
            "sampling": t.get("sampling", 0.0)}
     row["Python between kernels"] = wall - sum(row[c] for c in COLUMNS[:-1])
     row["by_op"] = dict(timers.op)      # ops' times include the quantization inside them
