@@ -161,16 +161,17 @@ def code_planes(B: int, bits: int) -> int:
 
 # -- one tile, as one LLVM IR loop ----------------------------------------------------------
 
-def _make_tile(rows: int, unpack: bool = False):
-    """(unpack: the intrinsic `_unpack_tile` below instead.) An intrinsic computing `rows` activation rows x one 16-row weight tile, all blocks.
+def _make_tile(rows: int):
+    """(tile, unpack_tile): intrinsics computing `rows` activation rows x one 16-row weight
+    tile, all blocks, and unpacking a tile's codes (see _unpack_tile below).
 
-    Arguments (intp, then the format literal): out (float32, row r at out + r * out_stride
-    bytes), w, h, s, o (the tile's first block: codes, fifth-bit plane, scales, offsets), a
-    (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the first row's
-    entries of the [nb, S] arrays), S (their row stride in entries), fmt, isa (literals).
-    The accumulators stay in registers for the whole row of blocks and each block's weights
-    are loaded (and unpacked) once for all the rows. Everything is 16-lane LLVM vector code but the integer dot
-    (`dot`), which is the instruction set's own.
+    tile's arguments (intp, then the format literal): out (float32, row r at out + r *
+    out_stride bytes), w, h, s, o (the tile's first block: codes, fifth-bit plane, scales,
+    offsets), a (int8 codes of the first row, rows K bytes apart), K, nb, da, bsf, zb (the
+    first row's entries of the [nb, S] arrays), S (their row stride in entries), fmt, isa
+    (literals). The accumulators stay in registers for the whole row of blocks and each
+    block's weights are loaded (and unpacked) once for all the rows. Everything is 16-lane
+    LLVM vector code but the integer dot (`dot`), which is the instruction set's own.
     """
     i1 = ir.IntType(1)
     i8 = ir.IntType(8)
@@ -526,14 +527,14 @@ def _make_tile(rows: int, unpack: bool = False):
             return None
         return types.void(*([types.intp] * 4), fmt, isa), unpack_codegen
 
-    return unpack_tile if unpack else tile
+    return tile, unpack_tile
 
 
-_tile1, _tile4, _tile8 = _make_tile(1), _make_tile(4), _make_tile(8)
+(_tile1, _), (_tile4, _) = _make_tile(1), _make_tile(4)
 # One tile's codes (nb blocks, w and h as the tiles take them) unpacked to one byte per code
 # at dst (64-byte aligned): the 8-bit layout (quad j of block b at dst + 64 (b B/4 + j)),
 # the same integers the tile loop of the format would unpack.
-_unpack_tile = _make_tile(8, unpack=True)
+_tile8, _unpack_tile = _make_tile(8)
 
 
 @njit(inline="always", nogil=True)
@@ -739,6 +740,29 @@ def _group_rows(left):
 
 
 @njit(inline="always", nogil=True)
+def _tile_codes(wp, t, fmt):
+    """(codes, fifth-bit plane) addresses of tile t of the matrix whose W is at wp."""
+    qp, hp, _s, _o, _d, _dm, nb, nv, _nsb = _w_fields(wp)
+    nq = (fmt & 63) // 4
+    return qp + t * nb * nv * 64, hp + (t * nb * nq * 8 if (fmt >> 6) & 15 == 5 else 0)
+
+
+@njit(inline="always", nogil=True)
+def _row_groups(t0, t1, M, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp, codes,
+                tile_bytes):
+    """Every 8-row group (then 4, then 1) of the M rows across tiles t0 .. t1 - 1: a group's
+    codes stay in L1 across the tiles. codes: 0 (the packed tiles), or tile t0's unpacked
+    codes, tile_bytes apart (_unpack_tile; fmt then the 8-bit format)."""
+    m = 0
+    while m < M:
+        R = _group_rows(M - m)
+        for t in range(t0, t1):
+            _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp,
+                       codes + (t - t0) * tile_bytes if codes else 0)
+        m += R
+
+
+@njit(inline="always", nogil=True)
 def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp, codes):
     """Rows m .. m+R-1 of output columns 16t .. 16t+15 by the vector tile loop of
     instruction set isa (> 0); wp: the address of the matrix's W; codes: 0, or the address
@@ -746,17 +770,15 @@ def _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tmpp, 
     scales). A partial last tile (N not a multiple of 16) goes through the same loop into
     the scratch rows at tmpp (float32[R, 16]): the repacked arrays hold whole tiles (the
     padding rows zero)."""
-    B = fmt & 63
-    bits = (fmt >> 6) & 15
     sub = (fmt >> 11) & 1
-    nq = B // 4
-    qp, hp, sp, op, dp, dmp, nb, nv, nsb = _w_fields(wp)
+    _q, _h, sp, op, dp, dmp, nb, _nv, nsb = _w_fields(wp)
     n0 = t * LANES
     full = n0 + LANES <= N
     dst = outp + (m * N + n0) * 4 if full else tmpp
     stride = N * 4 if full else LANES * 4
-    w = codes if codes else qp + t * nb * nv * 64
-    hb = hp + (t * nb * nq * 8 if bits == 5 else 0)
+    w, hb = _tile_codes(wp, t, fmt)
+    if codes:
+        w = codes
     ssz = 1 if sub else 2
     sb = sp + t * nb * LANES * ssz
     ob = op + t * nb * LANES * ssz
@@ -816,8 +838,8 @@ def _make_tiles(fmt: int, isa: int):
 
     @cfunc(_TILES_SIG, cache=_CACHE)
     def tiles(t0, t1, wp, qap, dap, bsfp, zbp, outp, M, K, N, S):
-        # scratch for a partial last tile's rows: used by address only, so each exit stores
-        # into it once more, or numba would free it after the last use of its name (here)
+        # scratch for a partial last tile's rows: used by address only, so the kernel's end
+        # stores into it once more, or numba would free it after the last use of its name
         tmp = np.empty((8, LANES), np.float32)
         tp = tmp.ctypes.data
         if M < 8:
@@ -830,42 +852,27 @@ def _make_tiles(fmt: int, isa: int):
                     _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp,
                                0)
                     m += R
-            tmp[0, 0] = 0.0
-            return
-        # prefill, bound by the integer dot's rate: an 8-row group's codes are reused from L1
-        # across the chunk's tiles, whose codes come from L2 (a Qwen2.5 1.5B's matmuls at 512
-        # rows: 7-9% faster than every row group for each tile in turn, which read the
-        # codes of all the rows from L2 or L3 once per tile)
-        if not unpack or M < UNPACK_MIN_ROWS:
-            m = 0
-            while m < M:
-                R = _group_rows(M - m)
-                for t in range(t0, t1):
-                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp,
-                               0)
-                m += R
-            tmp[0, 0] = 0.0
-            return
-        nb = K // B
-        tile_bytes = nb * quads * 64            # one tile's codes at a byte each
-        per = max(1, UNPACKED_BYTES // tile_bytes)
-        buf = np.empty(min(per, t1 - t0) * tile_bytes + 64, np.uint8)    # kept as tmp is
-        bp = (buf.ctypes.data + 63) & ~63
-        qp, hp, _s, _o, _d, _dm, _nb, nv, _nsb = _w_fields(wp)
-        for c0 in range(t0, t1, per):
-            c1 = min(t1, c0 + per)
-            for t in range(c0, c1):
-                hb = hp + (t * nb * quads * 8 if bits == 5 else 0)
-                _unpack_tile(bp + (t - c0) * tile_bytes, qp + t * nb * nv * 64, hb, nb, fmt,
-                             isa)
-            m = 0
-            while m < M:
-                R = _group_rows(M - m)
+        elif not unpack or M < UNPACK_MIN_ROWS:
+            # prefill, bound by the integer dot's rate: an 8-row group's codes are reused
+            # from L1 across the chunk's tiles, whose codes come from L2 (a Qwen2.5 1.5B's
+            # matmuls at 512 rows: 7-9% faster than every row group for each tile in turn,
+            # which read the codes of all the rows from L2 or L3 once per tile)
+            _row_groups(t0, t1, M, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt, isa, tp, 0, 0)
+        else:
+            # the same, on the tiles' codes unpacked UNPACKED_BYTES at a time
+            tile_bytes = (K // B) * quads * 64          # one tile's codes at a byte each
+            per = max(1, UNPACKED_BYTES // tile_bytes)
+            buf = np.empty(min(per, t1 - t0) * tile_bytes + 64, np.uint8)   # kept as tmp is
+            bp = (buf.ctypes.data + 63) & ~63
+            nb = K // B
+            for c0 in range(t0, t1, per):
+                c1 = min(t1, c0 + per)
                 for t in range(c0, c1):
-                    _tile_rows(t, m, R, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt8, isa, tp,
-                               bp + (t - c0) * tile_bytes)
-                m += R
-        buf[0] = 0
+                    w, hb = _tile_codes(wp, t, fmt)
+                    _unpack_tile(bp + (t - c0) * tile_bytes, w, hb, nb, fmt, isa)
+                _row_groups(c0, c1, M, wp, qap, dap, bsfp, zbp, outp, S, K, N, fmt8, isa, tp,
+                            bp, tile_bytes)
+            buf[0] = 0
         tmp[0, 0] = 0.0
     return tiles
 
