@@ -87,6 +87,12 @@ class LayerStep:
 _NO_BIAS = np.zeros(1, np.float32)
 
 
+def _threads(T: int, cols: int, threads: int) -> int:
+    """Threads for a product of T rows by matrices of `cols` weights in all: packed.py's
+    rule (below SERIAL_MACS multiply-adds, the calling thread)."""
+    return 1 if T * cols < SERIAL_MACS else threads
+
+
 class FusedQKV:
     """ops.norm_qkv with its arguments bound: x += f (when f is given), rms_norm, the q/k/v
     matrices, QK-norm and rope in one _layer.norm_qkv call; without QK-norm (q_norm None:
@@ -111,7 +117,7 @@ class FusedQKV:
         """(q [T, H * D], k, v [T, KVH * D])."""
         T = x.shape[0]
         q, k, v = (np.empty((T, n), np.float32) for n in self.N)
-        nw = 1 if T * self.cols < SERIAL_MACS else threads
+        nw = _threads(T, self.cols, threads)
         y = x if f is None else f
         if self.qn is None:
             bq, bk, bv = self.biases or (_NO_BIAS,) * 3
@@ -137,7 +143,7 @@ class FusedOut:
         self.counter = np.zeros(1, np.int64)
 
     def __call__(self, a, x, threads: int):
-        nw = 1 if x.shape[0] * self.cols < SERIAL_MACS else threads
+        nw = _threads(x.shape[0], self.cols, threads)
         return _layer.out_add_norm(a, self.P, self.Wt, x, self.wn, self.eps, np.empty_like(x),
                                    nw, self.counter)
 
@@ -200,11 +206,10 @@ class FusedLayer:
         (self.ffn, for steps it takes)."""
         o, f = self.out, self.ffn
         T = x.shape[0]
-
-        def nw(cols: int) -> int:
-            return 1 if T * cols < SERIAL_MACS else threads
         return _layer.out_add_norm_ffn(a, o.P, o.Wt, x, o.wn, o.eps, f.P, f.Wt, f.Pd, f.Wtd,
-                                       nw(o.cols), nw(f.gu_cols), nw(f.d_cols), o.counter)
+                                       _threads(T, o.cols, threads),
+                                       _threads(T, f.gu_cols, threads),
+                                       _threads(T, f.d_cols, threads), o.counter)
 
     def moe(self, h, k: int, threads: int):
         """ops.moe(bank, h, k) of the grouped bank with an F32 router: routing and experts in
@@ -230,6 +235,6 @@ class FusedHead:
     def __call__(self, x, f, threads: int):
         T = x.shape[0]
         out = np.empty((T, self.N), np.float32)
-        nw = 1 if T * self.cols < SERIAL_MACS else threads
+        nw = _threads(T, self.cols, threads)
         return _layer.add_norm_matmul(x, x if f is None else f, f is not None, self.wn,
                                       self.eps, self.P, self.Wt, out, nw, self.counter)
