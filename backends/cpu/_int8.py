@@ -221,19 +221,28 @@ def _make_tile(rows: int):
     def join(builder, lo, hi):
         return builder.shuffle_vector(lo, hi, ir.Constant(v16i32, list(range(16))))
 
+    def vnni(builder, isa, op, chain, x, y, avx2):
+        """chain + x . y per 32-bit lane by the VNNI instruction op (vpdpbusd, vpdpwssd): its
+        512-bit form (AVX-512 VNNI), its 256-bit form on each half (AVX-VNNI), or
+        avx2(builder, chain half, x half, y half) on each half."""
+        mod = builder.module
+        if isa == AVX512VNNI:
+            fn = intrinsic_fn(mod, f"llvm.x86.avx512.{op}.512", v16i32, [v16i32] * 3)
+            return builder.call(fn, [chain, x, y])
+        parts = []
+        for c_h, x_h, y_h in zip(split(builder, chain), split(builder, x), split(builder, y)):
+            if isa == AVXVNNI:
+                fn = intrinsic_fn(mod, f"llvm.x86.avx512.{op}.256", v8i32, [v8i32] * 3)
+                parts.append(builder.call(fn, [c_h, x_h, y_h]))
+            else:
+                parts.append(avx2(builder, c_h, x_h, y_h))
+        return join(builder, *parts)
+
     def dot(builder, isa, chain, w, a, signed8):
         """chain + per lane, sum of 4 byte products of w (unsigned) and a (signed); signed8
         (AVX2, 8-bit codes): the sum of (w - 128) * a instead (the caller skips zb)."""
-        mod = builder.module
-        if isa == AVX512VNNI:
-            fn = intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.512", v16i32, [v16i32] * 3)
-            return builder.call(fn, [chain, w, a])
-        parts = []
-        for c_h, w_h, a_h in zip(split(builder, chain), split(builder, w), split(builder, a)):
-            if isa == AVXVNNI:
-                fn = intrinsic_fn(mod, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32] * 3)
-                parts.append(builder.call(fn, [c_h, w_h, a_h]))
-                continue
+        def avx2(builder, c_h, w_h, a_h):
+            mod = builder.module
             w8, a8 = builder.bitcast(w_h, v32i8), builder.bitcast(a_h, v32i8)
             # ggml's sign trick for 8-bit codes: |w - 128| * (a with the sign of w - 128)
             ws = builder.xor(w8, ir.Constant(v32i8, [0x80] * 32)) if signed8 else None
@@ -252,8 +261,8 @@ def _make_tile(rows: int):
             maddwd = intrinsic_fn(mod, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
             p16 = builder.call(maddubs, [w8, a8])   # pairs: |sum| <= 2 * 127 * 128, no saturation
             p32 = builder.call(maddwd, [p16, ir.Constant(v16i16, [1] * 16)])
-            parts.append(builder.add(c_h, p32))
-        return join(builder, *parts)
+            return builder.add(c_h, p32)
+        return vnni(builder, isa, "vpdpbusd", chain, w, a, avx2)
 
     def avx2_grouped(builder, start, wv, aqs, bits):
         """start + per lane, the sum over the block's quads of 4 byte products, on AVX2 with
@@ -424,20 +433,11 @@ def _make_tile(rows: int):
 
     def dot_pairs(builder, isa, chain, x, y):
         """chain + per 32-bit lane, x.lo * y.lo + x.hi * y.hi of its int16 halves (exact)."""
-        mod = builder.module
-        if isa == AVX512VNNI:
-            fn = intrinsic_fn(mod, "llvm.x86.avx512.vpdpwssd.512", v16i32, [v16i32] * 3)
-            return builder.call(fn, [chain, x, y])
-        parts = []
-        for c_h, x_h, y_h in zip(split(builder, chain), split(builder, x), split(builder, y)):
-            if isa == AVXVNNI:
-                fn = intrinsic_fn(mod, "llvm.x86.avx512.vpdpwssd.256", v8i32, [v8i32] * 3)
-                parts.append(builder.call(fn, [c_h, x_h, y_h]))
-            else:
-                fn = intrinsic_fn(mod, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
-                p = builder.call(fn, [builder.bitcast(x_h, v16i16), builder.bitcast(y_h, v16i16)])
-                parts.append(builder.add(c_h, p))
-        return join(builder, *parts)
+        def avx2(builder, c_h, x_h, y_h):
+            fn = intrinsic_fn(builder.module, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+            return builder.add(c_h, builder.call(fn, [builder.bitcast(x_h, v16i16),
+                                                      builder.bitcast(y_h, v16i16)]))
+        return vnni(builder, isa, "vpdpwssd", chain, x, y, avx2)
 
     def minimums_at_flush(builder, isa, o_a, pairs_a, S, b0, per):
         """Per row, the super-block's sum of minimum * block sum over blocks b0 .. b0 +
