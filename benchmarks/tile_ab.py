@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import model_path, setup_env  # noqa: E402
+from common import setup_env  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="git revision of the old kernels")
-    ap.add_argument("--model", default="qwen2.5-coder:0.5b")
+    ap.add_argument("--model", default="qwen2.5-coder:0.5b", help="a GGUF path or a store name")
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=15)
@@ -40,7 +40,11 @@ def main() -> None:
     from edgeinfer.engine.core import Engine, EngineConfig
     from repack_ab import load_base
     base, _ = load_base(a.base)
-    eng = Engine(model_path(a.model), EngineConfig(kv_budget_bytes=1 << 26, max_model_len=1024,
+    model = a.model
+    if not Path(model).is_file():           # a store name, as generate.py takes it
+        from edgeinfer.store.model_store import Store
+        model = str(Store().resolve(model).path)
+    eng = Engine(model, EngineConfig(kv_budget_bytes=1 << 26, max_model_len=1024,
                                                    threads=a.threads, speculative=False))
     rng = np.random.default_rng(0)
     groups = collections.defaultdict(list)       # format -> [(job, matrix)]
