@@ -389,7 +389,7 @@ def test_int8_matmul_many_gives_each_matrix_its_own_bits(qtypes):
 @pytest.mark.parametrize("isa", sorted(set(_int8.HOST_ISAS) - {_int8.PORTABLE}),
                          ids=lambda i: {v: k for k, v in _int8.ISA_NAMES.items()}[i])
 @pytest.mark.parametrize("qtype", _slow_except([T.Q8_0, T.Q5_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K],
-                                               (T.Q8_0, T.Q5_0, T.Q6_K)),
+                                               (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)),
                          ids=lambda t: t.name)
 def test_every_vector_kernel_of_this_cpu_equals_the_portable_one(qtype, isa):
     """AVX2 (vpmaddubsw; 8-bit codes through the sign trick), AVX-VNNI and AVX-512 VNNI tile
