@@ -932,9 +932,9 @@ def _make_tiles(fmt: int, isa: int):
         # stores into it once more, or numba would free it after the last use of its name
         tmp = np.empty((8, LANES), np.float32)
         tp = tmp.ctypes.data
-        # (kept alive as tmp is)
-        pairs = np.empty((K // B) // 2 * S if pairs_for_flush and M >= 8 else 1, np.int32)
-        if pairs_for_flush and M >= 8:
+        with_pairs = pairs_for_flush and M >= 8         # 8-row groups: minimums_at_flush
+        pairs = np.empty((K // B) // 2 * S if with_pairs else 1, np.int32)  # kept as tmp is
+        if with_pairs:
             bsfp = pairs.ctypes.data
             _pair_sums(zbp, K // B, M, S, bsfp)
         if M < 8:
