@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from edgeinfer.engine import heap
 from edgeinfer.engine.constraint import ConstraintError, TokenConstraint
 from edgeinfer.engine.images import load_vision
 from edgeinfer.engine.kv_manager import KVCacheManager
@@ -160,6 +161,9 @@ class Engine(PromptMethods):
             torch_graphs=config.torch_graphs,
             kv_cache_type=config.kv_cache_type, repack_cache=config.repack_cache,
             repack_cache_bytes=config.repack_cache_bytes)
+        # after the weights, which stay mappings of their own: each step's large temporaries
+        # then reuse the last step's pages instead of faulting in fresh ones (heap.py)
+        heap.recycle_large_blocks()
         try:
             self.cfg: ModelConfig = self.runner.cfg
             md = self.runner.gf.metadata

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import logging
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from edgeinfer.engine import heap
 from edgeinfer.engine.core import Engine, EngineConfig
 from edgeinfer.engine.remote import LoadFailed, RemoteEngine
 from edgeinfer.engine.spare import SpareRunner
@@ -130,35 +130,6 @@ def _arch_of(path) -> str | None:
         f.close()
 
 
-def _trim_heap() -> None:
-    """Hand freed heap memory back to the OS. glibc keeps freed chunks (numpy arrays under its
-    mmap threshold, which grows to 32 MB after large frees) in its arenas, where they still
-    count in RSS; malloc_trim returns them. Elsewhere a no-op."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
-
-
-def pin_mmap_threshold() -> None:
-    """Keep glibc's mmap threshold at its start value (128 KiB) in the daemon: by default one
-    large free raises it (up to 32 MB), after which a model's vocabulary tables and any large
-    temporary land in the heap, where they interleave and an unload cannot hand all of them
-    back. Pinned, every large block is its own mapping and goes back to the OS when freed.
-    Elsewhere a no-op."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)       # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def close_engine(engine: Engine | RemoteEngine) -> None:
     """Stop the engine (its thread, or its process) and release its runner: weights, KV
     pool, GGUF mapping. Any thread but the engine's own."""
@@ -170,7 +141,7 @@ def release_memory() -> None:
     grammars go with its tokenizer) and give the freed heap back to the OS. Call once
     nothing references the engine any more."""
     gc.collect()
-    _trim_heap()
+    heap.trim()
 
 
 
@@ -239,7 +210,7 @@ class ModelManager:
         # lazy: keeps edgeinfer.backends (numba) out of `import edgeinfer.server`
         from edgeinfer.backends.cpu.threads import ThreadGovernor
         self.governor = ThreadGovernor(fixed=config.threads)
-        pin_mmap_threshold()
+        heap.pin_mmap_threshold()
         # A warm engine process for the next load (edgeinfer/engine/spare.py), warming the
         # kernels of the last model loaded on the CPU (at first, the bundled default's).
         self.spares = SpareRunner(config.engine_process and config.spare_runner,
