@@ -111,16 +111,18 @@ def test_tiled_equals_per_token_kernel(T, H, KVH, D, window, f16):
 
 @pytest.mark.parametrize("window", [0, 300])
 @pytest.mark.parametrize("pool", ["f16", "f32", "q8_0"])
-@pytest.mark.parametrize("H,KVH,D", [(8, 2, 64), (14, 2, 64), (4, 1, 128)])
+@pytest.mark.parametrize("H,KVH,D", [(8, 2, 64), (14, 2, 64), (4, 1, 128), (2, 1, 256)])
 def test_tiles_past_the_widened_key_chunks_equal_the_per_token_kernel(window, pool, H, KVH, D):
-    """Tiles of many rows widen K and V to float32 WIDE_KEYS keys at a time (and sum V by
-    FMA where the weights and the pool are halves; on AVX2 score keys in the lanes from a
-    transposed copy, and sum V six rows at a time): past several chunks, with a window that
-    starts inside one (not on an 8-key block), an odd number of rows (Qwen2.5's group of 7
-    heads, a last tile of 5 tokens), every row still gets the per-token kernel's bits."""
+    """Tiles of many rows widen K and V to float32 wide_keys(D) keys at a time (128, 64 or
+    32 keys: 32 KB) (and sum V by FMA where the weights and the pool are halves; on AVX2
+    score keys in the lanes from a transposed copy, and sum V six rows at a time): past
+    several chunks, with a window that starts inside one (not on an 8-key block), an odd
+    number of rows (Qwen2.5's group of 7 heads, a last tile of 5 tokens), every row still
+    gets the per-token kernel's bits."""
     rng = np.random.default_rng(7 + window)
     bs = 16
-    nblk = (3 * A.WIDE_KEYS + 64) // bs
+    wk = A.wide_keys(D)
+    nblk = (3 * wk + 64) // bs
     kc, vc = _pools(rng, nblk, bs, KVH, D, pool == "f16")
     if pool == "q8_0":          # ggml's q8_0 blocks, written by the cache's own store
         from edgeinfer.backends.cpu import kernels as K
@@ -132,7 +134,7 @@ def test_tiles_past_the_widened_key_chunks_equal_the_per_token_kernel(window, po
     T = 21
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     seq = np.zeros(T, np.int32)
-    pos = np.arange(3 * A.WIDE_KEYS + 10, 3 * A.WIDE_KEYS + 10 + T).astype(np.int32)
+    pos = np.arange(3 * wk + 10, 3 * wk + 10 + T).astype(np.int32)
     for rounding in (True, False):
         want = _ref(q, kc, vc, tables, seq, pos, window, rounding)
         for nh in [n for n in (7, 4, 2, 1) if (H // KVH) % n == 0]:
