@@ -113,8 +113,8 @@ def test_tiled_equals_per_token_kernel(T, H, KVH, D, window, f16):
 @pytest.mark.parametrize("pool", ["f16", "f32", "q8_0"])
 @pytest.mark.parametrize("H,KVH,D", [(8, 2, 64), (14, 2, 64), (4, 1, 128), (2, 1, 256)])
 def test_tiles_past_the_widened_key_chunks_equal_the_per_token_kernel(window, pool, H, KVH, D):
-    """Tiles of many rows widen K and V to float32 wide_keys(D) keys at a time (128, 64 or
-    32 keys: 32 KB) (and sum V by FMA where the weights and the pool are halves; on AVX2
+    """Tiles of many rows widen K and V to float32 wide_keys(D) keys at a time (64, 32 or
+    16 keys: 16 KB) (and sum V by FMA where the weights and the pool are halves; on AVX2
     score keys in the lanes from a transposed copy, and sum V six rows at a time): past
     several chunks, with a window that starts inside one (not on an 8-key block), an odd
     number of rows (Qwen2.5's group of 7 heads, a last tile of 5 tokens), every row still

@@ -61,17 +61,19 @@ TILE = 16           # query tokens per tile (consecutive positions of one sequen
 VBLOCK = 64         # keys per block of the V sums
 PREFETCH = 16       # K rows asked for this many keys ahead of the scores
 SPLIT_MIN_KEYS = 2048   # a lone token's keys from which its work is split over the threads
-WIDE_BYTES = 32 * 1024  # K or V widened to float32 this much at a time in a tile of many rows
+WIDE_BYTES = 16 * 1024  # K or V widened to float32 this much at a time in a tile of many rows
 WIDE_MIN_KEYS = 16      # (wide_keys: a chunk stays in L1 across the tile's row groups)
 WIDE_MIN_ROWS = 16      # rows (tokens x heads) from which a tile widens its K and V first
 
 
 @njit(inline="always", nogil=True)
 def wide_keys(D):
-    """Keys per widened chunk: WIDE_BYTES of float32 rows (128 keys at D = 64, 64 at 128, 32 at
-    256), so the scores' passes over a chunk, one per four rows, read it from L1. At D = 128 a
-    128-key chunk (64 KB) came from L2 on every pass: 12-16% slower at 2K keys. The chunking
-    changes no result (scores are per key, and the V sums add keys in order across chunks)."""
+    """Keys per widened chunk: WIDE_BYTES of float32 rows (64 keys at D = 64, 32 at 128, 16 at
+    256), so the scores' passes over a chunk, one per four rows, read it from L1 beside the
+    rows' q and scores. 128 keys at every D (64 KB at D = 128) came from L2 on every pass:
+    benchmarks/attention_ab.py at 2K keys, 32 KB chunks 1.105x at D = 128, 16 KB a further
+    1.01-1.02x (1.05x at D = 256), 8 KB 0.98x. The chunking changes no result (scores are
+    per key, and the V sums add keys in order across chunks)."""
     return max(WIDE_MIN_KEYS, WIDE_BYTES // (4 * D)) // 16 * 16
 
 
