@@ -441,6 +441,94 @@ def _qk_4x4(qv, r, kc, kb, j, D, sc, scale):
     vstore4_3(sc, o + 3 * W, s)
 
 
+@intrinsic
+def vhsum8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
+    """Lanes k and k + 8: vhsum of the k-th argument, the same bits (_tree_sums on the eight
+    twice: LLVM folds the repeated half, which computes the same values)."""
+    def codegen(context, builder, sig, args):
+        return _tree_sums(builder, list(args) * 2)
+    return f16x(a0, a1, a2, a3, a4, a5, a6, a7), codegen
+
+
+@njit(inline="always", nogil=True)
+def _qk_6x4(qv, r, kc, kb, j, D, sc, scale):
+    """Scores of rows r..r+5 against keys j..j+3 (AVX-512: 24 accumulators of its 32
+    registers): each widened K chunk feeds six rows, so a group of six heads (a Qwen2.5
+    token's, a decode token's whole group) reads and widens its keys once, not in a 4-row
+    and a 2-row pass. Every score is _qk_4x4's operations: the same bits."""
+    a00 = vzero()
+    a01 = vzero()
+    a02 = vzero()
+    a03 = vzero()
+    a10 = vzero()
+    a11 = vzero()
+    a12 = vzero()
+    a13 = vzero()
+    a20 = vzero()
+    a21 = vzero()
+    a22 = vzero()
+    a23 = vzero()
+    a30 = vzero()
+    a31 = vzero()
+    a32 = vzero()
+    a33 = vzero()
+    a40 = vzero()
+    a41 = vzero()
+    a42 = vzero()
+    a43 = vzero()
+    a50 = vzero()
+    a51 = vzero()
+    a52 = vzero()
+    a53 = vzero()
+    q0 = r * D
+    k0, k1, k2, k3 = kb[j], kb[j + 1], kb[j + 2], kb[j + 3]
+    for d in range(0, D, 16):
+        y0 = vload(qv, q0 + d)
+        y1 = vload(qv, q0 + 1 * D + d)
+        y2 = vload(qv, q0 + 2 * D + d)
+        y3 = vload(qv, q0 + 3 * D + d)
+        y4 = vload(qv, q0 + 4 * D + d)
+        y5 = vload(qv, q0 + 5 * D + d)
+        x = kv_vec(kc, k0 + d)
+        a00 = vfma(y0, x, a00)
+        a10 = vfma(y1, x, a10)
+        a20 = vfma(y2, x, a20)
+        a30 = vfma(y3, x, a30)
+        a40 = vfma(y4, x, a40)
+        a50 = vfma(y5, x, a50)
+        x = kv_vec(kc, k1 + d)
+        a01 = vfma(y0, x, a01)
+        a11 = vfma(y1, x, a11)
+        a21 = vfma(y2, x, a21)
+        a31 = vfma(y3, x, a31)
+        a41 = vfma(y4, x, a41)
+        a51 = vfma(y5, x, a51)
+        x = kv_vec(kc, k2 + d)
+        a02 = vfma(y0, x, a02)
+        a12 = vfma(y1, x, a12)
+        a22 = vfma(y2, x, a22)
+        a32 = vfma(y3, x, a32)
+        a42 = vfma(y4, x, a42)
+        a52 = vfma(y5, x, a52)
+        x = kv_vec(kc, k3 + d)
+        a03 = vfma(y0, x, a03)
+        a13 = vfma(y1, x, a13)
+        a23 = vfma(y2, x, a23)
+        a33 = vfma(y3, x, a33)
+        a43 = vfma(y4, x, a43)
+        a53 = vfma(y5, x, a53)
+    s = vmul(vhsum16(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33), vsplat(scale))
+    t = vmul(vhsum8(a40, a41, a42, a43, a50, a51, a52, a53), vsplat(scale))
+    W = sc.shape[1]
+    o = r * W + j
+    vstore4_0(sc, o, s)
+    vstore4_1(sc, o + W, s)
+    vstore4_2(sc, o + 2 * W, s)
+    vstore4_3(sc, o + 3 * W, s)
+    vstore4_0(sc, o + 4 * W, t)
+    vstore4_1(sc, o + 5 * W, t)
+
+
 # AVX2 (16 ymm registers, 8 lanes): _qk_4x4's sixteen 16-lane accumulators are 32 registers
 # there, and LLVM spilled them every step. _qk_4x2_h keeps each score's 16 partial sums as two
 # 8-lane halves and runs the halves one after the other (8 accumulators, 4 q rows and a K
@@ -825,6 +913,103 @@ def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
 
 
 @njit(inline="always", nogil=True)
+def _pv_6x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
+    """Output columns c..c+63 of rows r..r+5 (AVX-512: 24 accumulators): _pv_4x4's sums, each
+    V chunk widened once for six rows (see _qk_6x4). Each column adds its keys in the same
+    order: the same bits."""
+    v00 = vzero() if first else vload(out, o0 + c)
+    v01 = vzero() if first else vload(out, o0 + c + 16)
+    v02 = vzero() if first else vload(out, o0 + c + 32)
+    v03 = vzero() if first else vload(out, o0 + c + 48)
+    v10 = vzero() if first else vload(out, o0 + c + 1 * D + 0)
+    v11 = vzero() if first else vload(out, o0 + c + 1 * D + 16)
+    v12 = vzero() if first else vload(out, o0 + c + 1 * D + 32)
+    v13 = vzero() if first else vload(out, o0 + c + 1 * D + 48)
+    v20 = vzero() if first else vload(out, o0 + c + 2 * D + 0)
+    v21 = vzero() if first else vload(out, o0 + c + 2 * D + 16)
+    v22 = vzero() if first else vload(out, o0 + c + 2 * D + 32)
+    v23 = vzero() if first else vload(out, o0 + c + 2 * D + 48)
+    v30 = vzero() if first else vload(out, o0 + c + 3 * D + 0)
+    v31 = vzero() if first else vload(out, o0 + c + 3 * D + 16)
+    v32 = vzero() if first else vload(out, o0 + c + 3 * D + 32)
+    v33 = vzero() if first else vload(out, o0 + c + 3 * D + 48)
+    v40 = vzero() if first else vload(out, o0 + c + 4 * D + 0)
+    v41 = vzero() if first else vload(out, o0 + c + 4 * D + 16)
+    v42 = vzero() if first else vload(out, o0 + c + 4 * D + 32)
+    v43 = vzero() if first else vload(out, o0 + c + 4 * D + 48)
+    v50 = vzero() if first else vload(out, o0 + c + 5 * D + 0)
+    v51 = vzero() if first else vload(out, o0 + c + 5 * D + 16)
+    v52 = vzero() if first else vload(out, o0 + c + 5 * D + 32)
+    v53 = vzero() if first else vload(out, o0 + c + 5 * D + 48)
+    for j in range(jlo, jhi + 1):
+        base = kb[j] + c
+        x0 = kv_vec(vc, base)
+        x1 = kv_vec(vc, base + 16)
+        x2 = kv_vec(vc, base + 32)
+        x3 = kv_vec(vc, base + 48)
+        w = vsplat(sc[r, j])
+        v00 = _wadd(v00, w, x0, exact)
+        v01 = _wadd(v01, w, x1, exact)
+        v02 = _wadd(v02, w, x2, exact)
+        v03 = _wadd(v03, w, x3, exact)
+        w = vsplat(sc[r + 1, j])
+        v10 = _wadd(v10, w, x0, exact)
+        v11 = _wadd(v11, w, x1, exact)
+        v12 = _wadd(v12, w, x2, exact)
+        v13 = _wadd(v13, w, x3, exact)
+        w = vsplat(sc[r + 2, j])
+        v20 = _wadd(v20, w, x0, exact)
+        v21 = _wadd(v21, w, x1, exact)
+        v22 = _wadd(v22, w, x2, exact)
+        v23 = _wadd(v23, w, x3, exact)
+        w = vsplat(sc[r + 3, j])
+        v30 = _wadd(v30, w, x0, exact)
+        v31 = _wadd(v31, w, x1, exact)
+        v32 = _wadd(v32, w, x2, exact)
+        v33 = _wadd(v33, w, x3, exact)
+        w = vsplat(sc[r + 4, j])
+        v40 = _wadd(v40, w, x0, exact)
+        v41 = _wadd(v41, w, x1, exact)
+        v42 = _wadd(v42, w, x2, exact)
+        v43 = _wadd(v43, w, x3, exact)
+        w = vsplat(sc[r + 5, j])
+        v50 = _wadd(v50, w, x0, exact)
+        v51 = _wadd(v51, w, x1, exact)
+        v52 = _wadd(v52, w, x2, exact)
+        v53 = _wadd(v53, w, x3, exact)
+    o = o0 + c
+    vstore(out, o, v00)
+    vstore(out, o + 16, v01)
+    vstore(out, o + 32, v02)
+    vstore(out, o + 48, v03)
+    o += D
+    vstore(out, o, v10)
+    vstore(out, o + 16, v11)
+    vstore(out, o + 32, v12)
+    vstore(out, o + 48, v13)
+    o += D
+    vstore(out, o, v20)
+    vstore(out, o + 16, v21)
+    vstore(out, o + 32, v22)
+    vstore(out, o + 48, v23)
+    o += D
+    vstore(out, o, v30)
+    vstore(out, o + 16, v31)
+    vstore(out, o + 32, v32)
+    vstore(out, o + 48, v33)
+    o += D
+    vstore(out, o, v40)
+    vstore(out, o + 16, v41)
+    vstore(out, o + 32, v42)
+    vstore(out, o + 48, v43)
+    o += D
+    vstore(out, o, v50)
+    vstore(out, o + 16, v51)
+    vstore(out, o + 32, v52)
+    vstore(out, o + 48, v53)
+
+
+@njit(inline="always", nogil=True)
 def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
     """Output columns c..c+63 of rows r, r+1 (see _pv_4x4)."""
     a0 = vzero() if first else vload(out, o0 + c)
@@ -962,6 +1147,8 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
     r = 0
     while r < R:
         rows = 4 if R - r >= 4 else (2 if R - r >= 2 else 1)
+        if not _SPLIT_HALVES and R - r >= 6:
+            rows = 6                        # _qk_6x4 (AVX-512's 32 registers)
         jlo = max(jmin, _window_start(positions[t0 + r // nh], window) - lo)
         jhi = min(jmax, positions[t0 + (r + rows - 1) // nh] - lo)
         j = jlo
@@ -973,19 +1160,25 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
                     kv_row_prefetch(kc, kb[j + PREFETCH + 1], D)
                 _qk_4x2_h(qv, r * D, kc, kb[j], kb[j + 1], D, sc, r * W + j, W, np.float32(scale))
                 j += 2
-        if rows == 4 and D % 16 == 0:       # four keys at a time, the rest below
+        if (rows == 4 or rows == 6) and D % 16 == 0:      # four keys at a time, the rest below
             while j + 3 <= jhi:
                 if j + PREFETCH + 3 <= jhi:
                     for i in range(4):
                         kv_row_prefetch(kc, kb[j + PREFETCH + i], D)
-                _qk_4x4(qv, r, kc, kb, j, D, sc, scale)
+                if rows == 6:
+                    _qk_6x4(qv, r, kc, kb, j, D, sc, scale)
+                else:
+                    _qk_4x4(qv, r, kc, kb, j, D, sc, scale)
                 j += 4
         for j in range(j, jhi + 1, 2):
             j1 = j + 1 if j < jhi else j
             if j + PREFETCH + 1 <= jhi:
                 kv_row_prefetch(kc, kb[j + PREFETCH], D)
                 kv_row_prefetch(kc, kb[j + PREFETCH + 1], D)
-            if rows == 4:
+            if rows == 6:
+                _qk_4x2(qv, r, kc, kb, j, j1, D, sc, scale)
+                _qk_2x2(qv, r + 4, kc, kb, j, j1, D, sc, scale)
+            elif rows == 4:
                 _qk_4x2(qv, r, kc, kb, j, j1, D, sc, scale)
             elif rows == 2:
                 _qk_2x2(qv, r, kc, kb, j, j1, D, sc, scale)
@@ -1016,7 +1209,7 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
         r = r0 + i
         o = o0 + i * D
         rows = 4 if n - i >= 4 else (2 if n - i >= 2 else 1)
-        if _SPLIT_HALVES and n - i >= 6:
+        if n - i >= 6:
             rows = 6
         for jb in range(jlo, jhi + 1, VBLOCK):
             je = min(jhi, jb + VBLOCK - 1)
@@ -1026,7 +1219,9 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
                     kv_row_prefetch(vc, kb[j], D)
             c = c0
             while c + 64 <= c1:
-                if rows == 6:
+                if rows == 6 and not _SPLIT_HALVES:
+                    _pv_6x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
+                elif rows == 6:
                     for cc in range(c, c + 64, 16):
                         _pv_nx1(sc, r, 6, vc, kb, jb, je, cc, out, o, D, first, exact)
                 elif rows == 4 and _SPLIT_HALVES:
