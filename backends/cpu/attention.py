@@ -383,64 +383,6 @@ def _store4(lane0: int):
 vstore4_0, vstore4_1, vstore4_2, vstore4_3 = (_store4(4 * i) for i in range(4))
 
 
-@njit(inline="always", nogil=True)
-def _qk_4x4(qv, r, kc, kb, j, D, sc, scale):
-    """Scores of rows r..r+3 against keys j..j+3: sixteen accumulators, each widened K chunk
-    feeding four rows and each q chunk four keys, then vhsum16 reduces all sixteen with
-    vhsum's tree. The bits of _qk_4x2 (the test compares them), about twice as fast."""
-    a00 = vzero()
-    a01 = vzero()
-    a02 = vzero()
-    a03 = vzero()
-    a10 = vzero()
-    a11 = vzero()
-    a12 = vzero()
-    a13 = vzero()
-    a20 = vzero()
-    a21 = vzero()
-    a22 = vzero()
-    a23 = vzero()
-    a30 = vzero()
-    a31 = vzero()
-    a32 = vzero()
-    a33 = vzero()
-    q0 = r * D
-    k0, k1, k2, k3 = kb[j], kb[j + 1], kb[j + 2], kb[j + 3]
-    for d in range(0, D, 16):
-        y0 = vload(qv, q0 + d)
-        y1 = vload(qv, q0 + D + d)
-        y2 = vload(qv, q0 + 2 * D + d)
-        y3 = vload(qv, q0 + 3 * D + d)
-        x = kv_vec(kc, k0 + d)
-        a00 = vfma(y0, x, a00)
-        a10 = vfma(y1, x, a10)
-        a20 = vfma(y2, x, a20)
-        a30 = vfma(y3, x, a30)
-        x = kv_vec(kc, k1 + d)
-        a01 = vfma(y0, x, a01)
-        a11 = vfma(y1, x, a11)
-        a21 = vfma(y2, x, a21)
-        a31 = vfma(y3, x, a31)
-        x = kv_vec(kc, k2 + d)
-        a02 = vfma(y0, x, a02)
-        a12 = vfma(y1, x, a12)
-        a22 = vfma(y2, x, a22)
-        a32 = vfma(y3, x, a32)
-        x = kv_vec(kc, k3 + d)
-        a03 = vfma(y0, x, a03)
-        a13 = vfma(y1, x, a13)
-        a23 = vfma(y2, x, a23)
-        a33 = vfma(y3, x, a33)
-    s = vmul(vhsum16(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23,
-                     a30, a31, a32, a33), vsplat(scale))
-    W = sc.shape[1]
-    o = r * W + j
-    vstore4_0(sc, o, s)
-    vstore4_1(sc, o + W, s)
-    vstore4_2(sc, o + 2 * W, s)
-    vstore4_3(sc, o + 3 * W, s)
-
-
 @intrinsic
 def vhsum8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
     """Lanes k and k + 8: vhsum of the k-th argument, the same bits (_tree_sums on the eight
@@ -451,11 +393,15 @@ def vhsum8(typingctx, a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @njit(inline="always", nogil=True)
-def _qk_6x4(qv, r, kc, kb, j, D, sc, scale):
-    """Scores of rows r..r+5 against keys j..j+3 (AVX-512: 24 accumulators of its 32
-    registers): each widened K chunk feeds six rows, so a group of six heads (a Qwen2.5
-    token's, a decode token's whole group) reads and widens its keys once, not in a 4-row
-    and a 2-row pass. Every score is _qk_4x4's operations: the same bits."""
+def _qk_nx4(qv, r, n, kc, kb, j, D, sc, scale):
+    """Scores of rows r..r+n-1 against keys j..j+3, n = 4 or 6 (a literal at each call, so
+    the other rows' code folds away): an accumulator per (row, key), each widened K chunk
+    feeding every row and each q chunk four keys, then vhsum16 (rows r..r+3) and vhsum8
+    (r+4, r+5) reduce them with vhsum's tree. The bits of _qk_4x2 (the test compares them),
+    about twice as fast. Six rows (24 accumulators: AVX-512's 32 registers only) read and
+    widen a group of six heads' keys once (a Qwen2.5 1.5B token's, a decode token's group),
+    not in a 4-row and a 2-row pass."""
+    six = n == 6
     a00 = vzero()
     a01 = vzero()
     a02 = vzero()
@@ -487,49 +433,53 @@ def _qk_6x4(qv, r, kc, kb, j, D, sc, scale):
         y1 = vload(qv, q0 + 1 * D + d)
         y2 = vload(qv, q0 + 2 * D + d)
         y3 = vload(qv, q0 + 3 * D + d)
-        y4 = vload(qv, q0 + 4 * D + d)
-        y5 = vload(qv, q0 + 5 * D + d)
+        y4 = vload(qv, q0 + 4 * D + d) if six else y0
+        y5 = vload(qv, q0 + 5 * D + d) if six else y0
         x = kv_vec(kc, k0 + d)
         a00 = vfma(y0, x, a00)
         a10 = vfma(y1, x, a10)
         a20 = vfma(y2, x, a20)
         a30 = vfma(y3, x, a30)
-        a40 = vfma(y4, x, a40)
-        a50 = vfma(y5, x, a50)
+        if six:
+            a40 = vfma(y4, x, a40)
+            a50 = vfma(y5, x, a50)
         x = kv_vec(kc, k1 + d)
         a01 = vfma(y0, x, a01)
         a11 = vfma(y1, x, a11)
         a21 = vfma(y2, x, a21)
         a31 = vfma(y3, x, a31)
-        a41 = vfma(y4, x, a41)
-        a51 = vfma(y5, x, a51)
+        if six:
+            a41 = vfma(y4, x, a41)
+            a51 = vfma(y5, x, a51)
         x = kv_vec(kc, k2 + d)
         a02 = vfma(y0, x, a02)
         a12 = vfma(y1, x, a12)
         a22 = vfma(y2, x, a22)
         a32 = vfma(y3, x, a32)
-        a42 = vfma(y4, x, a42)
-        a52 = vfma(y5, x, a52)
+        if six:
+            a42 = vfma(y4, x, a42)
+            a52 = vfma(y5, x, a52)
         x = kv_vec(kc, k3 + d)
         a03 = vfma(y0, x, a03)
         a13 = vfma(y1, x, a13)
         a23 = vfma(y2, x, a23)
         a33 = vfma(y3, x, a33)
-        a43 = vfma(y4, x, a43)
-        a53 = vfma(y5, x, a53)
+        if six:
+            a43 = vfma(y4, x, a43)
+            a53 = vfma(y5, x, a53)
     s = vmul(vhsum16(a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33), vsplat(scale))
-    t = vmul(vhsum8(a40, a41, a42, a43, a50, a51, a52, a53), vsplat(scale))
     W = sc.shape[1]
     o = r * W + j
     vstore4_0(sc, o, s)
     vstore4_1(sc, o + W, s)
     vstore4_2(sc, o + 2 * W, s)
     vstore4_3(sc, o + 3 * W, s)
-    vstore4_0(sc, o + 4 * W, t)
-    vstore4_1(sc, o + 5 * W, t)
+    if six:
+        t = vmul(vhsum8(a40, a41, a42, a43, a50, a51, a52, a53), vsplat(scale))
+        vstore4_0(sc, o + 4 * W, t)
+        vstore4_1(sc, o + 5 * W, t)
 
-
-# AVX2 (16 ymm registers, 8 lanes): _qk_4x4's sixteen 16-lane accumulators are 32 registers
+# AVX2 (16 ymm registers, 8 lanes): _qk_nx4's sixteen 16-lane accumulators are 32 registers
 # there, and LLVM spilled them every step. _qk_4x2_h keeps each score's 16 partial sums as two
 # 8-lane halves and runs the halves one after the other (8 accumulators, 4 q rows and a K
 # chunk live at a time); the halves' sum is vhsum's first level (lane i + lane i + 8), the
@@ -845,78 +795,12 @@ def _wadd(a, w, x, exact):
 
 
 @njit(inline="always", nogil=True)
-def _pv_4x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
-    """Output columns c..c+63 of rows r..r+3 (which share their keys jlo..jhi): the weighted
-    sum of V in key order, held in 16 registers; stored at flat offsets o0 + row * D."""
-    a0 = vzero() if first else vload(out, o0 + c)
-    a1 = vzero() if first else vload(out, o0 + c + 16)
-    a2 = vzero() if first else vload(out, o0 + c + 32)
-    a3 = vzero() if first else vload(out, o0 + c + 48)
-    b0 = vzero() if first else vload(out, o0 + c + 1 * D)
-    b1 = vzero() if first else vload(out, o0 + c + 1 * D + 16)
-    b2 = vzero() if first else vload(out, o0 + c + 1 * D + 32)
-    b3 = vzero() if first else vload(out, o0 + c + 1 * D + 48)
-    e0 = vzero() if first else vload(out, o0 + c + 2 * D)
-    e1 = vzero() if first else vload(out, o0 + c + 2 * D + 16)
-    e2 = vzero() if first else vload(out, o0 + c + 2 * D + 32)
-    e3 = vzero() if first else vload(out, o0 + c + 2 * D + 48)
-    f0 = vzero() if first else vload(out, o0 + c + 3 * D)
-    f1 = vzero() if first else vload(out, o0 + c + 3 * D + 16)
-    f2 = vzero() if first else vload(out, o0 + c + 3 * D + 32)
-    f3 = vzero() if first else vload(out, o0 + c + 3 * D + 48)
-    for j in range(jlo, jhi + 1):
-        base = kb[j] + c
-        x0 = kv_vec(vc, base)
-        x1 = kv_vec(vc, base + 16)
-        x2 = kv_vec(vc, base + 32)
-        x3 = kv_vec(vc, base + 48)
-        w = vsplat(sc[r, j])
-        a0 = _wadd(a0, w, x0, exact)
-        a1 = _wadd(a1, w, x1, exact)
-        a2 = _wadd(a2, w, x2, exact)
-        a3 = _wadd(a3, w, x3, exact)
-        w = vsplat(sc[r + 1, j])
-        b0 = _wadd(b0, w, x0, exact)
-        b1 = _wadd(b1, w, x1, exact)
-        b2 = _wadd(b2, w, x2, exact)
-        b3 = _wadd(b3, w, x3, exact)
-        w = vsplat(sc[r + 2, j])
-        e0 = _wadd(e0, w, x0, exact)
-        e1 = _wadd(e1, w, x1, exact)
-        e2 = _wadd(e2, w, x2, exact)
-        e3 = _wadd(e3, w, x3, exact)
-        w = vsplat(sc[r + 3, j])
-        f0 = _wadd(f0, w, x0, exact)
-        f1 = _wadd(f1, w, x1, exact)
-        f2 = _wadd(f2, w, x2, exact)
-        f3 = _wadd(f3, w, x3, exact)
-    o = o0 + c
-    vstore(out, o, a0)
-    vstore(out, o + 16, a1)
-    vstore(out, o + 32, a2)
-    vstore(out, o + 48, a3)
-    o += D
-    vstore(out, o, b0)
-    vstore(out, o + 16, b1)
-    vstore(out, o + 32, b2)
-    vstore(out, o + 48, b3)
-    o += D
-    vstore(out, o, e0)
-    vstore(out, o + 16, e1)
-    vstore(out, o + 32, e2)
-    vstore(out, o + 48, e3)
-    o += D
-    vstore(out, o, f0)
-    vstore(out, o + 16, f1)
-    vstore(out, o + 32, f2)
-    vstore(out, o + 48, f3)
-
-
-@njit(inline="always", nogil=True)
-def _pv_6x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
-    """Output columns c..c+63 of rows r..r+5 (AVX-512: 24 accumulators): _pv_4x4's sums, each
-    V chunk widened once for six rows (see _qk_6x4). Each column adds its keys in the same
-    order: the same bits."""
+def _pv_nx4(sc, r, n, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
+    """Output columns c..c+63 of rows r..r+n-1, n = 4 or 6 (a literal at each call, so the
+    other rows' code folds away), which share their keys jlo..jhi: the weighted sum of V in
+    key order, held in 4n registers (six rows: AVX-512 only, each V chunk widened once for a
+    group of six heads, see _qk_nx4); stored at flat offsets o0 + row * D."""
+    six = n == 6
     v00 = vzero() if first else vload(out, o0 + c)
     v01 = vzero() if first else vload(out, o0 + c + 16)
     v02 = vzero() if first else vload(out, o0 + c + 32)
@@ -933,14 +817,14 @@ def _pv_6x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
     v31 = vzero() if first else vload(out, o0 + c + 3 * D + 16)
     v32 = vzero() if first else vload(out, o0 + c + 3 * D + 32)
     v33 = vzero() if first else vload(out, o0 + c + 3 * D + 48)
-    v40 = vzero() if first else vload(out, o0 + c + 4 * D + 0)
-    v41 = vzero() if first else vload(out, o0 + c + 4 * D + 16)
-    v42 = vzero() if first else vload(out, o0 + c + 4 * D + 32)
-    v43 = vzero() if first else vload(out, o0 + c + 4 * D + 48)
-    v50 = vzero() if first else vload(out, o0 + c + 5 * D + 0)
-    v51 = vzero() if first else vload(out, o0 + c + 5 * D + 16)
-    v52 = vzero() if first else vload(out, o0 + c + 5 * D + 32)
-    v53 = vzero() if first else vload(out, o0 + c + 5 * D + 48)
+    v40 = vzero() if first or not six else vload(out, o0 + c + 4 * D + 0)
+    v41 = vzero() if first or not six else vload(out, o0 + c + 4 * D + 16)
+    v42 = vzero() if first or not six else vload(out, o0 + c + 4 * D + 32)
+    v43 = vzero() if first or not six else vload(out, o0 + c + 4 * D + 48)
+    v50 = vzero() if first or not six else vload(out, o0 + c + 5 * D + 0)
+    v51 = vzero() if first or not six else vload(out, o0 + c + 5 * D + 16)
+    v52 = vzero() if first or not six else vload(out, o0 + c + 5 * D + 32)
+    v53 = vzero() if first or not six else vload(out, o0 + c + 5 * D + 48)
     for j in range(jlo, jhi + 1):
         base = kb[j] + c
         x0 = kv_vec(vc, base)
@@ -967,16 +851,17 @@ def _pv_6x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
         v31 = _wadd(v31, w, x1, exact)
         v32 = _wadd(v32, w, x2, exact)
         v33 = _wadd(v33, w, x3, exact)
-        w = vsplat(sc[r + 4, j])
-        v40 = _wadd(v40, w, x0, exact)
-        v41 = _wadd(v41, w, x1, exact)
-        v42 = _wadd(v42, w, x2, exact)
-        v43 = _wadd(v43, w, x3, exact)
-        w = vsplat(sc[r + 5, j])
-        v50 = _wadd(v50, w, x0, exact)
-        v51 = _wadd(v51, w, x1, exact)
-        v52 = _wadd(v52, w, x2, exact)
-        v53 = _wadd(v53, w, x3, exact)
+        if six:
+            w = vsplat(sc[r + 4, j])
+            v40 = _wadd(v40, w, x0, exact)
+            v41 = _wadd(v41, w, x1, exact)
+            v42 = _wadd(v42, w, x2, exact)
+            v43 = _wadd(v43, w, x3, exact)
+            w = vsplat(sc[r + 5, j])
+            v50 = _wadd(v50, w, x0, exact)
+            v51 = _wadd(v51, w, x1, exact)
+            v52 = _wadd(v52, w, x2, exact)
+            v53 = _wadd(v53, w, x3, exact)
     o = o0 + c
     vstore(out, o, v00)
     vstore(out, o + 16, v01)
@@ -997,21 +882,21 @@ def _pv_6x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
     vstore(out, o + 16, v31)
     vstore(out, o + 32, v32)
     vstore(out, o + 48, v33)
-    o += D
-    vstore(out, o, v40)
-    vstore(out, o + 16, v41)
-    vstore(out, o + 32, v42)
-    vstore(out, o + 48, v43)
-    o += D
-    vstore(out, o, v50)
-    vstore(out, o + 16, v51)
-    vstore(out, o + 32, v52)
-    vstore(out, o + 48, v53)
-
+    if six:
+        o += D
+        vstore(out, o, v40)
+        vstore(out, o + 16, v41)
+        vstore(out, o + 32, v42)
+        vstore(out, o + 48, v43)
+        o += D
+        vstore(out, o, v50)
+        vstore(out, o + 16, v51)
+        vstore(out, o + 32, v52)
+        vstore(out, o + 48, v53)
 
 @njit(inline="always", nogil=True)
 def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
-    """Output columns c..c+63 of rows r, r+1 (see _pv_4x4)."""
+    """Output columns c..c+63 of rows r, r+1 (see _pv_nx4)."""
     a0 = vzero() if first else vload(out, o0 + c)
     a1 = vzero() if first else vload(out, o0 + c + 16)
     a2 = vzero() if first else vload(out, o0 + c + 32)
@@ -1050,7 +935,7 @@ def _pv_2x4(sc, r, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
 
 @njit(inline="always", nogil=True)
 def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
-    """Output columns c..c+63 of row r (see _pv_4x4)."""
+    """Output columns c..c+63 of row r (see _pv_nx4)."""
     a0 = vzero() if first else vload(out, o0 + c)
     a1 = vzero() if first else vload(out, o0 + c + 16)
     a2 = vzero() if first else vload(out, o0 + c + 32)
@@ -1072,8 +957,8 @@ def _pv_1x4(sc, r, vc, kb, jlo, jhi, c, out, o0, first, exact):
 @njit(inline="always", nogil=True)
 def _pv_nx1(sc, r, n, vc, kb, jlo, jhi, c, out, o0, D, first, exact):
     """Output columns c..c+15 of rows r..r+n-1, n = 4 or 6 (a constant at each call, so
-    the other rows' code folds away): _pv_4x4's sums for one 16-column group. On AVX2
-    (_SPLIT_HALVES) _pv_4x4's sixteen 16-lane accumulators are 32 ymm registers of 16;
+    the other rows' code folds away): _pv_nx4's sums for one 16-column group. On AVX2
+    (_SPLIT_HALVES) _pv_nx4's sixteen 16-lane accumulators are 32 ymm registers of 16;
     these are 2n: six rows make twelve independent FMA chains over the keys (four rows'
     eight just cover the FMA latency), and each V chunk feeds every row. Each column adds
     its keys in the same order: the same bits."""
@@ -1148,7 +1033,7 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
     while r < R:
         rows = 4 if R - r >= 4 else (2 if R - r >= 2 else 1)
         if not _SPLIT_HALVES and R - r >= 6:
-            rows = 6                        # _qk_6x4 (AVX-512's 32 registers)
+            rows = 6                        # _qk_nx4's six (AVX-512's 32 registers)
         jlo = max(jmin, _window_start(positions[t0 + r // nh], window) - lo)
         jhi = min(jmax, positions[t0 + (r + rows - 1) // nh] - lo)
         j = jlo
@@ -1166,9 +1051,9 @@ def _scores(qv, R, nh, t0, positions, window, lo, kc, kb, D, sc, scale, jmin, jm
                     for i in range(4):
                         kv_row_prefetch(kc, kb[j + PREFETCH + i], D)
                 if rows == 6:
-                    _qk_6x4(qv, r, kc, kb, j, D, sc, scale)
+                    _qk_nx4(qv, r, 6, kc, kb, j, D, sc, scale)
                 else:
-                    _qk_4x4(qv, r, kc, kb, j, D, sc, scale)
+                    _qk_nx4(qv, r, 4, kc, kb, j, D, sc, scale)
                 j += 4
         for j in range(j, jhi + 1, 2):
             j1 = j + 1 if j < jhi else j
@@ -1220,7 +1105,7 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
             c = c0
             while c + 64 <= c1:
                 if rows == 6 and not _SPLIT_HALVES:
-                    _pv_6x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
+                    _pv_nx4(sc, r, 6, vc, kb, jb, je, c, out, o, D, first, exact)
                 elif rows == 6:
                     for cc in range(c, c + 64, 16):
                         _pv_nx1(sc, r, 6, vc, kb, jb, je, cc, out, o, D, first, exact)
@@ -1228,7 +1113,7 @@ def _vsums_of(sc, r0, n, vc, kb, jlo, jhi, c0, c1, out, o0, D, exact, fresh):
                     for cc in range(c, c + 64, 16):
                         _pv_nx1(sc, r, 4, vc, kb, jb, je, cc, out, o, D, first, exact)
                 elif rows == 4:
-                    _pv_4x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
+                    _pv_nx4(sc, r, 4, vc, kb, jb, je, c, out, o, D, first, exact)
                 elif rows == 2:
                     _pv_2x4(sc, r, vc, kb, jb, je, c, out, o, D, first, exact)
                 else:
