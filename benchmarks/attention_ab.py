@@ -13,9 +13,7 @@ Gemma 3 270M's is --heads 4 --kv-heads 1 --dim 256, Qwen2.5 0.5B's --heads 14 --
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,27 +21,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, setup_env  # noqa: E402
+from common import cpu_modules_at, setup_env  # noqa: E402
 
 GHZ = 4.27
-
-
-def load_base(rev: str):
-    """backends/cpu/attention.py of revision rev, importable beside ours (its relative
-    imports pointed at our package: the SIMD helpers and pools it builds on)."""
-    pkg = f"edgeinfer_attn_ab_{rev}"
-    d = Path(f"/tmp/edgeinfer-attn-ab-{rev}") / pkg
-    d.mkdir(parents=True, exist_ok=True)
-    src = subprocess.run(["git", "show", f"{rev}:backends/cpu/attention.py"], cwd=REPO,
-                         check=True, capture_output=True, text=True).stdout
-    src = src.replace("from . import ", "from edgeinfer.backends.cpu import ").replace(
-        "from .", "from edgeinfer.backends.cpu.")
-    p = d / "attention.py"
-    if not p.exists() or p.read_text() != src:
-        p.write_text(src)
-    (d / "__init__.py").touch()
-    sys.path.insert(0, str(d.parent))
-    return importlib.import_module(f"{pkg}.attention")
 
 
 def main() -> None:
@@ -59,7 +39,7 @@ def main() -> None:
     a = ap.parse_args()
     setup_env(a.threads)
     from edgeinfer.backends.cpu import attention as ours
-    kernels = {"base": load_base(a.base), "ours": ours}
+    kernels = {"base": cpu_modules_at(a.base, "attention")[0], "ours": ours}
     rng = np.random.default_rng(0)
     H, KVH, D, bs, T = a.heads, a.kv_heads, a.dim, 16, a.tokens
     nblk = (a.depth + T + bs - 1) // bs

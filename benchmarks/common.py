@@ -1,7 +1,9 @@
 """Small helpers shared by the benchmark scripts: environment, model path, statistics, tables."""
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -9,6 +11,31 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def cpu_modules_at(rev: str, *names: str) -> list:
+    """backends/cpu/<name>.py of git revision rev for each name, importable beside ours (the A/B
+    scripts' old kernels): written into a package of their own, where a relative import of
+    one of `names` stays in that package and any other points at our edgeinfer.backends.cpu."""
+    pkg = f"edgeinfer_ab_{rev}_{'_'.join(names)}"
+    d = Path(f"/tmp/edgeinfer-ab-{rev}") / pkg
+    d.mkdir(parents=True, exist_ok=True)
+
+    def home(m: re.Match) -> str:
+        mod = m.group(1) or m.group(2)
+        where = pkg if mod in names else "edgeinfer.backends.cpu"
+        return f"from {where}.{mod} import" if m.group(1) else f"from {where} import {mod}"
+    for name in names:
+        src = subprocess.run(["git", "show", f"{rev}:backends/cpu/{name}.py"], cwd=REPO,
+                             check=True, capture_output=True, text=True).stdout
+        src = re.sub(r"^from \.(\w+) import|^from \. import (\w+)", home, src, flags=re.M)
+        p = d / f"{name}.py"
+        if not p.exists() or p.read_text() != src:
+            p.write_text(src)
+    (d / "__init__.py").touch()
+    if str(d.parent) not in sys.path:
+        sys.path.insert(0, str(d.parent))
+    return [importlib.import_module(f"{pkg}.{name}") for name in names]
 
 
 def setup_env(threads: int) -> None:

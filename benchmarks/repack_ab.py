@@ -15,9 +15,7 @@ Timings on a shared machine drift: read the ratio, within one run.
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from common import cpu_modules_at
 from edgeinfer.backends.cpu import _actquant, _int8
 from edgeinfer.backends.cpu.quants import QuantMatrix
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix
@@ -35,22 +34,7 @@ MODEL = ROOT / ".cache" / "test-models" / "gemma-3-270m-q4_k_m.gguf"
 
 def load_base(rev: str):
     """(_int8, repack) modules of revision rev, importable side by side with ours."""
-    pkg = f"edgeinfer_ab_{rev}"
-    d = Path(f"/tmp/edgeinfer-ab-{rev}") / pkg
-    d.mkdir(parents=True, exist_ok=True)
-    for name in ("_int8.py", "repack.py"):
-        src = subprocess.run(["git", "show", f"{rev}:backends/cpu/{name}"], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout
-        src = (src.replace("from . import _stamp", "from edgeinfer.backends.cpu import _stamp")
-                  .replace("from .quants import", "from edgeinfer.backends.cpu.quants import")
-                  .replace("from . import _int8", f"from {pkg} import _int8"))
-        # _stamp hashes files next to itself: the base's deps are the same files
-        p = d / name
-        if not p.exists() or p.read_text() != src:
-            p.write_text(src)
-    (d / "__init__.py").touch()
-    sys.path.insert(0, str(d.parent))
-    return importlib.import_module(f"{pkg}._int8"), importlib.import_module(f"{pkg}.repack")
+    return tuple(cpu_modules_at(rev, "_int8", "repack"))
 
 
 def codes_for(x, p):
