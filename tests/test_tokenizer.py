@@ -261,16 +261,23 @@ def _ll_piece(ll, token: int, special: bool) -> bytes:
 
 
 def _check_vocab_tables(tok: Tokenizer, ll) -> None:
-    """Every token's bytes, end-of-generation flag and control flag equal llama.cpp's."""
+    """Every token's bytes, end-of-generation flag and control flag equal llama.cpp's; the
+    bytes both one token at a time (as piece() before any table is built) and from the
+    whole tables."""
     import llama_cpp
     vocab = ll._model.vocab
     alphabet = set(bpe_alphabet())
+    # piece() before a table exists (the tokenizer is shared between tests: asked directly)
+    one = [tok._one_piece(i, False) for i in range(tok.vocab_size)]
+    one_special = [tok._one_piece(i, True) for i in range(tok.vocab_size)]
+    assert tok.piece_table(False) == one and tok.token_bytes == one
+    assert tok.piece_table(True) == one_special
     for i in range(tok.vocab_size):
         if tok.model == "gpt2" and tok.types[i] == TokenType.NORMAL and \
                 not set(tok.tokens[i]) <= alphabet:
             continue   # llama.cpp prints "[UNK_BYTE_...]" for these; we keep the UTF-8
-        assert tok.piece(i) == _ll_piece(ll, i, False), i
-        assert tok.piece(i, render_special=True) == _ll_piece(ll, i, True), i
+        assert one[i] == _ll_piece(ll, i, False), i
+        assert one_special[i] == _ll_piece(ll, i, True), i
         assert tok.is_eog(i) == bool(llama_cpp.llama_vocab_is_eog(vocab, i)), i
         assert (tok.types[i] == TokenType.CONTROL) == bool(llama_cpp.llama_vocab_is_control(vocab, i)), i
     bos = llama_cpp.llama_vocab_bos(vocab)

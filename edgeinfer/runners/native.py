@@ -7,6 +7,7 @@ table, and the logits of the spans that sample go to the sampling stage.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,20 +97,27 @@ def _build_tokenizer(metadata: dict):
     return Tokenizer.from_gguf(metadata)
 
 
+def _start_tokenizer(gf: GGUFFile) -> concurrent.futures.Future:
+    """The vocabulary (Python objects, ~0.1 s for 150k tokens) built on a thread, beside the
+    kernels' loading and the weights' repacking, which run without the GIL: the engine
+    waits for it only when it needs the end-of-generation ids, after the model is built."""
+    return start_thread(_build_tokenizer, gf.metadata, name="edgeinfer-tokenizer")
+
+
 class ModelRunner:
     """Implements edgeinfer.runners.base.Runner with a native model on `ops`."""
     prefix_caching = True
 
-    def __init__(self, gf: GGUFFile, cfg: ModelConfig, ops: Ops, kv_plan: KVPlan):
+    def __init__(self, gf: GGUFFile, cfg: ModelConfig, ops: Ops, kv_plan: KVPlan,
+                 tokenizer_job: concurrent.futures.Future | None = None):
+        """`tokenizer_job`: the vocabulary's build, started as soon as the header was read
+        (load() does), or None to start it here."""
         from edgeinfer.models import build_model
         self.gf, self.cfg, self.ops, self.kv_plan = gf, cfg, ops, kv_plan
         self.kind = ops.name
         self._weights_bytes = ops.weights_nbytes(gf)
-        # the vocabulary (Python objects, a few tenths of a second for 150k tokens) is built
-        # on a thread while the weights repack in GIL-free kernels: part of the cold start
         self._tokenizer = None
-        self._tokenizer_job = start_thread(_build_tokenizer, gf.metadata,
-                                           name="edgeinfer-tokenizer")
+        self._tokenizer_job = tokenizer_job or _start_tokenizer(gf)
         self.model: Model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now
@@ -151,8 +159,10 @@ class ModelRunner:
              repack_cache: str | None = None, repack_cache_bytes: int = 0,
              torch_graphs: bool = True) -> "ModelRunner":
         gf = read_gguf(path, compiled_walk=backend == "cpu")     # numba runs here anyway
+        tokenizer_job = None
         try:
             cfg = load_model_config(gf)
+            tokenizer_job = _start_tokenizer(gf)
             ops = make_ops(backend, batch_invariant, governor, repack, torch_dtype,
                            kv_cache_type, threads, repack_cache, repack_cache_bytes,
                            torch_graphs)
@@ -163,8 +173,10 @@ class ModelRunner:
                            min_kv_tokens, windowed=ops.kv_window_group,
                            max_running_seqs=max_running_seqs,
                            max_tokens_per_step=max_tokens_per_step)
-            return cls(gf, cfg, ops, plan)
+            return cls(gf, cfg, ops, plan, tokenizer_job)
         except BaseException:
+            if tokenizer_job is not None:
+                tokenizer_job.exception()       # the thread reads the mapping: let it end
             gf.close()          # a failed load keeps no mapping open
             raise
 

@@ -121,7 +121,9 @@ class Tokenizer:
             else frozenset()
         if rstrip_specials and "</s>" in self.token_to_id:
             self._rstrip_ids |= {self.token_to_id["</s>"]}
-        self.token_bytes: list[bytes] = self._piece_bytes(render_special=False)
+        # every id's bytes, built on first use of the whole table (grammars, stop strings):
+        # one token's bytes come from piece() without it, so a load does not wait for them
+        self._token_bytes: list[bytes] | None = None
         self._special_bytes: list[bytes] | None = None
         if model == "llama":
             # <0xNN>, else the one-byte token itself (llama.cpp's byte_to_token)
@@ -322,9 +324,28 @@ class Tokenizer:
                 out[i] = b""
         return out
 
+    def _one_piece(self, i: int, render_special: bool) -> bytes:
+        """_piece_bytes(render_special)[i], without building the list."""
+        t = self.tokens[i]
+        kind = int(self.types[i])
+        if kind != TokenType.NORMAL:
+            if kind == TokenType.BYTE:
+                return _byte_token_value(t)
+            if kind in (TokenType.CONTROL, TokenType.UNKNOWN):
+                return t.encode("utf-8", "surrogateescape") if render_special else b""
+            if kind == TokenType.USER_DEFINED:
+                return t.encode("utf-8", "surrogateescape")
+            return b""
+        if self.model in ("llama", "gemma4", "bert"):
+            return t.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape")
+        x = t.translate(_GPT2_TO_BYTE)
+        if _NOT_LATIN1.search(x):
+            return t.encode("utf-8", "surrogateescape")
+        return x.encode("latin-1")
+
     def _bytelevel_pieces(self) -> list[bytes]:
         toks = self.tokens
-        table = {ord(c): b for c, b in bpe.CHAR_TO_BYTE.items()}
+        table = _GPT2_TO_BYTE
         # One translate and encode for the whole vocabulary: each character becomes one
         # character and then one byte, so token i's bytes are at its characters' offsets (a
         # separator would not do: the alphabet has a character for byte 0). Tokens with
@@ -352,15 +373,26 @@ class Tokenizer:
         return self.tokens[token_id]
 
     def piece(self, token_id: int, render_special: bool = False) -> bytes:
-        return self.piece_table(render_special)[token_id]
+        table = self._special_bytes if render_special else self._token_bytes
+        if table is not None:
+            return table[token_id]
+        return self._one_piece(token_id, render_special)
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes as llama.cpp's token_to_piece(id, special=False)."""
+        return self.piece_table(False)
 
     def piece_table(self, render_special: bool = False) -> list[bytes]:
         """Every id's bytes (piece() of each), one list, for passes over the vocabulary."""
+        # built at most once per thread that finds it missing; the lists are equal
         if render_special:
             if self._special_bytes is None:
                 self._special_bytes = self._piece_bytes(render_special=True)
             return self._special_bytes
-        return self.token_bytes
+        if self._token_bytes is None:
+            self._token_bytes = self._piece_bytes(render_special=False)
+        return self._token_bytes
 
     # --- encode ----------------------------------------------------------------------------
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
@@ -494,6 +526,9 @@ class Tokenizer:
 
     # --- decode ----------------------------------------------------------------------------
     def decode_bytes(self, ids: Iterable[int], render_special: bool = False) -> bytes:
+        ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+        if len(ids) < 4096:         # not worth building the whole table for
+            return b"".join([self.piece(i, render_special) for i in ids])
         table = self.piece_table(render_special)
         return b"".join([table[i] for i in ids])
 
@@ -529,6 +564,8 @@ def _byte_token_value(text: str) -> bytes:
 
 
 _NOT_LATIN1 = regex.compile("[^\x00-\xff]")
+# GPT-2 byte-alphabet character -> the byte it stands for, for str.translate
+_GPT2_TO_BYTE = {ord(c): b for c, b in bpe.CHAR_TO_BYTE.items()}
 
 
 def _clean_surrogates(text: str) -> str:
