@@ -1039,7 +1039,11 @@ def kernel_for(fmt: int, isa: int):
     fn = _TILES.get((fmt, isa))
     if fn is None:
         from edgeinfer.formats.numba_setup import cache_lock
-        with cache_lock("int8-tiles"):     # every format's entry is in one index file
+        # one process compiles a kernel while any other that wants the same one waits, then
+        # loads it; kernels of other formats compile and load meanwhile (their saves to the
+        # one index file all these closures share are one at a time under numba_setup's
+        # directory lock)
+        with cache_lock(f"int8-tiles-{fmt}-{isa}"):
             fn = _make_tiles(fmt, isa)
         _TILES[(fmt, isa)] = fn
         _ADDR[(fmt, isa)] = fn.address

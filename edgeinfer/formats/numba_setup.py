@@ -9,15 +9,18 @@ numba's disk cache keeps every compiled specialization of a function in one inde
 numbers its data files 1, 2, ... in the order they were saved. Two processes that compile
 different specializations of one function at once (the daemon loading a model, `edgeinfer
 pull` or install warming another format) can both pick data file 1: one overwrites the
-other's machine code and the index then maps a signature to the wrong kernel. Holding this
-lock around the compile-or-load of such a function makes those saves one at a time. A lock
-file per name under NUMBA_CACHE_DIR; a no-op where there is no fcntl (Windows) or no cache.
-
-`guard_numba_cache()` closes the same hole for every cached function: numba's save (read
-the index, add the entry, write the index, then the data file) runs under an exclusive lock
-on the cache directory and its load (index, then data) under a shared one, so a save never
+other's machine code and the index then maps a signature to the wrong kernel.
+`guard_numba_cache()` closes that hole for every cached function: numba's save (read the
+index, add the entry, write the index, then the data file) runs under an exclusive lock on
+the cache directory and its load (index, then data) under a shared one, so a save never
 interleaves with another save, and a load never reads an index entry before its data file
 is written (after a source edit the data file of that number can be the old code's).
+
+`cache_lock(name)` is held around the compile-or-load of one kernel (name it by the kernel,
+not by the function it specializes): a second process that wants the same kernel waits
+and then loads it rather than compiling it again, while other kernels compile and load
+beside it. A lock file per name under NUMBA_CACHE_DIR; a no-op where there is no fcntl
+(Windows) or no cache.
 """
 from __future__ import annotations
 
