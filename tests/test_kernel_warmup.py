@@ -84,6 +84,28 @@ def test_markers_follow_the_kernel_sources(fresh_markers, monkeypatch):
     assert not warmup.is_done("int8:Q8_0")
 
 
+def test_markers_follow_where_and_when_the_sources_were_written(tmp_path):
+    """numba keys its cache on a source file's directory, time and size as well as its
+    content: a second checkout of the same kernels (install.sh in a fresh clone), or the
+    same file written again, has no compiled kernels, so its steps are not done."""
+    import os
+    a, b = tmp_path / "a" / "k.py", tmp_path / "b" / "k.py"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_text("def kernel(): pass\n")
+        os.utime(f, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    h = warmup.files_hash("v", [a])
+    assert h == warmup.files_hash("v", [a])
+    assert h != warmup.files_hash("v", [b])               # same content, another checkout
+    assert h != warmup.files_hash("w", [a])               # another numba / CPU
+    os.utime(a, ns=(1_700_000_001_000_000_000, 1_700_000_001_000_000_000))
+    assert h != warmup.files_hash("v", [a])               # written again
+    hb = warmup.files_hash("v", [b])
+    b.write_text("def kernel(): p4ss\n")                 # edited: same size, same time
+    os.utime(b, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    assert warmup.files_hash("v", [b]) != hb
+
+
 def test_ps_table_shows_a_load_in_progress():
     from edgeinfer.cli.manage import format_ps
     table = format_ps([{"name": "smollm2:test", "digest": "", "size": 0, "backend": "cpu",

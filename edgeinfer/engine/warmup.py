@@ -17,8 +17,9 @@ only a weight type the install did not cover, or a kernel source edited since, c
 there, with "compiling kernels (k/n)" progress.
 
 A step that finished leaves a marker file beside numba's cache, under a hash of the kernel
-sources, numba's version and this CPU's instruction set: an edit to a kernel, or another
-cache directory, means the steps run again (each reloads from numba's cache what is still
+sources (their content, location and times, as numba keys its cache on them), numba's
+version and this CPU's instruction set: an edit to a kernel, another checkout of the same
+sources, or another cache directory, means the steps run again (each reloads from numba's cache what is still
 valid, in about a second). Steps run in child processes, never in the caller's: numba
 holds the GIL while it compiles (a daemon would stop answering), a parallel region started
 from a loader thread would leave an OpenMP team behind (see backends/cpu/_int8.py), and
@@ -135,15 +136,26 @@ def sources_hash() -> str:
     from edgeinfer.backends.cpu import _int8
     from edgeinfer.backends.cpu import warmup as cpu
     import edgeinfer.models as models
-    h = hashlib.sha256()
-    h.update(f"{numba.__version__} {sys.version} {_int8.BEST_ISA}".encode())
     files = sorted(Path(cpu.__file__).parent.glob("*.py")) + sorted(
         Path(models.__file__).parent.glob("*.py"))
     here = Path(__file__).parent
     files += [here / "sampling.py", here / "repetition.py", Path(__file__)]
+    return files_hash(f"{numba.__version__} {sys.version} {_int8.BEST_ISA}", files)
+
+
+def files_hash(prefix: str, files) -> str:
+    """Hash of `prefix` and each file's content, and of what numba keys its cache entries on
+    besides: the file's location (each source directory has a cache directory of its own)
+    and its modification time and size (an entry saved for other ones is not loaded). A
+    second checkout of the same sources, or a fresh clone where the first one was, compiles
+    everything again, and its steps must not read as done."""
+    h = hashlib.sha256(prefix.encode())
     for f in files:
-        h.update(f.name.encode())
+        f = Path(f).resolve()
+        h.update(str(f).encode())
         try:
+            st = f.stat()
+            h.update(f"{st.st_mtime!r} {st.st_size}".encode())
             h.update(f.read_bytes())
         except OSError:
             pass
