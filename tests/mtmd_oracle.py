@@ -174,5 +174,8 @@ def assert_first_token_matches(out, want: np.ndarray) -> None:
     """The engine's first sampled token is libmtmd's argmax, its logprob within 2e-3."""
     lp = want - want.max()
     lp = lp - np.log(np.exp(lp).sum())
+    # a request that ended without a token says why (seen once in a CI run on the llamacpp
+    # backend, not reproduced: finish_reason "error", the message not shown)
+    assert out.token_ids, f"no token: {out.finish_reason}: {out.error}"
     assert out.token_ids[0] == int(want.argmax())
     assert abs(out.logprobs[0] - lp[out.token_ids[0]]) < 2e-3
