@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, free_port, start_daemon  # noqa: E402
+from common import REPO, free_port, fresh_bytecode, start_daemon  # noqa: E402
 
 SPARE_WARM_S = 4.0      # a spare's imports and kernel loads, with margin (2 cores)
 
@@ -135,6 +135,7 @@ def main() -> None:
         else:
             worker_llamacpp(args.model, args.threads)
         return
+    fresh_bytecode()
     from edgeinfer.store.model_store import Store
     ref = Store().resolve(args.model)
     path, name = str(ref.path), ref.full_name

@@ -210,7 +210,8 @@ def main() -> None:
     if not args.worker:
         # (imported here: the workers' cold start imports nothing of the parent's)
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from common import model_path
+        from common import fresh_bytecode, model_path
+        fresh_bytecode()                          # the workers' cold start, as installed
         args.model = model_path(args.model)       # a file, or a store name's blob
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
     ctx = max(depths) + PP + TG + 64
