@@ -19,11 +19,11 @@ there, with "compiling kernels (k/n)" progress.
 A step that finished leaves a marker file beside numba's cache, under a hash of the kernel
 sources (their content, location and times, as numba keys its cache on them), numba's
 version and this CPU's instruction set: an edit to a kernel, another checkout of the same
-sources, or another cache directory, means the steps run again (each reloads from numba's cache what is still
-valid, in about a second). Steps run in child processes, never in the caller's: numba
-holds the GIL while it compiles (a daemon would stop answering), a parallel region started
-from a loader thread would leave an OpenMP team behind (see backends/cpu/_int8.py), and
-install can use two processes at once. Each child prints one JSON line per finished step.
+sources, or another cache directory, means the steps run again (each reloads from numba's
+cache what is still valid, in about a second). Steps run in child processes, never in the
+caller's: numba holds the GIL while it compiles (a daemon would stop answering), a parallel
+region started from a loader thread would leave an OpenMP team behind (see
+backends/cpu/_int8.py), and install can use two processes at once. Each child prints one JSON line per finished step.
 """
 from __future__ import annotations
 

@@ -117,7 +117,8 @@ class ModelRunner:
         self.kind = ops.name
         self._weights_bytes = ops.weights_nbytes(gf)
         self._tokenizer = None
-        self._tokenizer_job = tokenizer_job or _start_tokenizer(gf)
+        self._tokenizer_job = (tokenizer_job if tokenizer_job is not None
+                               else _start_tokenizer(gf))
         self.model: Model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now

@@ -304,24 +304,16 @@ class Tokenizer:
         """Bytes each id stands for, as llama.cpp's token_to_piece(id, special)."""
         toks, types = self.tokens, self.types
         n = len(toks)
-        if self.model in ("llama", "gemma4", "bert"):
+        if self.model in _SPACE_ESCAPED:
             joined = "\x00".join(toks)
             pieces = joined.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape").split(b"\x00")
             if len(pieces) != n:
-                pieces = [t.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape") for t in toks]
+                pieces = [_escaped_piece(t) for t in toks]
         else:
             pieces = self._bytelevel_pieces()
         out = list(pieces)
         for i in np.nonzero(types != TokenType.NORMAL)[0].tolist():
-            t = int(types[i])
-            if t == TokenType.BYTE:
-                out[i] = _byte_token_value(toks[i])
-            elif t in (TokenType.CONTROL, TokenType.UNKNOWN):
-                out[i] = toks[i].encode("utf-8", "surrogateescape") if render_special else b""
-            elif t == TokenType.USER_DEFINED:
-                out[i] = toks[i].encode("utf-8", "surrogateescape")
-            else:   # unused / undefined: llama.cpp prints nothing
-                out[i] = b""
+            out[i] = _typed_piece(toks[i], int(types[i]), render_special)
         return out
 
     def _one_piece(self, i: int, render_special: bool) -> bytes:
@@ -329,29 +321,22 @@ class Tokenizer:
         t = self.tokens[i]
         kind = int(self.types[i])
         if kind != TokenType.NORMAL:
-            if kind == TokenType.BYTE:
-                return _byte_token_value(t)
-            if kind in (TokenType.CONTROL, TokenType.UNKNOWN):
-                return t.encode("utf-8", "surrogateescape") if render_special else b""
-            if kind == TokenType.USER_DEFINED:
-                return t.encode("utf-8", "surrogateescape")
-            return b""
-        if self.model in ("llama", "gemma4", "bert"):
-            return t.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape")
+            return _typed_piece(t, kind, render_special)
+        if self.model in _SPACE_ESCAPED:
+            return _escaped_piece(t)
         x = t.translate(_GPT2_TO_BYTE)
-        if _NOT_LATIN1.search(x):
+        if _NOT_LATIN1.search(x):       # outside the byte alphabet: kept as UTF-8
             return t.encode("utf-8", "surrogateescape")
         return x.encode("latin-1")
 
     def _bytelevel_pieces(self) -> list[bytes]:
         toks = self.tokens
-        table = _GPT2_TO_BYTE
         # One translate and encode for the whole vocabulary: each character becomes one
         # character and then one byte, so token i's bytes are at its characters' offsets (a
         # separator would not do: the alphabet has a character for byte 0). Tokens with
         # characters outside the byte alphabet (added tokens: llama.cpp writes a marker, we
         # keep their UTF-8) are found by position and done one by one.
-        text = "".join(toks).translate(table)
+        text = "".join(toks).translate(_GPT2_TO_BYTE)
         data = text.encode("latin-1", errors="replace")
         ends = list(itertools.accumulate(map(len, toks)))
         pieces = [data[a:b] for a, b in zip([0] + ends[:-1], ends)]
@@ -553,6 +538,25 @@ def _make_control(types: np.ndarray, i: int) -> None:
     # llama.cpp ORs in the CONTROL attribute; byte and unknown tokens keep what they are
     if types[i] not in (TokenType.BYTE, TokenType.UNKNOWN):
         types[i] = TokenType.CONTROL
+
+
+# SentencePiece-style vocabularies: U+2581 stands for a space
+_SPACE_ESCAPED = ("llama", "gemma4", "bert")
+
+
+def _escaped_piece(text: str) -> bytes:
+    return text.replace(spm.SPACE, " ").encode("utf-8", "surrogateescape")
+
+
+def _typed_piece(text: str, kind: int, render_special: bool) -> bytes:
+    """The bytes of a token that is not NORMAL, as llama.cpp's token_to_piece."""
+    if kind == TokenType.BYTE:
+        return _byte_token_value(text)
+    if kind in (TokenType.CONTROL, TokenType.UNKNOWN):
+        return text.encode("utf-8", "surrogateescape") if render_special else b""
+    if kind == TokenType.USER_DEFINED:
+        return text.encode("utf-8", "surrogateescape")
+    return b""          # unused / undefined: llama.cpp prints nothing
 
 
 def _byte_token_value(text: str) -> bytes:
