@@ -3,12 +3,20 @@
 Everything device-specific for cuda and mps lives in this module (memory queries, compute
 dtype), so the rest of the torch backend is written once for any `torch.device`.
 torch is imported lazily: `cuda_available()` / `mps_available()` work (False),
-on machines without torch.
+on machines without torch, and answer False without importing it (~1 s) where the operating
+system shows no GPU torch could drive (`_gpu_absent`).
 """
 from __future__ import annotations
 
 import os
+import platform
+import sys
 from dataclasses import dataclass
+
+# what a GPU driver puts on Linux: NVIDIA's device nodes and /proc entry, ROCm's kernel driver
+# (torch's cuda API on AMD), WSL's GPU paravirtualisation; a container given a GPU has them too
+_LINUX_GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd",
+                    "/dev/dxg")
 
 
 class InsufficientMemory(RuntimeError):
@@ -96,12 +104,27 @@ def compute_dtype(kind: str, override: str | None = None):
     return torch.float32
 
 
+def _gpu_absent(kind: str) -> bool:
+    """Whether this machine certainly has no `kind` ("cuda" or "mps") device, known without
+    torch: `--backend auto` on a CPU-only machine (edgeinfer run, the daemon's loads) then
+    skips importing torch, ~1 s of a cold start. Unsure answers False and torch decides."""
+    if kind == "mps":
+        return not (sys.platform == "darwin" and platform.machine() == "arm64")
+    if sys.platform.startswith("linux"):
+        return not any(os.path.exists(p) for p in _LINUX_GPU_NODES)
+    return sys.platform == "darwin"         # no CUDA on macOS; Windows asks torch
+
+
 def cuda_available() -> bool:
+    if _gpu_absent("cuda"):
+        return False
     torch = _torch()
     return torch is not None and torch.cuda.is_available()
 
 
 def mps_available() -> bool:
+    if _gpu_absent("mps"):
+        return False
     torch = _torch()
     return torch is not None and _mps_available(torch)
 
