@@ -70,6 +70,8 @@ def _kv_budget(model: str, ctx: int) -> int:
 
 
 def worker_native(model: str, depths: list[int], ctx: int) -> dict:
+    from edgeinfer import startup_gc
+    startup_gc.hold()       # as an engine process loads (edgeinfer/engine/remote.py serve)
     from edgeinfer.engine.core import Engine, EngineConfig
     from edgeinfer.runners.sampling_params import SamplingParams
     from edgeinfer.settings import Settings
@@ -78,6 +80,7 @@ def worker_native(model: str, depths: list[int], ctx: int) -> dict:
                                         max_tokens_per_step=PP, speculative=False,
                                         repack_cache=user.repack_cache,
                                         repack_cache_bytes=user.repack_cache_bytes))
+    startup_gc.release()
     greedy = SamplingParams(temperature=0, max_tokens=1)
     engine.generate(engine.encode_raw("Hello"), greedy)
     res: dict = {"cold_start_s": _since_process_start()}

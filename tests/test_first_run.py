@@ -16,7 +16,7 @@ import pytest
 
 from daemon_fixture import REPO, shared_daemon, start_daemon  # noqa: F401
 from edgeinfer.engine.repetition import RepetitionGuard, repeats
-from edgeinfer.server.generation import BASE_MAX_TOKENS
+from edgeinfer.runners.sampling_params import BASE_MAX_TOKENS
 
 MODEL = "gemma3:270m"
 

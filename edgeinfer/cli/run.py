@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from edgeinfer.cli.args import (add_device_arg, add_kv_cache_type_arg, check_device_args,
                                 resolve_model_file)
+from edgeinfer import startup_gc
 from edgeinfer.cli.errors import UserError
 from edgeinfer.store.bundled import DEFAULT_MODEL
 
@@ -185,7 +186,7 @@ class LocalSession:
     def __init__(self, path: str, backend: str, num_ctx: int | None, params,
                  given: set[str] = frozenset(), repetition_stop: bool | None = None,
                  kv_cache_type: str | None = None, mmproj: str | None = None):
-        from edgeinfer.server.generation import base_model_params, is_base_model
+        from edgeinfer.runners.sampling_params import base_model_params, is_base_model
         t = time.monotonic()
         self.engine = load_engine(path, backend, num_ctx, kv_cache_type, mmproj)
         self.load_s = time.monotonic() - t
@@ -406,7 +407,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UserError("--image goes with a PROMPT; in the interactive chat use /image PATH")
     local_file = args.model.endswith(".gguf") or os.path.exists(args.model)
     if args.no_daemon or local_file:
+        from edgeinfer.formats.gguf_file import remember_headers
         path = resolve_model_file(args.model)
+        # one parse of the header and vocabulary for the backend choice, the kernel steps
+        # and the runner (~0.07 s each for a 150k vocabulary); the engine holds them anyway
+        remember_headers()
         if mmproj is None and not local_file:      # a store model's own projector
             from edgeinfer.store.model_store import Store
             proj = Store().resolve(args.model).projector_path
@@ -422,6 +427,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         session = DaemonSession(args.model, args.backend, args.num_ctx, params, device,
                                 given_from_args(args), args.repetition_stop,
                                 args.kv_cache_type)
+    startup_gc.release()        # main() held it while this process loaded (startup_gc.py)
     try:
         if prompt is None:
             return chat_loop(session, args.system, args.verbose)
@@ -487,5 +493,6 @@ def add_commands(subparsers) -> None:
     p.add_argument("--verbose", action="store_true", help="print TTFT and prefill/decode tok/s")
     p.add_argument("--no-daemon", action="store_true",
                    help="run the engine in this process instead of through the daemon")
-    p.set_defaults(func=cmd_run, validate=lambda a: check_device_args(p, a.backend, a.device))
+    p.set_defaults(func=cmd_run, validate=lambda a: check_device_args(p, a.backend, a.device),
+                   loads_model=True)
 

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from edgeinfer import startup_gc
 from edgeinfer.engine.core import Engine, EngineConfig, RequestOutput
 from edgeinfer.engine.grammar import grammars_for
 from edgeinfer.engine.images import Layout
@@ -65,6 +66,7 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[runner "
                         f"{os.getpid()}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
+    startup_gc.hold()       # released once the engine is loaded (edgeinfer/startup_gc.py)
     from edgeinfer.runners.choice import estimate_memory  # lazy: the engine process's only
     from edgeinfer.formats.gguf_file import forget_headers, remember_headers
     # the estimate, the kernel steps and the runner read one parse (numba runs here anyway
@@ -106,6 +108,7 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
              "pool %.2f s)%s", name or os.path.basename(path), time.perf_counter() - t0,
              t1 - t0, t2 - t1, time.perf_counter() - t2,
              _weights_note(engine) if config.backend == "cpu" else "")
+    startup_gc.release()
     _EngineServer(conn, engine).run()
 
 

@@ -4,10 +4,11 @@ edgeinfer.runners.sampling (the runner's); the engine and the daemon only pass t
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -259,3 +260,28 @@ def with_vocabulary(params: SamplingParams, tokenizer) -> SamplingParams:
     import dataclasses
     return dataclasses.replace(params, dry_breaker_ids=breaker_ids(
         tokenizer, params.dry_sequence_breakers))
+
+
+# Defaults for base models (no chat template of their own: never trained to stop), for what
+# a request leaves unset. README "The first run" has the measurements behind them.
+BASE_DRY_MULTIPLIER = 0.8        # llama-server's suggested DRY strength (base 1.75, length 2)
+BASE_MAX_TOKENS = 256            # an output cap where the request sets none
+
+
+def is_base_model(engine) -> bool:
+    """The GGUF has no chat template of its own (the engine then uses a built-in one)."""
+    return not engine.has_own_template
+
+
+def base_model_params(params: SamplingParams, given: Collection[str] = ()) -> SamplingParams:
+    """A base model's defaults (DRY on, an output cap) for what `given` does not name.
+    DRY only when sampling: a greedy request (temperature 0) asks for the model's own argmax,
+    which is what parity checks against llama.cpp compare (the cap and the repetition stop
+    still bound it)."""
+    kw: dict = {}
+    if "dry_multiplier" not in given and not params.greedy:
+        kw["dry_multiplier"] = BASE_DRY_MULTIPLIER
+    if "max_tokens" not in given and (params.max_tokens is None
+                                      or params.max_tokens > BASE_MAX_TOKENS):
+        kw["max_tokens"] = BASE_MAX_TOKENS
+    return dataclasses.replace(params, **kw) if kw else params

@@ -20,7 +20,8 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi.responses import StreamingResponse
 
 from edgeinfer.engine.core import RequestError, RequestOutput
-from edgeinfer.runners.sampling_params import DRY_BREAKERS, SamplingParams, breaker_ids, with_vocabulary
+from edgeinfer.runners.sampling_params import (DRY_BREAKERS, SamplingParams, base_model_params,
+                                              breaker_ids, is_base_model, with_vocabulary)
 
 from .errors import APIError
 from .metrics import Metrics
@@ -44,31 +45,6 @@ class Usage:
     first_token: float | None = None
     finish: float | None = None
     finish_reasons: dict[int, str] = field(default_factory=dict)
-
-
-# Defaults for base models (no chat template of their own: never trained to stop), for what
-# a request leaves unset. README "The first run" has the measurements behind them.
-BASE_DRY_MULTIPLIER = 0.8        # llama-server's suggested DRY strength (base 1.75, length 2)
-BASE_MAX_TOKENS = 256            # an output cap where the request sets none
-
-
-def is_base_model(engine) -> bool:
-    """The GGUF has no chat template of its own (the engine then uses a built-in one)."""
-    return not engine.has_own_template
-
-
-def base_model_params(params: SamplingParams, given: Collection[str] = ()) -> SamplingParams:
-    """A base model's defaults (DRY on, an output cap) for what `given` does not name.
-    DRY only when sampling: a greedy request (temperature 0) asks for the model's own argmax,
-    which is what parity checks against llama.cpp compare (the cap and the repetition stop
-    still bound it)."""
-    kw: dict = {}
-    if "dry_multiplier" not in given and not params.greedy:
-        kw["dry_multiplier"] = BASE_DRY_MULTIPLIER
-    if "max_tokens" not in given and (params.max_tokens is None
-                                      or params.max_tokens > BASE_MAX_TOKENS):
-        kw["max_tokens"] = BASE_MAX_TOKENS
-    return dataclasses.replace(params, **kw) if kw else params
 
 
 def params_or_400(**kw) -> SamplingParams:
