@@ -5,10 +5,11 @@
 Interleaved rounds (the order turns each round), medians with their ranges:
 - llama.cpp: a fresh process imports llama-cpp-python, loads the file and evaluates "Hello"
   (llama.cpp's own cold start, as benchmarks/generate.py's worker does it);
-- edgeinfer in process: a fresh process builds an Engine and generates one token, as
-  `edgeinfer run --no-daemon` does (generate.py's "cold start" row), with the user's repack
-  cache (backends/cpu/packed_cache.py: from the second load on, the repacked weights are
-  mapped from disk) and without it (EDGEINFER_REPACK_CACHE=0: every load repacks);
+- edgeinfer in process: `edgeinfer run --no-daemon --raw --temperature 0 --max-tokens 1 FILE
+  Hello`, the command a user types (its backend choice, kernel check and model load
+  included), with the user's repack cache (backends/cpu/packed_cache.py: from the second
+  load on, the repacked weights are mapped from disk) and without it
+  (EDGEINFER_REPACK_CACHE=0: every load repacks);
 - `edgeinfer run` through a running daemon, the model not loaded: what a user types after
   the model's keep_alive ran out. Timed from the command's start to the first byte it
   prints (one token, greedy, a one-shot prompt), with two daemons on loopback ports over one
@@ -50,18 +51,6 @@ def worker_llamacpp(model: str, threads: int) -> None:
     print("first", flush=True)
 
 
-def worker_native(model: str) -> None:
-    from edgeinfer.engine.core import Engine, EngineConfig
-    from edgeinfer.runners.sampling_params import SamplingParams
-    from edgeinfer.settings import Settings
-    user = Settings.from_env()          # the repack cache as `run --no-daemon` has it
-    engine = Engine(model, EngineConfig(max_model_len=4096, repack_cache=user.repack_cache,
-                                        repack_cache_bytes=user.repack_cache_bytes))
-    engine.generate(engine.encode_raw("Hello"), SamplingParams(temperature=0, max_tokens=1))
-    print("first", flush=True)
-    engine.close()      # as `run --no-daemon` ends: the repacked weights written to disk
-
-
 def timed(cmd: list[str], env: dict) -> float:
     """Seconds from starting `cmd` to the first byte it prints (every row is timed so, from
     this process: a worker's own clock would need the kernel's start time, which psutil
@@ -76,11 +65,17 @@ def timed(cmd: list[str], env: dict) -> float:
     return t
 
 
-def run_worker(kind: str, model: str, threads: int, **extra: str) -> float:
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               **extra)
-    return timed([sys.executable, __file__, "--worker", kind, "--model", model,
+def run_worker(model: str, threads: int) -> float:
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    return timed([sys.executable, __file__, "--worker", "--model", model,
                   "--threads", str(threads)], env)
+
+
+def run_local(model: str, threads: int, **extra: str) -> float:
+    """`edgeinfer run --no-daemon` on the file: from the command's start to its first byte."""
+    env = dict(os.environ, EDGEINFER_THREADS=str(threads), **extra)
+    return timed([sys.executable, "-m", "edgeinfer", "run", "--no-daemon", "--raw",
+                  "--temperature", "0", "--max-tokens", "1", model, "Hello"], env)
 
 
 class Daemon:
@@ -127,13 +122,10 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder:0.5b")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--worker", choices=["native", "llamacpp"])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        if args.worker == "native":
-            worker_native(args.model)
-        else:
-            worker_llamacpp(args.model, args.threads)
+        worker_llamacpp(args.model, args.threads)
         return
     fresh_bytecode()
     from edgeinfer.store.model_store import Store
@@ -153,7 +145,7 @@ def main() -> None:
             for d in daemons.values():
                 d.idle_unloaded(name)
             first = daemons["daemon"].time_run(name)
-            run_worker("native", path, args.threads)
+            run_local(path, args.threads)
             print(f"first load of the model through the daemon (repacked, then written to "
                   f"the repack cache): {first:.2f} s")
             runs: dict[str, list[float]] = {"llama.cpp": [], "in process": [],
@@ -164,12 +156,12 @@ def main() -> None:
                 order = kinds if r % 2 == 0 else kinds[::-1]
                 for k in order:
                     if k == "llama.cpp":
-                        runs[k].append(run_worker("llamacpp", path, args.threads))
+                        runs[k].append(run_worker(path, args.threads))
                     elif k == "in process":
-                        runs[k].append(run_worker("native", path, args.threads))
+                        runs[k].append(run_local(path, args.threads))
                     elif k == "in process, no repack cache":
-                        runs[k].append(run_worker("native", path, args.threads,
-                                                  EDGEINFER_REPACK_CACHE="0"))
+                        runs[k].append(run_local(path, args.threads,
+                                                 EDGEINFER_REPACK_CACHE="0"))
                     else:
                         daemons[k].idle_unloaded(name)
                         runs[k].append(daemons[k].time_run(name))
