@@ -142,6 +142,31 @@ def test_client_autostarts_daemon_and_pulls_through_it(tmp_path, gemma3_path, mo
         assert daemon.stop_background() is not None
 
 
+def test_an_autostarted_daemon_warms_the_model_asked_for(tmp_path, gemma3_path, monkeypatch):
+    """`edgeinfer run MODEL` that starts the daemon: the daemon's first spare engine process
+    (started before the server's own imports) warms MODEL, not the bundled default (which
+    this store lacks: no hint at all without --warm)."""
+    import psutil
+
+    from edgeinfer.cli import client
+    from edgeinfer.server import daemon
+    from edgeinfer.store.model_store import Store
+    home = tmp_path / "home"
+    register_gemma(home, gemma3_path)
+    for k, v in daemon_env(home, EDGEINFER_HOST=f"127.0.0.1:{free_port()}",
+                           EDGEINFER_SPARE_RUNNER="1").items():
+        monkeypatch.setenv(k, v)
+    try:
+        with client.connect(warm="gemma3:270m") as c:
+            spare = c.request("GET", "/api/stats")["process"]["spare_engine"]
+            assert spare is not None, "no spare engine process right after the start"
+            assert spare["warming"] == str(Store(home).resolve("gemma3:270m").path)
+            info = daemon.read_pid_file()
+            assert "--warm" in psutil.Process(info.pid).cmdline()
+    finally:
+        assert daemon.stop_background() is not None
+
+
 def test_openapi_document_is_current():
     from edgeinfer.server.openapi import build
     doc = json.loads((REPO / "docs" / "openapi.json").read_text())

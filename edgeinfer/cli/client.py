@@ -161,8 +161,9 @@ class Client:
                 from None
 
 
-def connect(autostart: bool = True) -> Client:
-    """A client for a daemon that answers, starting one (loopback only) if needed."""
+def connect(autostart: bool = True, warm: str | None = None) -> Client:
+    """A client for a daemon that answers, starting one (loopback only) if needed, whose
+    spare engine process then warms `warm`'s kernels first (the model about to be asked)."""
     c = Client()
     if c.health() is not None:
         return c
@@ -171,7 +172,7 @@ def connect(autostart: bool = True) -> Client:
         c.close()
         raise ClientError(f"no edgeinfer daemon answers at {c.base_url}")
     try:
-        daemon.start_background(host, port)
+        daemon.start_background(host, port, warm=warm)
     except daemon.DaemonError as e:
         c.close()
         raise ClientError(str(e)) from None

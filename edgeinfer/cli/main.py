@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    if argv is None and getattr(args, "loads_model", False):
-        # the command line's own process: no collection while the model loads; the command
-        # releases it once loaded (edgeinfer/startup_gc.py)
+    if argv is None and getattr(args, "holds_gc", False):
+        # the command line's own process (run, serve): no collection while it loads a model
+        # or the server; the command releases it once loaded (edgeinfer/startup_gc.py)
         startup_gc.hold()
     validate = getattr(args, "validate", None)
     if validate is not None:    # cross-option checks: a usage error exits 2 like argparse's

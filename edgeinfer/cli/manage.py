@@ -10,6 +10,7 @@ from typing import Any
 
 from edgeinfer.cli.args import add_device_arg, add_kv_cache_type_arg, check_device_args
 from edgeinfer.cli.client import Client, ClientError, connect
+from edgeinfer import startup_gc
 from edgeinfer.cli.errors import UserError
 from edgeinfer.server import DEFAULT_PORT, daemon
 
@@ -23,8 +24,11 @@ def add_commands(subparsers: Any) -> None:
     _server_args(p)
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--warm", metavar="MODEL",
+                   help="a store model whose kernels the spare engine process loads at start, "
+                        "so its first load is quick (default: the bundled model)")
     _ray_args(p)
-    p.set_defaults(func=cmd_serve, validate=_validate_placement(p))
+    p.set_defaults(func=cmd_serve, validate=_validate_placement(p), holds_gc=True)
 
     p = subparsers.add_parser("daemon", help="start, stop or inspect the background daemon")
     sub = p.add_subparsers(dest="daemon_cmd", metavar="ACTION", required=True)
@@ -103,7 +107,11 @@ def _image_urls_flag(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     _image_urls_flag(args)
     if args.ray or args.ray_address:
+        if args.warm:
+            raise _user_error("--warm is for the local daemon's spare engine process; Ray "
+                              "replicas load their models in their own processes")
         from edgeinfer.scaleout.launch import ScaleOutError, serve_ray  # lazy: `serve --ray` only
+        startup_gc.release()    # the Ray path's own processes load the models
         try:
             return serve_ray(args.host, args.port, args.api_key, args.backend, args.device,
                              args.log_level, replicas=args.replicas,
@@ -114,7 +122,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise _user_error(str(e)) from None
     try:
         return daemon.serve(args.host, args.port, args.api_key, args.backend, args.log_level,
-                            device=args.device, kv_cache_type=args.kv_cache_type)
+                            device=args.device, kv_cache_type=args.kv_cache_type,
+                            warm=args.warm)
     except daemon.DaemonError as e:
         raise _user_error(str(e)) from None
 

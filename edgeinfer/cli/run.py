@@ -239,7 +239,7 @@ class DaemonSession:
                  repetition_stop: bool | None = None, kv_cache_type: str | None = None):
         from edgeinfer.cli.client import ClientError, connect
         try:
-            self.client = connect(autostart=True)
+            self.client = connect(autostart=True, warm=model)
         except ClientError as e:
             raise UserError(f"{e} (or run with --no-daemon)") from None
         self.model, self.load_s = model, 0.0
@@ -494,5 +494,5 @@ def add_commands(subparsers) -> None:
     p.add_argument("--no-daemon", action="store_true",
                    help="run the engine in this process instead of through the daemon")
     p.set_defaults(func=cmd_run, validate=lambda a: check_device_args(p, a.backend, a.device),
-                   loads_model=True)
+                   holds_gc=True)
 

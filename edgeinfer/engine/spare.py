@@ -29,16 +29,15 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from edgeinfer.engine.remote import RemoteEngine, serve
-
 log = logging.getLogger("edgeinfer.engine.spare")
 
 
 @dataclass
 class Spare:
-    """A started spare: its process and the daemon's end of its pipe."""
+    """A started spare: its process, the daemon's end of its pipe, the model it warms."""
     process: mp.process.BaseProcess
     conn: object
+    hint: str | None = None
 
     def alive(self) -> bool:
         return self.process.is_alive()
@@ -57,6 +56,8 @@ class Spare:
 
 def spare_main(conn, hint: str | None, log_level: int) -> None:
     """The spare process: warm, then serve the model the daemon sends (or end on close)."""
+    from edgeinfer.engine.remote import serve   # lazy: the daemon starts spares before its
+                                                # own imports (server/daemon.py early_spare)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[runner "
                         f"{os.getpid()}]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the daemon's to handle
@@ -85,6 +86,7 @@ def _warm(conn, hint: str | None) -> bytes | None:
     if hint is None:
         return None
     from edgeinfer.engine import warmup     # lazy: numba's runtime starts here
+    from edgeinfer.engine.remote import RemoteEngine
     from edgeinfer.formats.gguf_file import remember_headers
     # the hint's header parsed once, here: a load of that model (the usual next one) skips
     # the parse (~0.1 s for a 150k vocabulary); serve() forgets it if another model comes
@@ -144,13 +146,18 @@ class SpareRunner:
                                   args=(child, hint, self.log_level))
             process.start()
             child.close()
-            self._spare = Spare(process, conn)
+            self._spare = Spare(process, conn, hint)
             log.debug("spare engine process %d started (hint %s)", process.pid, hint)
 
     def pid(self) -> int | None:
         """The waiting spare's process id (None: none waits)."""
         spare = self._spare
         return spare.process.pid if spare is not None and spare.alive() else None
+
+    def hint(self) -> str | None:
+        """The model file the waiting spare warms (None: none, or no hint)."""
+        spare = self._spare
+        return spare.hint if spare is not None else None
 
     def take(self) -> Spare | None:
         """The spare, now the caller's (None if there is none or it died)."""

@@ -115,12 +115,13 @@ def _as_json(scope):
 
 
 def create_app(config: ServerConfig | None = None, api_key: str | None = None,
-               manager: ModelManager | None = None) -> FastAPI:
+               manager: ModelManager | None = None, spares=None) -> FastAPI:
+    """The app; `spares`: a SpareRunner already started for the ModelManager it makes."""
     config = config or ServerConfig.from_env()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.manager = manager or ModelManager(config)
+        app.state.manager = manager or ModelManager(config, spares=spares)
         app.state.metrics = Metrics()
         app.state.manager.start()
         try:

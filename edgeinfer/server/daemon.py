@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edgeinfer import __version__
+from edgeinfer import __version__, startup_gc
 from edgeinfer.settings import current
 
 from . import DEFAULT_HOST, DEFAULT_PORT
@@ -200,10 +200,32 @@ def prepare_serve(host: str | None, port: int | None, api_key: str | None,
     return host, port, api_key, config
 
 
+def early_spare(warm: str | None, log_level: str):
+    """The daemon's spare engine process (edgeinfer/engine/spare.py), started before the
+    server's own imports (~0.6 s of fastapi, uvicorn and the engine's modules) so that it
+    warms meanwhile: the kernels of `warm` (the model an autostarting `edgeinfer run` asked
+    for), else of the bundled default if it is in the store. None when spares are off."""
+    settings = current()
+    if not (settings.engine_process and settings.spare_runner):
+        return None
+    from edgeinfer.engine.spare import SpareRunner
+    from edgeinfer.store.bundled import DEFAULT_MODEL
+    from edgeinfer.store.model_store import Store, StoreError
+    hint = None
+    with contextlib.suppress(StoreError, OSError):
+        ref = Store().get(warm or DEFAULT_MODEL)    # never assembles a bundled package
+        hint = str(ref.path) if ref is not None else None
+    spares = SpareRunner(True, getattr(logging, log_level.upper(), logging.INFO))
+    spares.refill(hint)
+    return spares
+
+
 def serve(host: str | None = None, port: int | None = None, api_key: str | None = None,
           backend: str | None = None, log_level: str = "info", device: str | None = None,
-          kv_cache_type: str | None = None) -> int:
+          kv_cache_type: str | None = None, warm: str | None = None) -> int:
     """Run the server in this process until SIGINT/SIGTERM."""
+    check_bind(host or env_address()[0], api_key or current().api_key)
+    spares = early_spare(warm, log_level)
     # lazy: the server and uvicorn load when it starts, not with every CLI command
     import uvicorn
 
@@ -217,9 +239,10 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
     # tok/s at 5 ms, 60-70 at 0.5 ms).
     sys.setswitchinterval(0.001)
     sock = _bind(host, port)
-    app = create_app(config, api_key=api_key)
+    app = create_app(config, api_key=api_key, spares=spares)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=5))
+    startup_gc.release()    # main() held it while the server's modules loaded (startup_gc.py)
     _write_pid_file(host, port)
     log.info("edgeinfer listening on %s (api key %s)", url_for(host, port),
              "required" if api_key else "off")
@@ -234,19 +257,31 @@ def serve(host: str | None = None, port: int | None = None, api_key: str | None 
 # ----- background ------------------------------------------------------------------------------
 
 def health(url: str, timeout: float = 2.0) -> dict | None:
-    import httpx  # lazy: the daemon process itself never needs it
+    """GET /health: the daemon's answer, or None. http.client, as the CLI's own client: an
+    autostarting `edgeinfer run` asks before and while the daemon starts, and httpx would
+    add ~0.1 s of imports in front of that start."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = cls(u.hostname, u.port, timeout=timeout)
     try:
-        r = httpx.get(url + "/health", timeout=timeout)
-        return r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        data = r.read()
+        return json.loads(data) if r.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
         return None
+    finally:
+        conn.close()
 
 
 def start_background(host: str | None = None, port: int | None = None,
                      api_key: str | None = None, backend: str | None = None,
                      wait_s: float = 120.0, device: str | None = None,
-                     kv_cache_type: str | None = None) -> DaemonInfo:
-    """Start `edgeinfer serve` as a detached process and wait until /health answers."""
+                     kv_cache_type: str | None = None, warm: str | None = None) -> DaemonInfo:
+    """Start `edgeinfer serve` as a detached process and wait until /health answers;
+    `warm`: the model its spare engine process warms first (`serve --warm`)."""
     env_host, env_port = env_address()
     host, port = host or env_host, port or env_port
     running = read_pid_file()
@@ -264,7 +299,13 @@ def start_background(host: str | None = None, port: int | None = None,
         cmd += ["--device", device]
     if kv_cache_type:
         cmd += ["--kv-cache-type", kv_cache_type]
+    if warm:
+        cmd += ["--warm", warm]
     env = dict(os.environ)
+    if sys.platform == "linux" and current().engine_process:
+        # the allocator `serve` would re-execute itself for (cli/main.py _daemon_allocator),
+        # given from the start: one Python start-up less before the daemon answers
+        env.update(PYTHONMALLOC="malloc", _EDGEINFER_REEXEC="1")
     if api_key:
         env["EDGEINFER_API_KEY"] = api_key       # not in argv, where `ps` would show it
     kwargs: dict = {}
@@ -284,7 +325,7 @@ def start_background(host: str | None = None, port: int | None = None,
         if health(url, timeout=1.0) is not None:
             info = read_pid_file()
             return info or DaemonInfo(proc.pid, host, port, time.time(), "")
-        time.sleep(0.1)
+        time.sleep(0.02)        # a refused loopback connection costs ~0.1 ms
     raise DaemonError(f"the daemon did not answer on {url} within {wait_s:.0f}s; see {log_path()}")
 
 

@@ -264,7 +264,8 @@ def _spare(manager: ModelManager) -> dict | None:
     if pid is None:
         return None
     try:
-        return {"pid": pid, "rss_bytes": psutil.Process(pid).memory_info().rss}
+        return {"pid": pid, "rss_bytes": psutil.Process(pid).memory_info().rss,
+                "warming": manager.spares.hint()}
     except psutil.Error:        # it ended (taken by a load) since
         return None
 

@@ -197,7 +197,8 @@ def _gib(n: float) -> str:
 
 
 class ModelManager:
-    def __init__(self, config: ServerConfig, store: Store | None = None):
+    def __init__(self, config: ServerConfig, store: Store | None = None,
+                 spares: SpareRunner | None = None):
         self.config = config
         self.store = store or Store()
         self.models: dict[tuple[str, str], LoadedModel] = {}
@@ -213,8 +214,9 @@ class ModelManager:
         heap.pin_mmap_threshold()
         # A warm engine process for the next load (edgeinfer/engine/spare.py), warming the
         # kernels of the last model loaded on the CPU (at first, the bundled default's).
-        self.spares = SpareRunner(config.engine_process and config.spare_runner,
-                                  logging.getLogger("edgeinfer").getEffectiveLevel())
+        # `spares`: the daemon's, started before its imports (server/daemon.py early_spare)
+        self.spares = spares or SpareRunner(config.engine_process and config.spare_runner,
+                                            logging.getLogger("edgeinfer").getEffectiveLevel())
         self._spare_hint: str | None = None
         self._busy_until = 0.0          # monotonic: the last load's end
 
