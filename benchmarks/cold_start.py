@@ -10,6 +10,8 @@ Interleaved rounds (the order turns each round), medians with their ranges:
   included), with the user's repack cache (backends/cpu/packed_cache.py: from the second
   load on, the repacked weights are mapped from disk) and without it
   (EDGEINFER_REPACK_CACHE=0: every load repacks);
+- `edgeinfer run` with no daemon running: the command starts one (its first spare engine
+  process warming the model asked for), which loads the model: the README's first run;
 - `edgeinfer run` through a running daemon, the model not loaded: what a user types after
   the model's keep_alive ran out. Timed from the command's start to the first byte it
   prints (one token, greedy, a one-shot prompt), with two daemons on loopback ports over one
@@ -78,6 +80,18 @@ def run_local(model: str, threads: int, **extra: str) -> float:
                   "--temperature", "0", "--max-tokens", "1", model, "Hello"], env)
 
 
+def run_autostart(home: Path, name: str, threads: int) -> float:
+    """`edgeinfer run NAME Hello` with no daemon at its address: it starts one over `home`'s
+    store (its own, since a daemon's pid file is per store); then that daemon is stopped."""
+    env = dict(os.environ, EDGEINFER_HOME=str(home), EDGEINFER_THREADS=str(threads),
+               EDGEINFER_HOST=f"127.0.0.1:{free_port()}")
+    t = timed([sys.executable, "-m", "edgeinfer", "run", name, "Hello", "--max-tokens", "1",
+               "--temperature", "0"], env)
+    subprocess.run([sys.executable, "-m", "edgeinfer", "daemon", "stop"], env=env, cwd=REPO,
+                   capture_output=True, timeout=60, check=True)
+    return t
+
+
 class Daemon:
     """A daemon on a loopback port over `home`'s store (the CLI finds it by EDGEINFER_HOST)."""
 
@@ -132,8 +146,9 @@ def main() -> None:
     ref = Store().resolve(args.model)
     path, name = str(ref.path), ref.full_name
     with tempfile.TemporaryDirectory(prefix="edgeinfer-cold-") as tmp:
-        home = Path(tmp)
+        home, auto_home = Path(tmp) / "daemons", Path(tmp) / "autostart"
         Store(home).register_file(path, name)
+        Store(auto_home).register_file(path, name)
         daemons = {"daemon": Daemon(home, args.threads, spare=True),
                    "daemon, no spare": Daemon(home, args.threads, spare=False)}
         try:
@@ -150,6 +165,7 @@ def main() -> None:
                   f"the repack cache): {first:.2f} s")
             runs: dict[str, list[float]] = {"llama.cpp": [], "in process": [],
                                             "in process, no repack cache": [],
+                                            "no daemon running": [],
                                             "daemon": [], "daemon, no spare": []}
             kinds = list(runs)
             for r in range(args.rounds):
@@ -162,6 +178,8 @@ def main() -> None:
                     elif k == "in process, no repack cache":
                         runs[k].append(run_local(path, args.threads,
                                                  EDGEINFER_REPACK_CACHE="0"))
+                    elif k == "no daemon running":
+                        runs[k].append(run_autostart(auto_home, name, args.threads))
                     else:
                         daemons[k].idle_unloaded(name)
                         runs[k].append(daemons[k].time_run(name))
@@ -176,6 +194,7 @@ def main() -> None:
     labels = {"llama.cpp": "llama.cpp (llama-cpp-python, in process)",
               "in process": "edgeinfer, in process (run --no-daemon)",
               "in process, no repack cache": "  the same, EDGEINFER_REPACK_CACHE=0",
+              "no daemon running": "edgeinfer run, no daemon (it starts one)",
               "daemon": "edgeinfer run, daemon up, model unloaded",
               "daemon, no spare": "  the same, EDGEINFER_SPARE_RUNNER=0"}
     for k in kinds:
