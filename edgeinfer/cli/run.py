@@ -393,6 +393,15 @@ def local_backend(path: str, backend: str, device: str | None) -> str:
         raise UserError(str(e)) from None
 
 
+def _surely_cpu(backend: str, device: str | None) -> bool:
+    """Whether --backend/--device leave only the numba CPU backend (or llama.cpp, for an
+    architecture without a native model) on a machine with no GPU torch could drive."""
+    if backend not in ("auto", "cpu") or device not in (None, "cpu"):
+        return False
+    from edgeinfer.backends.torch.device import _gpu_absent
+    return backend == "cpu" or (_gpu_absent("cuda") and _gpu_absent("mps"))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     prompt = args.prompt
@@ -410,8 +419,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         from edgeinfer.formats.gguf_file import remember_headers
         path = resolve_model_file(args.model)
         # one parse of the header and vocabulary for the backend choice, the kernel steps
-        # and the runner (~0.07 s each for a 150k vocabulary); the engine holds them anyway
-        remember_headers()
+        # and the runner (~0.07 s each for a 150k vocabulary); the engine holds them anyway.
+        # Walked in numba (~0.04 s) where the CPU backend will surely run, numba anyway
+        remember_headers(compiled_walk=_surely_cpu(args.backend, device))
         if mmproj is None and not local_file:      # a store model's own projector
             from edgeinfer.store.model_store import Store
             proj = Store().resolve(args.model).projector_path
