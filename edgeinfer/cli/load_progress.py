@@ -14,10 +14,6 @@ import threading
 import time
 from typing import Any
 
-from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn)
-
 from edgeinfer.cli.client import Client, ClientError
 
 
@@ -38,6 +34,10 @@ class KernelBar:
 
     def __call__(self, p) -> None:
         if self.progress is None:
+            # lazy: rich (~15 ms of imports) only once there is something to compile
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn)
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), TimeElapsedColumn(),
                                      TextColumn("{task.fields[step]}"),
