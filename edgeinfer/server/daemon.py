@@ -212,9 +212,15 @@ def early_spare(warm: str | None, log_level: str):
     from edgeinfer.store.bundled import DEFAULT_MODEL
     from edgeinfer.store.model_store import Store, StoreError
     hint = None
-    with contextlib.suppress(StoreError, OSError):
-        ref = Store().get(warm or DEFAULT_MODEL)    # never assembles a bundled package
-        hint = str(ref.path) if ref is not None else None
+    for name in ([warm] if warm else []) + [DEFAULT_MODEL]:
+        with contextlib.suppress(StoreError, OSError):
+            ref = Store().get(name)     # never assembles a bundled package
+            hint = str(ref.path) if ref is not None else None
+        if hint is not None:
+            break
+        if name == warm:    # logging is not set up yet: Python's last-resort handler, stderr
+            log.warning("--warm %s: no such model in the store; the spare warms %s", warm,
+                        DEFAULT_MODEL)
     spares = SpareRunner(True, getattr(logging, log_level.upper(), logging.INFO))
     spares.refill(hint)
     return spares
