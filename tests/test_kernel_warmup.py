@@ -106,6 +106,19 @@ def test_markers_follow_where_and_when_the_sources_were_written(tmp_path):
     assert warmup.files_hash("v", [b]) != hb
 
 
+def test_markers_cover_every_kernel_module_of_the_serving_core():
+    """Every module under edgeinfer/ that defines a numba kernel is among the sources the
+    markers hash (backends/cpu and models/ are hashed whole): an edited kernel there must
+    not read as compiled."""
+    import re
+    root = REPO / "edgeinfer"
+    defining = {".".join(p.relative_to(REPO).with_suffix("").parts)
+                for p in root.rglob("*.py")
+                if re.search(r"^@(numba\.)?(njit|jit|vectorize|guvectorize)\b",
+                             p.read_text(), re.M)}
+    assert defining == set(warmup.KERNEL_MODULES)
+
+
 def test_ps_table_shows_a_load_in_progress():
     from edgeinfer.cli.manage import format_ps
     table = format_ps([{"name": "smollm2:test", "digest": "", "size": 0, "backend": "cpu",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -138,9 +139,16 @@ def sources_hash() -> str:
     import edgeinfer.models as models
     files = sorted(Path(cpu.__file__).parent.glob("*.py")) + sorted(
         Path(models.__file__).parent.glob("*.py"))
-    here = Path(__file__).parent
-    files += [here / "sampling.py", here / "repetition.py", Path(__file__)]
+    files += [Path(importlib.util.find_spec(m).origin) for m in KERNEL_MODULES]
+    files.append(Path(__file__))
     return files_hash(f"{numba.__version__} {sys.version} {_int8.BEST_ISA}", files)
+
+
+# the serving core's own numba kernels (outside backends/cpu and models/), located by module
+# name so that a move fails loudly rather than leave a file out (engine/sampling.py, listed by
+# path after sampling moved to runners/, had kept its edits from invalidating the markers)
+KERNEL_MODULES = ("edgeinfer.runners.sampling", "edgeinfer.engine.repetition",
+                  "edgeinfer.formats._string_heads")
 
 
 def files_hash(prefix: str, files) -> str:
