@@ -75,7 +75,7 @@ def main() -> None:
     setup_env(args.threads or os.cpu_count() or 1)
     path = model_path(args.model)
 
-    from edgeinfer.backends.cpu.threads import ThreadGovernor
+    from edgeinfer.backends.threads import ThreadGovernor
     from edgeinfer.engine.core import Engine, EngineConfig
 
     shared = ThreadGovernor()

@@ -17,3 +17,21 @@ def test_the_cli_imports_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "", f"imported at CLI start: {out}"
+
+
+def test_the_daemon_runs_without_numba():
+    """The daemon's modules and its numba-free answers (/api/show's runtime through
+    backends/cpu_plan.py, the thread governor) leave numba, ~65 MB, to the engine processes;
+    and cpu_plan's host ISA and tile height are the kernels' own."""
+    code = (
+        "import sys, json, uvicorn, edgeinfer.server.app\n"
+        "from edgeinfer.server.model_manager import ModelManager, ServerConfig\n"
+        "from edgeinfer.backends import cpu_plan\n"
+        "ModelManager(ServerConfig.from_env())\n"
+        "isa = cpu_plan.best_isa()\n"
+        "before = 'numba' in sys.modules\n"
+        "from edgeinfer.backends.cpu import _int8\n"
+        "print(json.dumps([before, isa == _int8.BEST_ISA, cpu_plan.LANES == _int8.LANES]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == "[false, true, true]"

@@ -161,7 +161,7 @@ def test_llama_tokenizer_fallback_agrees(engine):
 def test_llamacpp_takes_its_threads_from_the_process_governor(gemma3_path):
     """One CPU budget per process: the llama.cpp runner asks the shared governor before each
     step, as the native CPU backend does, instead of fixing its count at load."""
-    from edgeinfer.backends.cpu.threads import ThreadGovernor
+    from edgeinfer.backends.threads import ThreadGovernor
     gov = ThreadGovernor(fixed=1)
     e = Engine(str(gemma3_path), EngineConfig(backend="llamacpp", kv_budget_bytes=8 << 20,
                                               max_model_len=256, governor=gov))

@@ -8,7 +8,7 @@ import time
 import numba
 import pytest
 
-from edgeinfer.backends.cpu import threads as T
+from edgeinfer.backends import threads as T
 
 
 def fake_clock(monkeypatch, samples):
@@ -26,8 +26,8 @@ def fake_clock(monkeypatch, samples):
 
 
 def test_threads_follow_the_free_cores(monkeypatch):
-    monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
-    monkeypatch.setattr(T.numba, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 4)
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: None)
     advance = fake_clock(monkeypatch, [
         (0.0, 100.0, 10.0),     # baseline
         (1.0, 102.0, 12.0),     # 2 busy core-seconds, all ours -> others 0 -> 4 threads
@@ -61,7 +61,7 @@ def test_sees_a_real_busy_process(monkeypatch):
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"])
     try:
         time.sleep(0.3)
-        monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 2)
+        monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
         monkeypatch.setattr(T.os, "cpu_count", lambda: 2)      # a 2-core machine
         g = T.ThreadGovernor(interval=0.0)
         g.update()
@@ -77,9 +77,9 @@ def test_sees_a_real_busy_process(monkeypatch):
 def test_engines_split_the_budget(monkeypatch):
     """One governor per process: two engine threads stepping at once get half the cores
     each; when one goes quiet the other gets them all back."""
-    monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 4)
     told = {}
-    monkeypatch.setattr(T.numba, "set_num_threads",
+    monkeypatch.setattr(numba, "set_num_threads",
                         lambda n: told.__setitem__(T.threading.get_ident(), n))
     clock = {"now": 0.0}
     monkeypatch.setattr(T.time, "monotonic", lambda: clock["now"])
@@ -108,7 +108,7 @@ def test_engines_split_the_budget(monkeypatch):
 def test_uneven_budget_gives_the_remainder_away(monkeypatch):
     """Budget 3, two engines: one gets 2 and the other 1, never 1 + 1 (a core idle) or
     2 + 2 (oversubscribed)."""
-    monkeypatch.setattr(T.numba.config, "NUMBA_NUM_THREADS", 4)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 4)
     clock = {"now": 0.0}
     monkeypatch.setattr(T.time, "monotonic", lambda: clock["now"])
     g = T.ThreadGovernor(fixed=3)

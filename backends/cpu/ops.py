@@ -26,7 +26,10 @@ from edgeinfer.backends.cpu.packed import (SERIAL_QUANT, packed_matmul, packed_m
                                             packed_swiglu_matmul)
 from edgeinfer.backends.cpu.packed_cache import PackedCache
 from edgeinfer.backends.cpu.repack import REPACKABLE, PackedMatrix, packed_nbytes
-from edgeinfer.backends.cpu.threads import ThreadGovernor
+from edgeinfer.backends.cpu_plan import (MXFP4_NOTE, packed_size, repacked_bytes,
+                                         repacked_tensor)
+from edgeinfer.backends import cpu_plan
+from edgeinfer.backends.threads import ThreadGovernor
 from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE, check_kv_cache_type
 
 
@@ -119,40 +122,6 @@ class FileTable:
         return row.copy()
 
 
-def _repacked_tensor(gguf_file, name: str) -> bool:
-    """Whether a repacking load repacks this tensor: a repackable matrix other than an
-    embedding table that the output head does not share (models load it with `table`)."""
-    t = gguf_file.tensors[name]
-    # 3-D: a mixture-of-experts tensor, one matrix per expert (models/qwen3moe.py)
-    if len(t.shape) not in (2, 3) or int(t.ggml_type) not in REPACKABLE:
-        return False
-    return not (name == "token_embd.weight" and "output.weight" in gguf_file.tensors)
-
-
-def _packed_size(t) -> int:
-    rows = int(t.shape[1]) * (int(t.shape[2]) if len(t.shape) == 3 else 1)
-    return packed_nbytes(t.ggml_type, int(t.shape[0]), rows)
-
-
-def repacked_bytes(gguf_file) -> int:
-    """Memory the integer-dot layout would take for this file's repackable matrices."""
-    return sum(_packed_size(t) for name, t in gguf_file.tensors.items()
-               if _repacked_tensor(gguf_file, name))
-
-
-# MXFP4 tensors (gpt-oss's experts) stay in the memory map whatever the other weights do
-_MXFP4_NOTE = "; MXFP4 read in place from the file"
-
-
-def _weights_format(repacked: bool) -> str:
-    if repacked:
-        # the tile kernel this CPU runs
-        kind = {_int8.AVX512VNNI: "AVX-512 VNNI", _int8.AVXVNNI: "AVX-VNNI",
-                _int8.AVX2: "AVX2"}.get(_int8.BEST_ISA, "portable")
-        return f"int8 tiles repacked from GGUF blocks ({kind} integer dot)"
-    return "gguf (quantized blocks, decoded per matmul)"
-
-
 def _zeroed_pages(shapes: list[tuple], dtype) -> list[np.ndarray]:
     """Zeroed arrays carved from one anonymous private mapping: the kernel hands out zero
     pages as they are first touched, so a KV pool costs neither a memset at load nor memory
@@ -171,13 +140,6 @@ def _zeroed_pages(shapes: list[tuple], dtype) -> list[np.ndarray]:
     mm = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return [np.frombuffer(mm, dtype, n // dtype.itemsize, off).reshape(sh) if n
             else np.zeros(sh, dtype) for sh, n, off in zip(shapes, sizes, offsets)]
-
-
-def _ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
 
 
 class CpuOps:
@@ -257,7 +219,7 @@ class CpuOps:
         """Repacked matrices at their tile size, the rest as the GGUF holds them."""
         if not self.would_repack(gguf_file):
             return sum(t.nbytes for t in gguf_file.tensors.values())
-        return sum(_packed_size(t) if _repacked_tensor(gguf_file, name) else t.nbytes
+        return sum(packed_size(t) if repacked_tensor(gguf_file, name) else t.nbytes
                    for name, t in gguf_file.tensors.items())
 
     def fit_kv_budget(self, gguf_file, requested: int) -> int:
@@ -282,22 +244,19 @@ class CpuOps:
 
     @property
     def weights_format(self) -> str:
-        return _weights_format(bool(self.repack)) + (_MXFP4_NOTE if self._mxfp4 else "")
+        return cpu_plan.weights_format(bool(self.repack), _int8.BEST_ISA) + \
+            (MXFP4_NOTE if self._mxfp4 else "")
 
     # -- weights ---------------------------------------------------------------------------
     def would_repack(self, gguf_file) -> bool:
         """Whether this model's weights would be repacked (see __init__), without loading."""
-        if self._repack_setting is not None:
-            return self._repack_setting
-        # any vector tile kernel (AVX-512 VNNI, AVX-VNNI, AVX2): benchmarks/isa_ab.py measured
-        # the AVX2 tiles at 2.11x prefill and 1.32x decode of the GGUF-block path
-        return (self.numerics == "ggml" and HAVE_SIMD
-                and repacked_bytes(gguf_file) <= _ram_bytes() // 2)
+        return cpu_plan.would_repack(gguf_file, self._repack_setting, self.numerics,
+                                     _int8.BEST_ISA)
 
     def weights_format_for(self, gguf_file) -> str:
         """The weights_format a model from this file would report."""
-        mx = any(int(t.ggml_type) == _mx.MXFP4 for t in gguf_file.tensors.values())
-        return _weights_format(self.would_repack(gguf_file)) + (_MXFP4_NOTE if mx else "")
+        return cpu_plan.weights_format_for(gguf_file, self._repack_setting, self.numerics,
+                                           _int8.BEST_ISA)
 
     def matrix(self, gguf_file, name: str) -> QuantMatrix | PackedMatrix | _mx.Mxfp4Matrix:
         if self.repack is None:

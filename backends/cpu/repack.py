@@ -5,10 +5,11 @@ B = 32 (legacy quants, Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K) columns, with an uns
 at most 8 bits, a scale s and, for the formats with minimums, an offset o. The repacked matrix
 keeps those codes in 16-row tiles, so one VNNI instruction handles four columns of sixteen
 rows, with the bits the format has: two 4-bit codes a byte (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K),
-that plus a bit plane of fifth bits (Q5_0, Q5_1, Q5_K), a byte (Q8_0, Q6_K). Scales that are
-IEEE halves in the GGUF (the legacy formats) stay halves; the k-quants' products of a half and
-a 6- or 8-bit scale are float32. So decode reads about the bytes the GGUF holds: the same for
-Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, 6 bits a weight for Q4_K (4.5), 10 for Q6_K (6.56).
+that plus a bit plane of fifth bits (Q5_0, Q5_1, Q5_K), that plus the high two bits of four
+codes a byte (Q6_K), a byte (Q8_0). Scales that are IEEE halves in the GGUF (the legacy
+formats) stay halves; the k-quants keep an int8 per block times a half per super-block. So
+decode reads about the bytes the GGUF holds (cpu_plan.packed_nbytes): the same for Q8_0, Q4_0,
+Q4_1, Q5_0 and Q5_1, 4.56 bits a weight for Q4_K (4.5 in the GGUF), 6.56 for Q6_K (6.56).
 Decoding a repacked row (`rows`) is bit-exact with gguf.quants.dequantize.
 """
 from __future__ import annotations
@@ -19,41 +20,20 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from edgeinfer.backends import cpu_plan
+from edgeinfer.backends.cpu_plan import REPACKABLE, packed_nbytes  # noqa: F401 (re-exported)
+
 from . import _int8
 from .quants import QuantMatrix
 
 LANES = _int8.LANES
 
-# activation format (ggml's vec_dot_type) per weight type: block size of its scale
-_ACT_BLOCK = {**{int(t): 32 for t in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)},
-              **{int(t): 256 for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)}}
-REPACKABLE = frozenset(_ACT_BLOCK)
-# columns per repacked scale, and the formats whose blocks carry an offset (a minimum)
-_COLS = {int(t): (16 if t in (Q.Q2_K, Q.Q3_K, Q.Q6_K) else 32) for t in map(Q, REPACKABLE)}
-_WITH_OFFSET = frozenset(int(t) for t in (Q.Q4_1, Q.Q5_1, Q.Q2_K, Q.Q4_K, Q.Q5_K))
-
-
-# code bits kept per format; the legacy formats' scales stay halves, the k-quants' are a half
-# per super-block times an int8 per block (see _int8.py)
-_BITS = {**{int(t): 4 for t in (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q2_K, Q.Q3_K)},
-         **{int(t): 5 for t in (Q.Q5_0, Q.Q5_1, Q.Q5_K)},
-         int(Q.Q6_K): 6, int(Q.Q8_0): 8}
-_SUB = frozenset(int(t) for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+# the layout's tables and sizes, shared with the daemon's numba-free answer (cpu_plan.py)
+_ACT_BLOCK, _COLS, _WITH_OFFSET, _BITS, _SUB = (cpu_plan.ACT_BLOCK, cpu_plan.COLS,
+                                                cpu_plan.WITH_OFFSET, cpu_plan.BITS, cpu_plan.SUB)
 # legacy block formats: (offset of qs, offset of qh or -1, has a minimum, zero point)
 _LEGACY = {int(Q.Q4_0): (2, -1, False, 8), int(Q.Q4_1): (4, -1, True, 0),
            int(Q.Q5_0): (6, 2, False, 16), int(Q.Q5_1): (8, 4, True, 0)}
-
-
-def packed_nbytes(qtype, K: int, N: int) -> int:
-    """Bytes a K x N matrix of this type takes repacked (codes, scales, offsets, padded rows)."""
-    code = int(qtype)
-    scales = 2 if code in _WITH_OFFSET else 1
-    per_row = K * _BITS[code] // 8
-    if code in _SUB:
-        per_row += scales * (K // _COLS[code] + 2 * (K // 256))
-    else:
-        per_row += scales * 2 * (K // _COLS[code])
-    return -(-N // LANES) * LANES * per_row
 
 
 def _f16(a: np.ndarray) -> np.ndarray:

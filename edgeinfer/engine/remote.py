@@ -94,7 +94,7 @@ def serve(conn, path: str, config: EngineConfig, mmproj: str | None, log_level: 
         conn.send(("progress", p.done, p.total, p.label))
     prepare_for_load(path, config.backend, config.kv_cache_type, config.repack, progress, name)
     if config.backend == "cpu" or config.backend == "llamacpp":
-        from edgeinfer.backends.cpu.threads import ThreadGovernor  # lazy: not in the daemon
+        from edgeinfer.backends.threads import ThreadGovernor  # lazy: not in the daemon
         # this process's own budget: it measures the other engine processes as busy cores
         config = dataclasses.replace(config, governor=ThreadGovernor(fixed=config.threads))
     t2 = time.perf_counter()

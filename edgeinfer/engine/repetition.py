@@ -14,23 +14,17 @@ per token. The request is then finished with its own reason, "repetition".
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
-
-from edgeinfer.runners.sampling import suffix_z
 
 REASON = "repetition"
 
 
-@njit(nogil=True, cache=True)
-def _longest_periodic_tail(z, max_period, min_run):
-    """The smallest period P (1..max_period) whose run R (tail equals the tokens P earlier,
-    R tokens in a row; z = suffix_z of the window) reaches max(P, min_run); 0 if none."""
-    n = z.shape[0]
-    top = min(max_period, n - 1)
-    for k in range(1, top + 1):
-        if z[k] >= max(k, min_run):
-            return k
-    return 0
+def _period(window: np.ndarray, max_period: int, min_run: int) -> int:
+    """The smallest period of a degenerate repeat at the end of `window`, or 0. numba is
+    imported here, where a guard runs (the engine), not with this module: the daemon imports
+    it through engine.core, and numba would add ~0.1 s to its start and ~65 MB to its RSS."""
+    from edgeinfer.engine._periodic_tail import longest_periodic_tail
+    from edgeinfer.runners.sampling import suffix_z
+    return int(longest_periodic_tail(suffix_z(window), max_period, min_run))
 
 
 class RepetitionGuard:
@@ -56,7 +50,7 @@ class RepetitionGuard:
             return bool(self.period)
         self._since = 0
         tail = self._buf[max(0, self._n - self.window):self._n]
-        self.period = int(_longest_periodic_tail(suffix_z(tail), self.max_period, self.min_run))
+        self.period = _period(tail, self.max_period, self.min_run)
         return bool(self.period)
 
 
@@ -66,4 +60,4 @@ def repeats(token_ids, max_period: int = 256, min_run: int = 48) -> int:
     if h.size <= min_run:
         return 0
     w = h[-(2 * max_period + min_run):]
-    return int(_longest_periodic_tail(suffix_z(w), max_period, min_run))
+    return _period(w, max_period, min_run)

@@ -147,7 +147,7 @@ def sources_hash() -> str:
 # the serving core's own numba kernels (outside backends/cpu and models/), located by module
 # name so that a move fails loudly rather than leave a file out (engine/sampling.py, listed by
 # path after sampling moved to runners/, had kept its edits from invalidating the markers)
-KERNEL_MODULES = ("edgeinfer.runners.sampling", "edgeinfer.engine.repetition",
+KERNEL_MODULES = ("edgeinfer.runners.sampling", "edgeinfer.engine._periodic_tail",
                   "edgeinfer.formats._string_heads")
 
 

@@ -295,11 +295,12 @@ def _cpu_weights_format(path: str | None, repack: bool | None) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _cpu_weights_format_of(path: str, size: int, mtime_ns: int, repack: bool | None) -> str:
-    from edgeinfer.backends.cpu.ops import CpuOps
+    # numba-free (backends/cpu_plan.py): the daemon answers this for /api/show
+    from edgeinfer.backends.cpu_plan import weights_format_for
     from edgeinfer.formats.gguf_file import read_gguf
     gf = read_gguf(path)
     try:
-        return CpuOps(repack=repack).weights_format_for(gf)
+        return weights_format_for(gf, repack)
     finally:
         gf.close()
 

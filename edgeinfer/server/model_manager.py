@@ -208,8 +208,8 @@ class ModelManager:
         self._reaper: asyncio.Task | None = None
         # One compute budget for the process: every engine's CPU kernels (and the llama.cpp
         # runner's thread count) ask this governor how many threads to use for a step.
-        # lazy: keeps edgeinfer.backends (numba) out of `import edgeinfer.server`
-        from edgeinfer.backends.cpu.threads import ThreadGovernor
+        # numba-free: the daemon splits budgets, its engine processes run the kernels
+        from edgeinfer.backends.threads import ThreadGovernor
         self.governor = ThreadGovernor(fixed=config.threads)
         heap.pin_mmap_threshold()
         # A warm engine process for the next load (edgeinfer/engine/spare.py), warming the

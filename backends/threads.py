@@ -16,10 +16,9 @@ every core (the llama.cpp runner asks `share()` for its thread count the same wa
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
-
-import numba
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -36,6 +35,23 @@ def _machine_busy_seconds() -> float | None:
     ticks = [int(v) for v in fields[1:]]
     idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)      # idle + iowait
     return (sum(ticks[:8]) - idle) / _CLK_TCK                    # guest time is in user already
+
+
+def _pool_size() -> int:
+    """numba's thread pool size (NUMBA_NUM_THREADS, else the CPUs this process may run on),
+    read without importing numba where it is not loaded: the daemon's governor splits budgets
+    for engine processes, and numba would add ~0.1 s to the daemon's start and ~65 MB to it."""
+    numba = sys.modules.get("numba")
+    if numba is not None:
+        return numba.config.NUMBA_NUM_THREADS
+    try:
+        return max(1, int(os.environ["NUMBA_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        pass
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:          # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _own_seconds() -> float:
@@ -57,8 +73,8 @@ class ThreadGovernor:
                  idle_after: float = 1.0, fixed: int | None = None):
         # fixed: Settings.threads (EDGEINFER_THREADS), a set budget instead of a measured one
         self.fixed = fixed if fixed and fixed > 0 else None
-        self.max_threads = max(1, min(max_threads or numba.config.NUMBA_NUM_THREADS,
-                                      numba.config.NUMBA_NUM_THREADS))
+        pool = _pool_size()
+        self.max_threads = max(1, min(max_threads or pool, pool))
         self.interval = interval
         self.idle_after = idle_after
         self.threads = min(self.fixed or self.max_threads, self.max_threads)   # the budget
@@ -95,7 +111,8 @@ class ThreadGovernor:
         """Set numba's thread count for this thread; cheap when called every step."""
         n = self.share()
         if getattr(self._local, "applied", None) != n:
-            numba.set_num_threads(n)
+            import numba    # loaded by this thread's kernels anyway
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
             self._local.applied = n
         return n
 
