@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from edgeinfer.backends.torch.device import _gpu_absent
+from edgeinfer.backends.torch.device import gpu_absent
 
 # the command line's process, as the console script runs it (main() with no argv), with the
 # GGUF parses counted
@@ -40,7 +40,7 @@ def test_run_in_process_parses_once_and_holds_the_collector_while_loading(smollm
     assert facts["parses"] == 1
     # collection back on after the load, with what the load left frozen
     assert facts["gc_on"] and facts["frozen"] > 10_000
-    if _gpu_absent("cuda") and _gpu_absent("mps"):
+    if gpu_absent("cuda") and gpu_absent("mps"):
         assert not facts["torch"], "--backend auto imported torch on a machine with no GPU"
 
 

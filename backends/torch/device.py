@@ -4,7 +4,7 @@ Everything device-specific for cuda and mps lives in this module (memory queries
 dtype), so the rest of the torch backend is written once for any `torch.device`.
 torch is imported lazily: `cuda_available()` / `mps_available()` work (False),
 on machines without torch, and answer False without importing it (~1 s) where the operating
-system shows no GPU torch could drive (`_gpu_absent`).
+system shows no GPU torch could drive (`gpu_absent`).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def compute_dtype(kind: str, override: str | None = None):
     return torch.float32
 
 
-def _gpu_absent(kind: str) -> bool:
+def gpu_absent(kind: str) -> bool:
     """Whether this machine certainly has no `kind` ("cuda" or "mps") device, known without
     torch: `--backend auto` on a CPU-only machine (edgeinfer run, the daemon's loads) then
     skips importing torch, ~1 s of a cold start. Unsure answers False and torch decides."""
@@ -116,14 +116,14 @@ def _gpu_absent(kind: str) -> bool:
 
 
 def cuda_available() -> bool:
-    if _gpu_absent("cuda"):
+    if gpu_absent("cuda"):
         return False
     torch = _torch()
     return torch is not None and torch.cuda.is_available()
 
 
 def mps_available() -> bool:
-    if _gpu_absent("mps"):
+    if gpu_absent("mps"):
         return False
     torch = _torch()
     return torch is not None and _mps_available(torch)

@@ -398,8 +398,8 @@ def _surely_cpu(backend: str, device: str | None) -> bool:
     architecture without a native model) on a machine with no GPU torch could drive."""
     if backend not in ("auto", "cpu") or device not in (None, "cpu"):
         return False
-    from edgeinfer.backends.torch.device import _gpu_absent
-    return backend == "cpu" or (_gpu_absent("cuda") and _gpu_absent("mps"))
+    from edgeinfer.backends.torch.device import gpu_absent
+    return backend == "cpu" or (gpu_absent("cuda") and gpu_absent("mps"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
