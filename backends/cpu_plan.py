@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
@@ -114,6 +115,19 @@ def host_features() -> dict:
 MXFP4_NOTE = "; MXFP4 read in place from the file"
 
 
+@dataclass(frozen=True)
+class FileLayout:
+    """What the repack decision and the weights format read from a file's tensor table (a
+    reader of the file's other facts keeps it: /api/show parses once)."""
+    repacked_bytes: int
+    mxfp4: bool
+
+    @classmethod
+    def of(cls, gguf_file) -> "FileLayout":
+        return cls(repacked_bytes(gguf_file),
+                   any(int(t.ggml_type) == MXFP4 for t in gguf_file.tensors.values()))
+
+
 def weights_format(repacked: bool, isa: int) -> str:
     if repacked:
         return (f"int8 tiles repacked from GGUF blocks "
@@ -121,20 +135,31 @@ def weights_format(repacked: bool, isa: int) -> str:
     return "gguf (quantized blocks, decoded per matmul)"
 
 
-def would_repack(gguf_file, repack: bool | None, numerics: str, isa: int) -> bool:
-    """Whether a load repacks this model's weights: `repack` (Settings.repack) when set,
-    else with ggml numerics on a CPU with a vector tile kernel when the repacked weights
-    take at most half of the RAM (benchmarks/isa_ab.py measured even the AVX2 tiles at
-    2.11x prefill and 1.32x decode of the GGUF-block path)."""
+def repacks(layout: FileLayout, repack: bool | None, numerics: str, isa: int) -> bool:
+    """Whether a load repacks the weights: `repack` (Settings.repack) when set, else with
+    ggml numerics on a CPU with a vector tile kernel when the repacked weights take at most
+    half of the RAM (benchmarks/isa_ab.py measured even the AVX2 tiles at 2.11x prefill and
+    1.32x decode of the GGUF-block path)."""
     if repack is not None:
         return repack
-    return numerics == "ggml" and isa > PORTABLE and repacked_bytes(gguf_file) <= ram_bytes() // 2
+    return numerics == "ggml" and isa > PORTABLE and layout.repacked_bytes <= ram_bytes() // 2
+
+
+def would_repack(gguf_file, repack: bool | None, numerics: str, isa: int) -> bool:
+    """repacks() for a parsed file (the engine's load: CpuOps.would_repack)."""
+    if repack is not None:
+        return repack
+    return repacks(FileLayout.of(gguf_file), repack, numerics, isa)
+
+
+def layout_weights_format(layout: FileLayout, repack: bool | None = None,
+                          numerics: str = "ggml", isa: int | None = None) -> str:
+    """The weights_format a model of this layout would report (isa None: this host's)."""
+    isa = best_isa() if isa is None else isa
+    return weights_format(repacks(layout, repack, numerics, isa), isa) + \
+        (MXFP4_NOTE if layout.mxfp4 else "")
 
 
 def weights_format_for(gguf_file, repack: bool | None = None, numerics: str = "ggml",
                        isa: int | None = None) -> str:
-    """The weights_format a model from this file would report (isa None: this host's)."""
-    isa = best_isa() if isa is None else isa
-    mx = any(int(t.ggml_type) == MXFP4 for t in gguf_file.tensors.values())
-    return weights_format(would_repack(gguf_file, repack, numerics, isa), isa) + \
-        (MXFP4_NOTE if mx else "")
+    return layout_weights_format(FileLayout.of(gguf_file), repack, numerics, isa)

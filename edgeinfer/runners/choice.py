@@ -267,13 +267,17 @@ def describe_weights(backend: str, weights_format: str | None = None,
 
 
 def weights_format_of(backend: str, path: str | None = None, repack: bool | None = None,
-                      torch_dtype: str | None = None) -> str:
+                      torch_dtype: str | None = None, layout=None) -> str:
     """The `weights_format` a runner on this resolved backend would report for the file at
     `path`: the numba backend decides its layout per model (repacked int8 tiles on CPUs with
     VNNI when they fit, else the GGUF blocks; `repack` forces it), torch names its dtype
-    (`torch_dtype`: None for the device's choice)."""
+    (`torch_dtype`: None for the device's choice). `layout`: the file's
+    cpu_plan.FileLayout, if its caller parsed the file already."""
     base = backend.partition(":")[0]
     if base == "cpu":
+        if layout is not None:
+            from edgeinfer.backends.cpu_plan import layout_weights_format
+            return layout_weights_format(layout, repack)
         return _cpu_weights_format(path, repack)
     if base == "llamacpp":
         return "gguf (llama.cpp)"

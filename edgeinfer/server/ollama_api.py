@@ -18,6 +18,7 @@ from edgeinfer.formats.chat_template import ChatTemplateError, chat_template_for
 from edgeinfer.engine.core import RequestOutput
 from edgeinfer.formats.gguf_file import GGUFError, read_gguf
 from edgeinfer.formats.model_config import EMBEDDING_ARCHS, summarize
+from edgeinfer.backends.cpu_plan import FileLayout
 from edgeinfer.runners.choice import describe_weights, device_of, weights_format_of
 from edgeinfer.store.model_store import ModelNotFound, StoreError
 
@@ -440,7 +441,7 @@ async def show(body: ModelNameRequest, request: Request):
     ref = manager.resolve(_model_of(body))
 
     def read() -> dict[str, Any]:
-        s, md, info, template, caps = _file_facts(ref)
+        s, md, info, template, caps, _ = _file_facts(ref)
         details = _details(ref)
         if not details["parameter_size"]:
             details["parameter_size"] = f"{s.n_params / 1e6:.0f}M"
@@ -472,7 +473,8 @@ async def show(body: ModelNameRequest, request: Request):
 
 def _file_facts(ref) -> tuple:
     """What /api/show reads from a model's GGUF: its summary, the scalar metadata, the chat
-    template and the capabilities. Remembered for the last few files by path, size and
+    template, the capabilities and the tensor layout the CPU backend would repack (for
+    `runtime`: one parse for both). Remembered for the last few files by path, size and
     mtime (as runners.choice remembers a file's facts), so a client asking before each
     request (our CLI, editors) does not parse a vocabulary each time; the vocabulary itself
     is not kept."""
@@ -497,9 +499,10 @@ def _read_facts(path: str, size: int, mtime_ns: int) -> tuple:
         template = chat_template_for(md, s.arch)
         caps = _capabilities(template, md)
         md = {k: md[k] for k in ("general.license", "tokenizer.chat_template") if k in md}
+        layout = FileLayout.of(f)
     finally:
         f.close()
-    return s, md, info, template, caps
+    return s, md, info, template, caps, layout
 
 
 def _capabilities(template: str, md: dict) -> list[str]:
@@ -524,7 +527,7 @@ def _runtime(manager, ref) -> dict[str, Any]:
     try:
         backend = manager.choose_backend(ref)
         fmt = weights_format_of(backend, str(ref.path), manager.config.repack,
-                                manager.config.torch_dtype)
+                                manager.config.torch_dtype, layout=_file_facts(ref)[5])
         default = {"backend": backend, "device": device_of(backend), "weights_format": fmt,
                    "weights": describe_weights(backend, fmt)}
     except APIError as e:     # e.g. a default device this machine lost: say so, do not fail
