@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
-LANES = 16          # rows per repacked tile (backends/cpu/_int8.py LANES; a test checks)
+LANES = 16          # rows per repacked tile (the tile kernels, backends/cpu/_int8.py, use it)
 MXFP4 = int(Q.MXFP4)
 
 # activation format (ggml's vec_dot_type) per weight type: block size of its scale
@@ -75,8 +75,9 @@ def ram_bytes() -> int:
 
 
 # -- the host's tile kernel ---------------------------------------------------------------
-# Tile kernels by instruction set (_int8.py): AVX-512 VNNI, AVX-VNNI, AVX2, or the portable
-# numba loop; the features each needs, as LLVM names them (_int8 asks LLVM for the host's)
+# Tile kernels by instruction set (_int8.py imports these): AVX-512 VNNI, AVX-VNNI, AVX2, or
+# the portable numba loop; the features each needs, as LLVM names them (_int8 asks LLVM for
+# the host's)
 PORTABLE, AVX2, AVXVNNI, AVX512VNNI = 0, 1, 2, 3
 NEEDS = {AVX2: ("avx2", "f16c"), AVXVNNI: ("avx2", "f16c", "avxvnni"),
          AVX512VNNI: ("avx512f", "avx512bw", "avx512vnni", "f16c")}

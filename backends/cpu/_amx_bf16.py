@@ -53,7 +53,7 @@ from . import _stamp
 from ._int8 import _bits_f32, _f32_bits, _fetch_add
 
 _DEPS = ("_int8.py",)          # its bit casts and atomic counter inlined here: see _stamp.py
-_DEPS_HASH = "26c0e5726b558600"
+_DEPS_HASH = "47539028bb1de1d7"
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True)

@@ -63,6 +63,9 @@ from llvmlite import ir
 from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic
 
+from edgeinfer.backends.cpu_plan import (AVX2, AVX512VNNI, AVXVNNI, LANES,  # noqa: F401
+                                         NEEDS as _NEEDS, PORTABLE)
+
 from . import _stamp
 
 _DEPS: tuple[str, ...] = ()            # inlines nothing from other modules
@@ -72,7 +75,7 @@ _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
 
-LANES = 16
+# LANES: rows per tile, 16 (cpu_plan.py, which sizes the layout without numba)
 # Blocks ahead of the current one whose codes the 1- and 4-row tiles prefetch. Those tiles
 # (decode, small batches) are bound by memory latency: a thread's chunk of tiles is a few KB,
 # too short for the hardware prefetcher to ramp up on (16 blocks: 4-8 KB ahead; layer matmuls
@@ -99,14 +102,12 @@ UNPACKED_BYTES = 1 << 18
 # Tile kernels by instruction set (each a kernel of its own, compiled for it alone):
 # AVX-512 VNNI (vpdpbusd on 16 lanes), AVX-VNNI (vpdpbusd on two 8-lane halves), AVX2
 # (vpmaddubsw + vpmaddwd: exact, as the codes below 8 bits are < 128 and 8-bit codes go
-# through ggml's sign trick), or none: the portable numba loop.
-PORTABLE, AVX2, AVXVNNI, AVX512VNNI = 0, 1, 2, 3
+# through ggml's sign trick), or none: the portable numba loop. Their codes and the host
+# features each needs: cpu_plan.py (the daemon names the host's kernel without numba).
 # AVX2, codes below 8 bits: quads whose vpmaddubsw pair sums add up in 16 bits without overflow
 # (2 * 15 * 127 = 3810 a pair for 4-bit codes: 8 quads; 7874 for 5-bit: 4; 16002 for 6-bit: 2).
 AVX2_GROUP = {4: 8, 5: 4, 6: 2}
 ISA_NAMES = {"portable": PORTABLE, "avx2": AVX2, "avxvnni": AVXVNNI, "avx512vnni": AVX512VNNI}
-_NEEDS = {AVX2: ("avx2", "f16c"), AVXVNNI: ("avx2", "f16c", "avxvnni"),
-          AVX512VNNI: ("avx512f", "avx512bw", "avx512vnni", "f16c")}
 
 
 def _host_features() -> dict:

@@ -36,7 +36,7 @@ from .kernels import _rope_head
 # inlined here (see _stamp.py): the quantizer, the norms, rope, the tile-call intrinsics
 _DEPS = ("_actquant.py", "_norm.py", "kernels.py", "_simd.py", "_moe.py", "_swiglu.py",
          "_int8.py")
-_DEPS_HASH = "bbe9404fe3cc51ae"
+_DEPS_HASH = "02c13269f10df3d5"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _JIT = dict(nogil=True, cache=_CACHE, fastmath=False)

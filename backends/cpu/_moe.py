@@ -38,7 +38,7 @@ from ._swiglu import swiglu_row
 # inlined here (quantize_act_block's vector form and its deps, _int8's atomic counter): see
 # _stamp.py. _int8's tile kernels are called by address, not compiled in.
 _DEPS = ("_actquant.py", "kernels.py", "_simd.py", "_router.py", "_swiglu.py", "_int8.py")
-_DEPS_HASH = "421053e46459045b"
+_DEPS_HASH = "8ebc4281f3290049"
 
 _CACHE = _stamp.current(_DEPS, _DEPS_HASH)
 _PJIT = dict(nogil=True, cache=_CACHE, parallel=True, fastmath=False)
