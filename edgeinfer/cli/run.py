@@ -395,11 +395,12 @@ def local_backend(path: str, backend: str, device: str | None) -> str:
 
 def _surely_cpu(backend: str, device: str | None) -> bool:
     """Whether --backend/--device leave only the numba CPU backend (or llama.cpp, for an
-    architecture without a native model) on a machine with no GPU torch could drive."""
+    architecture without a native model): what auto picks on this machine (without torch
+    where no GPU shows) when they leave the choice to it."""
     if backend not in ("auto", "cpu") or device not in (None, "cpu"):
         return False
-    from edgeinfer.backends.torch.device import gpu_absent
-    return backend == "cpu" or (gpu_absent("cuda") and gpu_absent("mps"))
+    from edgeinfer.runners.choice import auto_backend
+    return backend == "cpu" or device == "cpu" or auto_backend() == "cpu"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
