@@ -120,12 +120,7 @@ class Client:
         return conn.getresponse()
 
     def health(self) -> dict | None:
-        try:
-            r = self._send("GET", "/health", None, 2.0)
-            data = r.read()
-            return json.loads(data) if r.status == 200 else None
-        except (OSError, http.client.HTTPException, ValueError):
-            return None
+        return daemon.health(self.base_url)
 
     def request(self, method: str, path: str, body: dict | None = None) -> Any:
         try:
