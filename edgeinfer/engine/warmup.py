@@ -337,7 +337,21 @@ def prepare_for_load(path: str, backend: str, kv_cache_type: str | None, repack:
 
 # -- the model steps -----------------------------------------------------------------------
 
-N_EMBD, N_FF, N_HEAD, N_KV, HEAD_DIM = 128, 256, 4, 2, 64
+# the FFN 8x the width: the tiny model then has a band of prompt lengths whose attention
+# block fuses and whose FFN does not (_prompt_lengths), as real models have
+N_EMBD, N_FF, N_HEAD, N_KV, HEAD_DIM = 128, 1024, 4, 2, 64
+
+
+def _prompt_lengths() -> tuple[int, int]:
+    """Prompt lengths past the one-call FFN on the tiny model: the longest whose attention
+    block still takes the fused kernels (ops.fused_layer_rows; its FFN runs apart: FusedFFN
+    .takes), and one whose step runs the separate ops throughout. Real models reach both
+    with chat-sized prompts (Qwen2.5 0.5B: 14-35 tokens, then 36 and more)."""
+    from edgeinfer.backends.cpu.ops import PAR_MIN_ELEMENTS     # lazy: numba, warm-up only
+    from edgeinfer.backends.cpu.packed import SERIAL_QUANT
+    fused = min(PAR_MIN_ELEMENTS, SERIAL_QUANT) // max(N_EMBD, N_HEAD * HEAD_DIM)
+    assert SERIAL_QUANT // N_FF < fused - 1, "no band: widen N_FF"
+    return fused - 1, fused + 8
 
 
 def write_tiny_model(path: Path, arch: str) -> Path:
@@ -360,7 +374,8 @@ def write_tiny_model(path: Path, arch: str) -> Path:
 
 def _model_step(arch: str, kv: str) -> None:
     """A tiny model of `arch` through the engine, as the daemon runs one: a prefill, greedy
-    decode with prompt-lookup drafts (several rows a sequence), then sampled requests decoded
+    decode with prompt-lookup drafts (several rows a sequence), prompts long enough for the
+    separate ops (_prompt_lengths), then sampled requests decoded
     together with every sampler that has a kernel, and a masked (grammar) sample."""
     with tempfile.TemporaryDirectory(prefix="edgeinfer-warm-") as tmp:
         path = write_tiny_model(Path(tmp) / f"{arch}.gguf", arch)
@@ -371,6 +386,10 @@ def _model_step(arch: str, kv: str) -> None:
             prompt = engine.encode_raw("the a of and the a of and " * 4)
             engine.generate(prompt, SamplingParams(temperature=0, max_tokens=8,
                                                    ignore_eos=True))
+            for j, n in enumerate(_prompt_lengths(), 1):    # the longer prompts' paths,
+                # each from another word on: no block of it in the prefix cache
+                engine.generate((prompt * (n // len(prompt) + 2))[j:j + n],
+                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             params = [
                 SamplingParams(temperature=0.8, top_k=40, top_p=0.9, repeat_penalty=1.1,
                                max_tokens=4, seed=1, logprobs=2, ignore_eos=True),
