@@ -19,3 +19,13 @@ def _runtime_defaults() -> None:
 
 
 _runtime_defaults()
+
+
+def _numba_cache() -> None:
+    # kernels load from numba's cache without parsing their bitcode (numba_cache.py); the
+    # patch waits for numba's codegen module, which the daemon never imports
+    from edgeinfer import numba_cache
+    numba_cache.install()
+
+
+_numba_cache()

@@ -1,0 +1,105 @@
+"""Kernels loaded from numba's cache without parsing their bitcode (edgeinfer/numba_cache.py):
+the symbols the object file defines are the ones numba's own load lists, a kernel loaded
+that way runs and links into a new compilation, and the patch is active on the installed
+numba (a numba upgrade fails here until the patch is checked against it)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+_SYMBOLS = r"""
+import json
+import edgeinfer
+import numpy as np
+import llvmlite.binding as ll
+from edgeinfer import numba_cache
+objects = []                           # each load's object file, as the patched load reads it
+_symbols = numba_cache.elf_defined_symbols
+def recorded(obj):
+    objects.append(obj)
+    return _symbols(obj)
+numba_cache.elf_defined_symbols = recorded
+from edgeinfer.backends.cpu import warmup
+warmup.run("attention:f16")           # loads attention kernels from the cache
+from edgeinfer.backends.cpu import attention
+out = {"active": numba_cache.active(), "libraries": []}
+for cres in attention._run.overloads.values():
+    lib = cres.library
+    bitcode = lib.__dict__.get("_lazy_bitcode")
+    if bitcode is None:
+        continue
+    mod = ll.parse_bitcode(bitcode)
+    ir = {g.name for gs in (mod.functions, mod.global_variables) for g in gs
+          if not g.is_declaration}
+    private = {g.name for gs in (mod.functions, mod.global_variables) for g in gs
+               if not g.is_declaration and g.linkage == ll.Linkage.private}
+    entry = cres.fndesc.llvm_func_name
+    elf = next(n for n in map(_symbols, objects) if entry in n)
+    out["libraries"].append({"ir_not_elf": sorted(ir - private - elf),
+                             "elf_not_ir": sorted(elf - ir), "entry": entry in elf,
+                             "n": len(elf)})
+print(json.dumps(out))
+"""
+
+
+def test_the_object_files_symbols_are_the_ones_numbas_load_lists():
+    p = subprocess.run([sys.executable, "-c", _SYMBOLS], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["active"], "the patch is off: is the installed numba one numba_cache.KNOWN lists?"
+    assert out["libraries"], "no kernel came from the cache"
+    for lib in out["libraries"]:
+        assert lib["entry"] and lib["n"] > 1
+        assert lib["ir_not_elf"] == [] and lib["elf_not_ir"] == [], lib
+
+
+_KERNEL = """
+import numba
+@numba.njit(cache=True, nogil=True)
+def scaled_sum(x, k):
+    s = 0.0
+    for v in x:
+        s += v * k
+    return s
+"""
+
+_USE = r"""
+import json, sys
+import edgeinfer
+import numba
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import kern
+from edgeinfer import numba_cache
+x = np.arange(10, dtype=np.float64)
+first = kern.scaled_sum(x, 2.0)
+lib = next(iter(kern.scaled_sum.overloads.values())).library
+
+@numba.njit
+def twice(x):           # compiled here: links the cached kernel's library in
+    return kern.scaled_sum(x, 2.0) + kern.scaled_sum(x, 1.0)
+
+print(json.dumps({"active": numba_cache.active(), "first": first, "twice": twice(x),
+                  "hits": sum(kern.scaled_sum.stats.cache_hits.values()),
+                  "lazy_left": "_lazy_bitcode" in lib.__dict__}))
+"""
+
+
+def test_a_kernel_loaded_lazily_runs_and_links_into_a_new_compilation(tmp_path):
+    (tmp_path / "kern.py").write_text(textwrap.dedent(_KERNEL))
+    env_cmd = [sys.executable, "-c", _USE, str(tmp_path)]
+    import os
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    runs = []
+    for _ in range(2):      # the first compiles and saves; the second loads from the cache
+        p = subprocess.run(env_cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    compiled, loaded = runs
+    assert compiled["hits"] == 0 and loaded["hits"] == 1 and loaded["active"]
+    assert loaded["first"] == compiled["first"] == 90.0
+    assert loaded["twice"] == compiled["twice"] == 135.0
+    assert loaded["lazy_left"] is False        # linking parsed it, once asked
