@@ -678,3 +678,48 @@ def test_breaker_ids_search_the_joined_vocabulary_as_a_token_by_token_pass_would
         want = tuple(t for t in range(len(pieces))
                      if any(n.encode() in pieces[t] for n in needles))
         assert breaker_ids(tok, needles) == want, needles
+
+
+def test_breaker_ids_make_one_pass_however_many_ask_at_once():
+    """A load's or first request's pass and a DRY request's wait for one answer: the
+    vocabulary is searched once (each pass holds the GIL ~0.1 s for 151k tokens)."""
+    import threading
+    from edgeinfer.runners.sampling_params import breaker_ids
+
+    class Vocab:
+        passes = 0
+
+        def piece_table(self, render_special):
+            Vocab.passes += 1
+            threading.Event().wait(0.05)       # a pass long enough for the others to arrive
+            return [b"a", b"\n", b"b:", b"c"] * 1000
+
+    tok = Vocab()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(breaker_ids(tok, ["\n", ":"])))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Vocab.passes == 1
+    assert len(set(results)) == 1 and len(results[0]) == 2000
+
+
+def test_a_chat_models_first_request_does_not_wait_for_drys_breakers(monkeypatch):
+    """Only a base model (DRY on by its defaults) looks its breakers up while its prompt is
+    encoded; a chat model's prompt goes to the engine first (server/generation.py)."""
+    import asyncio
+    from types import SimpleNamespace
+    from edgeinfer.server import generation
+
+    looked_up = []
+    monkeypatch.setattr(generation, "breaker_ids", lambda tok, b: looked_up.append(tok))
+    for own_template, expected in ((True, 0), (False, 1)):
+        looked_up.clear()
+        tok = SimpleNamespace(piece=lambda i, r=False: b"x")
+        engine = SimpleNamespace(tokenizer=tok, has_own_template=own_template)
+        gen = generation.Generation.__new__(generation.Generation)
+        gen.lm = SimpleNamespace(engine=engine)
+        assert asyncio.run(gen.encode(lambda e: [1, 2, 3])) == [1, 2, 3]
+        assert len(looked_up) == expected, own_template

@@ -36,7 +36,7 @@ from edgeinfer.engine.images import Layout
 from edgeinfer.engine.prompts import PromptMethods, Prompter, chat_format
 from edgeinfer.engine.requests import EngineInfo, RequestError, check_embed, check_request
 from edgeinfer.runners.base import start_thread
-from edgeinfer.runners.sampling_params import DRY_BREAKERS, SamplingParams, breaker_ids
+from edgeinfer.runners.sampling_params import SamplingParams
 from edgeinfer.engine.warmup import Progress, prepare_for_load
 from edgeinfer.formats.gguf_file import read_gguf
 from edgeinfer.formats.mmproj import read_mmproj
@@ -350,11 +350,6 @@ class RemoteEngine(PromptMethods):
                 tokenizer, chat_format(md, self.info.cfg.arch), layout=layout,
                 encode_image=(lambda im: self.call("encode_image", im)) if layout else None,
                 no_images=self.info.vision_note)
-            if not isinstance(tokenizer, _RemoteTokenizer):
-                # DRY's default breakers (a pass over the vocabulary, ~0.1 s) for a first
-                # request that uses DRY, once the load is done: the vocabulary's read was
-                # the longest part of a load whose weights came mapped from the repack cache
-                start_thread(breaker_ids, tokenizer, DRY_BREAKERS, name="edgeinfer-breakers")
         except BaseException:
             self._kill()
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import threading
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -205,26 +206,36 @@ _BREAKER_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], tuple[int,
     weakref.WeakKeyDictionary()
 
 
+# one pass at a time: a caller that finds one under way (a load's thread, then the first
+# request that uses DRY) waits for its answer instead of repeating it
+_BREAKER_LOCK = threading.Lock()
+
+
 def breaker_ids(tokenizer, breakers: Sequence[str]) -> tuple[int, ...]:
     """Token ids whose text (special tokens rendered) contains one of `breakers` (each cut
     to 40 characters, as llama.cpp does). One pass over the vocabulary per (tokenizer,
     breakers), then cached for as long as the tokenizer lives."""
-    per_tok = _BREAKER_CACHE.setdefault(tokenizer, {})
     key = tuple(breakers)
-    hit = per_tok.get(key)
+    hit = _BREAKER_CACHE.get(tokenizer, {}).get(key)
     if hit is not None:
         return hit
-    needles = [b[:MAX_DRY_BREAKER_CHARS].encode("utf-8") for b in breakers]
-    if hasattr(tokenizer, "piece_table"):
-        out = _ids_containing(tokenizer.piece_table(True), needles)
-    else:       # a tokenizer without a table (llama.cpp's, asked over a pipe)
-        size = int(getattr(tokenizer, "vocab_size", 0) or len(getattr(tokenizer, "tokens", ())))
-        out = tuple(t for t in range(size)
-                    if any(nd in tokenizer.piece(t, True) for nd in needles))
-    if len(per_tok) > 16:
-        per_tok.clear()
-    per_tok[key] = out
-    return out
+    with _BREAKER_LOCK:
+        per_tok = _BREAKER_CACHE.setdefault(tokenizer, {})
+        hit = per_tok.get(key)
+        if hit is not None:
+            return hit
+        needles = [b[:MAX_DRY_BREAKER_CHARS].encode("utf-8") for b in breakers]
+        if hasattr(tokenizer, "piece_table"):
+            out = _ids_containing(tokenizer.piece_table(True), needles)
+        else:       # a tokenizer without a table (llama.cpp's, asked over a pipe)
+            size = int(getattr(tokenizer, "vocab_size", 0)
+                       or len(getattr(tokenizer, "tokens", ())))
+            out = tuple(t for t in range(size)
+                        if any(nd in tokenizer.piece(t, True) for nd in needles))
+        if len(per_tok) > 16:
+            per_tok.clear()
+        per_tok[key] = out
+        return out
 
 
 def _ids_containing(pieces: list[bytes], needles: list[bytes]) -> tuple[int, ...]:

@@ -15,11 +15,12 @@ import time
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi.responses import StreamingResponse
 
 from edgeinfer.engine.core import RequestError, RequestOutput
+from edgeinfer.runners.base import start_thread
 from edgeinfer.runners.sampling_params import (DRY_BREAKERS, SamplingParams, base_model_params,
                                               breaker_ids, is_base_model, with_vocabulary)
 
@@ -54,6 +55,20 @@ def params_or_400(**kw) -> SamplingParams:
         msg = str(e)
         param = msg.split(" ", 1)[0] if msg else None
         raise APIError(400, msg, param=param, code="invalid_parameter") from None
+
+
+_AHEAD: "weakref.WeakSet[Any]" = weakref.WeakSet()    # tokenizers whose pass has begun
+
+
+def _breakers_ahead(tokenizer) -> None:
+    """DRY's default sequence breakers of a model's vocabulary, found on a thread of their
+    own once its first request is in the engine (a later request asking for DRY then finds
+    them): not at the load, where the pass (~0.1 s for 151k tokens, holding the GIL) made
+    the first request's template and tokenizer wait."""
+    if not hasattr(tokenizer, "piece_table") or tokenizer in _AHEAD:
+        return
+    _AHEAD.add(tokenizer)
+    start_thread(breaker_ids, tokenizer, DRY_BREAKERS, name="edgeinfer-breakers")
 
 
 class Generation:
@@ -106,12 +121,14 @@ class Generation:
         """`build(engine)` (chat-template rendering, tokenization) on a worker thread: a
         100 KB prompt takes the tokenizer most of a second, and on the event loop that time
         would stall every other stream. Exceptions (ChatTemplateError, APIError) pass through.
-        The first request of a model also finds DRY's default sequence breakers in its
-        vocabulary there (one pass, ~0.5 s for 262k tokens; cached after)."""
+        The first request of a base model, whose defaults turn DRY on, also finds DRY's
+        default sequence breakers in its vocabulary there (one pass, ~0.5 s for 262k tokens;
+        cached after, and begun by the load). A chat model's first request does not wait
+        for them: only a request that asks for DRY needs them (submit, once per model)."""
         def work(engine):
             out = build(engine)
             tok = getattr(engine, "tokenizer", None)
-            if tok is not None and hasattr(tok, "piece"):
+            if tok is not None and hasattr(tok, "piece") and is_base_model(engine):
                 breaker_ids(tok, DRY_BREAKERS)
             return out
         return await asyncio.to_thread(work, self.lm.engine)
@@ -155,6 +172,7 @@ class Generation:
         except RequestError as e:
             raise APIError(400, str(e), param=prompt_param, code="invalid_prompt") from None
         self.usage.prompt_tokens = len(prompt_ids)
+        _breakers_ahead(engine.tokenizer)
 
     async def events(self, disconnected: Disconnected | None = None
                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
