@@ -261,3 +261,39 @@ def test_remembered_headers_parse_once_and_see_a_rewritten_file(tmp_path, monkey
     assert c.metadata is not a.metadata
     assert c.metadata["general.architecture"] == "qwen2"
     assert "tokenizer.chat_template" not in c.metadata
+
+
+def test_a_parse_handed_on_serves_the_next_read_once_and_expires(tmp_path, monkeypatch):
+    """read_gguf(hand_on_s=...) (the daemon's /api/show): the next read of the same file in
+    that time takes the parse (the load right after reads no vocabulary again), with a mapping
+    of its own; the read after that parses; a rewritten file or a late read parses again."""
+    import time
+
+    from synth import write_model
+
+    from edgeinfer.formats import gguf_file
+    monkeypatch.setattr(gguf_file, "_HEADERS", None)
+    monkeypatch.setattr(gguf_file, "_HANDOFF", None)
+    parses = []
+    real_parse = gguf_file._parse
+    monkeypatch.setattr(gguf_file, "_parse", lambda *a: parses.append(a[0]) or real_parse(*a))
+    path = write_model(tmp_path / "m.gguf", "llama", chat_template="{{ 1 }}")
+    shown = read_gguf(path, hand_on_s=30)
+    shown.close()
+    loaded = read_gguf(path)
+    assert len(parses) == 1 and loaded.metadata is shown.metadata
+    name = next(iter(loaded.tensors))
+    assert np.array_equal(loaded.raw(name), np.frombuffer(
+        path.read_bytes(), np.uint8, count=loaded.tensors[name].nbytes,
+        offset=loaded.tensors[name].offset))
+    read_gguf(path).close()                     # taken once: this one parses
+    assert len(parses) == 2
+    read_gguf(path, hand_on_s=30).close()
+    write_model(tmp_path / "m.gguf", "qwen2")   # rewritten: the handed parse is not its own
+    assert read_gguf(path).metadata["general.architecture"] == "qwen2"
+    assert len(parses) == 4
+    read_gguf(path, hand_on_s=0.05).close()
+    time.sleep(0.3)                             # expired: the vocabulary went back
+    assert gguf_file._HANDOFF is None
+    read_gguf(path).close()
+    assert len(parses) == 6

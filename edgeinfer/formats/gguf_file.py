@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,12 +273,46 @@ def forget_headers(keep: str | None = None) -> None:
             del _HEADERS[path]
 
 
-def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
+# one parse handed to the next read of the same unchanged file, if it comes within a few
+# seconds (read_gguf's hand_on_s): the daemon's /api/show parses a model that the request
+# after it usually loads (`edgeinfer run` asks show, then chat), and that load reads the
+# vocabulary again (~0.08 s for 151k tokens, on the first run's path to its first token)
+_HANDOFF: tuple[str, tuple, GGUFFile] | None = None
+_HANDOFF_LOCK = threading.Lock()
+
+
+def _take_handoff(path: str, ident: tuple) -> GGUFFile | None:
+    global _HANDOFF
+    with _HANDOFF_LOCK:
+        entry, _HANDOFF = _HANDOFF, None
+    return entry[2] if entry is not None and entry[:2] == (path, ident) else None
+
+
+def _hand_on(path: str, ident: tuple, gf: GGUFFile, seconds: float) -> None:
+    global _HANDOFF
+    entry = (path, ident, dataclasses.replace(gf, _mmap=None))
+    with _HANDOFF_LOCK:
+        _HANDOFF = entry
+
+    def expire() -> None:       # the vocabulary goes back if no read takes it
+        global _HANDOFF
+        with _HANDOFF_LOCK:
+            if _HANDOFF is entry:
+                _HANDOFF = None
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+
+
+def read_gguf(path: str | os.PathLike, compiled_walk: bool = False,
+              hand_on_s: float = 0.0) -> GGUFFile:
     """Parse and validate a GGUF file's header and tensor table; map its data read-only.
     compiled_walk: follow a long string array's lengths in numba (_string_heads.py, ~0.2 s
     less for a 150k vocabulary) — for a process that runs numba kernels anyway (the model
     runner). Elsewhere (the daemon's front, pull, show) the Python loop keeps numba's runtime
-    (~50 MB once a function has loaded) out of the process."""
+    (~50 MB once a function has loaded) out of the process. hand_on_s: keep this parse for
+    the next read of the file within that many seconds (one read takes it; see _HANDOFF);
+    parsed metadata is shared then: read it, never change it."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -297,12 +332,17 @@ def read_gguf(path: str | os.PathLike, compiled_walk: bool = False) -> GGUFFile:
     known = _HEADERS.get(path) if _HEADERS is not None else None
     if known is not None and known[0] == ident:
         return dataclasses.replace(known[1], _mmap=mm)
+    handed = _take_handoff(path, ident) if _HANDOFF is not None else None
+    if handed is not None:
+        return dataclasses.replace(handed, _mmap=mm)
     view = memoryview(mm)
     try:
         gf = _parse(path, mm, view, size,
                     compiled_walk or (_HEADERS is not None and _HEADERS_WALK))
         if _HEADERS is not None:
             _HEADERS[path] = (ident, dataclasses.replace(gf, _mmap=None))
+        if hand_on_s > 0:
+            _hand_on(path, ident, gf, hand_on_s)
         return gf
     except GGUFError:
         view.release()

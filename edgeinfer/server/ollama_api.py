@@ -489,7 +489,9 @@ def _file_facts(ref) -> tuple:
 
 @functools.lru_cache(maxsize=8)
 def _read_facts(path: str, size: int, mtime_ns: int) -> tuple:
-    f = read_gguf(path)
+    # the parse goes on to a load that follows within seconds (`edgeinfer run`: show, then
+    # chat), which reads the vocabulary from it instead of parsing again
+    f = read_gguf(path, hand_on_s=SHOW_HAND_ON_S)
     try:
         s = summarize(f)
         md = f.metadata
@@ -503,6 +505,9 @@ def _read_facts(path: str, size: int, mtime_ns: int) -> tuple:
     finally:
         f.close()
     return s, md, info, template, caps, layout
+
+
+SHOW_HAND_ON_S = 10.0
 
 
 def _capabilities(template: str, md: dict) -> list[str]:
