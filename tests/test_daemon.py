@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -235,3 +236,31 @@ async def test_manager_lru_budget_and_keep_alive(tmp_path, gemma3_path):
         assert e.value.status == 404
     finally:
         await mm.close()
+
+
+def test_run_asks_the_daemon_to_load_the_model_before_its_first_request(tmp_path, gemma3_path,
+                                                                        monkeypatch):
+    """`edgeinfer run MODEL` through the daemon loads MODEL as soon as it connects (Ollama's
+    empty /api/generate, as `ollama run` does), with the run's placement: the load overlaps
+    /api/show and the user's typing. No generation request is made here."""
+    from edgeinfer.cli.run import DaemonSession
+    from edgeinfer.runners.sampling_params import SamplingParams
+    home = tmp_path / "home"
+    register_gemma(home, gemma3_path)
+    d = start_daemon(home)
+    try:
+        monkeypatch.setenv("EDGEINFER_HOST", f"127.0.0.1:{d.port}")
+        from edgeinfer.settings import Settings, install
+        install(Settings.from_env())
+        session = DaemonSession("gemma3:270m", "auto", None, SamplingParams(),
+                                kv_cache_type="q8_0")
+        deadline = time.monotonic() + 120      # a guard for the load, not a timed assertion
+        models: list = []
+        while time.monotonic() < deadline and not models:
+            models = [m for m in d.get("/api/ps").json()["models"] if m["state"] == "loaded"]
+            time.sleep(0.1)
+        assert [m["name"] for m in models] == ["gemma3:270m"], d.log_text()[-2000:]
+        assert models[0]["kv_cache_type"] == "q8_0"      # the run's placement came with it
+        session.close()
+    finally:
+        d.stop()

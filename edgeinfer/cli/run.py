@@ -18,6 +18,7 @@ import dataclasses
 import os
 import queue
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -268,6 +269,30 @@ class DaemonSession:
         self.options = opts
         self.params = params
         self._base: bool | None = None
+        self.preload()
+
+    def preload(self) -> None:
+        """Ask the daemon to load the model now, as `ollama run` does (Ollama's empty
+        /api/generate, with this run's placement), on a thread of its own: the load then
+        overlaps /api/show and, in a chat, the user's typing, instead of following them.
+        A failure is the first request's to report."""
+        from edgeinfer.cli.client import ClientError
+        self._preload_s = 0.0
+        body: dict = {"model": self.model}
+        placement = {k: v for k, v in self.options.items()
+                     if k in ("backend", "device", "kv_cache_type")}
+        if placement:
+            body["options"] = placement
+
+        def load() -> None:
+            t = time.monotonic()
+            try:
+                done = self.client.request("POST", "/api/generate", body)
+            except ClientError:
+                return
+            if isinstance(done, dict) and done.get("done_reason") == "load":
+                self._preload_s = time.monotonic() - t     # --verbose's "model load"
+        threading.Thread(target=load, name="edgeinfer-preload", daemon=True).start()
 
     @property
     def base_model(self) -> bool:
@@ -318,7 +343,8 @@ class DaemonSession:
             watcher.stop()
         if final is None:
             raise UserError("the daemon ended the stream early")
-        self.load_s = final.load_duration
+        # the preload's wait when it loaded the model (the request then found it loaded)
+        self.load_s = max(final.load_duration, self._preload_s)
         return "".join(text), RunStats(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
                         (first or time.monotonic()) - t0, final.eval_duration, final.done_reason)
 
