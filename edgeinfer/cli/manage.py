@@ -9,10 +9,12 @@ from datetime import datetime
 from typing import Any
 
 from edgeinfer.cli.args import add_device_arg, add_kv_cache_type_arg, check_device_args
-from edgeinfer.cli.client import Client, ClientError, connect
 from edgeinfer import startup_gc
 from edgeinfer.cli.errors import UserError
-from edgeinfer.server import DEFAULT_PORT, daemon
+from edgeinfer.server import DEFAULT_PORT
+
+# edgeinfer.cli.client (http.client, ~15 ms) and edgeinfer.server.daemon load inside the
+# commands that talk to a daemon: every command's start imports this module to register them
 
 
 def add_commands(subparsers: Any) -> None:
@@ -105,6 +107,7 @@ def _image_urls_flag(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from edgeinfer.server import daemon
     _image_urls_flag(args)
     if args.ray or args.ray_address:
         if args.warm:
@@ -129,6 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon_start(args: argparse.Namespace) -> int:
+    from edgeinfer.server import daemon
     _image_urls_flag(args)
     try:
         running = daemon.read_pid_file()
@@ -142,6 +146,7 @@ def cmd_daemon_start(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon_stop(args: argparse.Namespace) -> int:
+    from edgeinfer.server import daemon
     info = daemon.stop_background()
     print(f"edgeinfer daemon stopped (pid {info.pid})" if info else "no edgeinfer daemon running")
     return 0
@@ -212,6 +217,8 @@ def format_ps(models: list[dict]) -> str:
 
 
 def cmd_daemon_status(args: argparse.Namespace) -> int:
+    from edgeinfer.cli.client import Client, ClientError
+    from edgeinfer.server import daemon
     info = daemon.read_pid_file()
     if info is None:
         print("edgeinfer daemon: not running")
@@ -230,6 +237,7 @@ def cmd_daemon_status(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon_logs(args: argparse.Namespace) -> int:
+    from edgeinfer.server import daemon
     text = daemon.tail_log(args.lines)
     if text:
         print(text)
@@ -251,6 +259,7 @@ def cmd_daemon_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
+    from edgeinfer.cli.client import ClientError, connect
     try:
         with connect(autostart=False) as c:
             models = c.request("GET", "/api/ps")["models"]
@@ -261,6 +270,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from edgeinfer.cli.client import ClientError, connect
     try:
         with connect(autostart=False) as c:
             c.request("POST", "/api/generate", {"model": args.model, "keep_alive": 0})

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from edgeinfer.cli import client
 from edgeinfer.cli.run import prepare_kernels
 from edgeinfer.runners.choice import resolve_for_file
 from edgeinfer.settings import current
@@ -86,6 +85,7 @@ def _daemon_pull(args: argparse.Namespace, progress: Callable[[PullProgress], No
     """Pull through a running daemon, so CLI and API share one download and its progress.
     Contract with edgeinfer.cli.client: `daemon_pull(source, name, sha256, progress) -> bool`,
     False when no daemon answers. Local files are always imported here, in-process."""
+    from edgeinfer.cli import client     # lazy: http.client, only for a daemon's pull
     return bool(client.daemon_pull(args.source, args.name, args.sha256, progress))
 
 
