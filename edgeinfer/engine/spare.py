@@ -1,8 +1,9 @@
 """A spare engine process, started ahead of the next model load.
 
-A fresh engine process spends about a second of a load before it reads a weight: Python's
-and numba's imports, numba's runtime start-up, and loading each kernel from numba's disk
-cache (~15 ms each, ~20 before a first token). A spare does that while the daemon waits:
+A fresh engine process spends about half a second of a load before it reads a weight:
+Python's and numba's imports, numba's runtime start-up, and loading each kernel from numba's
+disk cache (~1-2 ms each without their bitcode, edgeinfer/numba_cache.py; ~12 before a first
+token), then a first step that touches every page. A spare does that while the daemon waits:
 it imports the engine, then loads from numba's cache the kernels of a hint model (the last
 model the daemon loaded, else the bundled default), and waits for a model to serve. A load
 takes it (`RemoteEngine(spare=...)`) and the daemon starts the next spare only once that
