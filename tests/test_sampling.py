@@ -708,16 +708,19 @@ def test_breaker_ids_make_one_pass_however_many_ask_at_once():
 
 def test_a_chat_models_first_request_does_not_wait_for_drys_breakers(monkeypatch):
     """Only a base model (DRY on by its defaults) looks its breakers up while its prompt is
-    encoded; a chat model's prompt goes to the engine first (server/generation.py)."""
+    encoded; a chat model's prompt goes to the engine first (server/generation.py), unless
+    its vocabulary is asked token by token (seconds: never on the event loop)."""
     import asyncio
     from types import SimpleNamespace
     from edgeinfer.server import generation
 
     looked_up = []
     monkeypatch.setattr(generation, "breaker_ids", lambda tok, b: looked_up.append(tok))
-    for own_template, expected in ((True, 0), (False, 1)):
+    table = SimpleNamespace(piece=lambda i, r=False: b"x", piece_table=lambda r: [b"x"])
+    by_pipe = SimpleNamespace(piece=lambda i, r=False: b"x")    # llama.cpp's, token by token
+    for own_template, tok, expected in ((True, table, 0), (False, table, 1),
+                                        (True, by_pipe, 1)):
         looked_up.clear()
-        tok = SimpleNamespace(piece=lambda i, r=False: b"x")
         engine = SimpleNamespace(tokenizer=tok, has_own_template=own_template)
         gen = generation.Generation.__new__(generation.Generation)
         gen.lm = SimpleNamespace(engine=engine)
