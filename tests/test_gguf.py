@@ -297,3 +297,40 @@ def test_a_parse_handed_on_serves_the_next_read_once_and_expires(tmp_path, monke
     assert gguf_file._HANDOFF is None
     read_gguf(path).close()
     assert len(parses) == 6
+
+
+def test_will_need_asks_for_every_tensor_and_changes_no_byte(tmp_path):
+    """GGUFFile.will_need (a load's read-ahead of the small tensors it copies): a range per
+    tensor, page-aligned, inside the mapping; the bytes read after are the file's."""
+    import mmap as _mmap
+
+    from synth import write_model
+    path = write_model(tmp_path / "m.gguf", "llama")
+    gf = read_gguf(path)
+    calls = []
+
+    class Recording:
+        def __init__(self, mm):
+            self.mm = mm
+
+        def __len__(self):
+            return len(self.mm)
+
+        def madvise(self, flag, start, length):
+            calls.append((flag, start, length))
+            return self.mm.madvise(flag, start, length)
+    real = gf._mmap
+    gf._mmap = Recording(real)
+    names = list(gf.tensors)
+    gf.will_need(names)
+    gf._mmap = real
+    assert len(calls) == len(names)
+    for (flag, start, length), name in zip(calls, names):
+        t = gf.tensors[name]
+        assert flag == _mmap.MADV_WILLNEED and start % _mmap.PAGESIZE == 0
+        assert start <= t.offset and t.offset + t.nbytes <= start + length <= len(real)
+    blob = path.read_bytes()
+    for name in names:
+        t = gf.tensors[name]
+        assert gf.raw(name).tobytes() == blob[t.offset:t.offset + t.nbytes]
+    gf.close()

@@ -82,6 +82,24 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def will_need(self, names) -> None:
+        """Ask the kernel to read these tensors' pages ahead, all at once (madvise
+        MADV_WILLNEED; returns at once): a load that copies many small tensors scattered
+        through the file (a model's norms) then waits for one batch of reads, not one read
+        after another, when the file is not in the page cache (after a reboot). Nothing
+        where madvise or the flag is missing."""
+        if self._mmap is None or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        page, size = mmap.PAGESIZE, len(self._mmap)
+        for name in names:
+            t = self.tensors[name]
+            start = t.offset // page * page
+            try:
+                self._mmap.madvise(mmap.MADV_WILLNEED, start,
+                                   min(t.offset + t.nbytes, size) - start)
+            except (OSError, ValueError):
+                return
+
     def release_pages(self, name: str | None = None) -> None:
         """Drop mapped file pages (of one tensor, or all) from this process's memory; the page
         cache keeps them.

@@ -119,6 +119,10 @@ class ModelRunner:
         self._tokenizer = None
         self._tokenizer_job = (tokenizer_job if tokenizer_job is not None
                                else _start_tokenizer(gf))
+        # the norms and biases, copied one by one as the layers load, are scattered through
+        # the file: with a cold page cache, one batch of reads instead of ~120 in a row
+        # (Qwen2.5-Coder 0.5B, its GGUF evicted: `run --no-daemon` 0.74-0.93 -> 0.54-0.59 s)
+        gf.will_need([name for name, t in gf.tensors.items() if len(t.shape) == 1])
         self.model: Model = build_model(cfg, ops, gf)
         if ops.weights_copied:
             gf.release_pages()      # the weights live in the backend's own memory now
