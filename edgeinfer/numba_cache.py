@@ -13,8 +13,12 @@ numba's CPUCodeLibrary, and only on numba versions whose code it was written aga
 (KNOWN); elsewhere, and for any object file that is not 64-bit little-endian ELF (macOS,
 Windows), loads go through numba's own path.
 
+The same for numba's runtime module (NRT), which numba compiles from IR in every process
+(~17 ms): its object code is kept beside numba's cache and loaded as a kernel is
+(_patch_nrt).
+
 It never imports numba: `edgeinfer/__init__` calls install() in every process, and it waits
-for numba's codegen module to be imported (the daemon never imports it).
+for numba's modules to be imported (the daemon never imports them).
 """
 from __future__ import annotations
 
@@ -90,39 +94,113 @@ def _patch(codegen) -> bool:
     return True
 
 
+def _nrt_path(ctx):
+    """Where the NRT module's object code for this numba, llvmlite and CPU is kept."""
+    import hashlib
+    import os
+
+    import llvmlite
+    import numba
+    from numba.core import config
+    root = config.CACHE_DIR or os.environ.get("NUMBA_CACHE_DIR")
+    if not root:
+        return None
+    key = repr((numba.__version__, llvmlite.__version__, ctx.codegen().magic_tuple()))
+    return os.path.join(root, "edgeinfer-nrt", hashlib.sha256(key.encode()).hexdigest()[:24])
+
+
+nrt_from_cache: bool | None = None    # this process's NRT module: loaded (True) or compiled
+
+
+def _patch_nrt(nrtdynmod) -> bool:
+    """numba compiles its runtime's LLVM module (NRT: atomic reference counts, MemInfo
+    helpers) from IR in every process that runs a kernel (~17 ms, before the first one):
+    keep its object code beside numba's cache, keyed by numba's and llvmlite's versions and
+    the CPU (codegen.magic_tuple), and load it as numba loads a cached kernel."""
+    import numba
+    if not numba.__version__.startswith(KNOWN) or getattr(nrtdynmod, "_edgeinfer_cached", False):
+        return False
+    import os
+    import pickle
+
+    def compile_nrt_functions(ctx):
+        global nrt_from_cache
+        path = _nrt_path(ctx)
+        if path is not None and os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    library = ctx.codegen().unserialize_library(pickle.load(f))
+                nrt_from_cache = True
+                return library
+            except Exception:       # noqa: BLE001 - unreadable: compile it, write it again
+                pass
+        nrt_from_cache = False
+        ir_mod, library = nrtdynmod.create_nrt_module(ctx)
+        library.add_ir_module(ir_mod)
+        library.enable_object_caching()
+        library.finalize()
+        if path is not None:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    pickle.dump(library.serialize_using_object_code(), f)
+                os.replace(tmp, path)
+            except (OSError, ValueError, pickle.PicklingError):
+                pass                # a read-only cache: compiled each time, as numba does
+        return library
+
+    nrtdynmod.compile_nrt_functions = compile_nrt_functions
+    nrtdynmod._edgeinfer_cached = True
+    return True
+
+
 def active() -> bool:
     """Whether loads in this process take the patched path (numba imported, version known)."""
     codegen = sys.modules.get("numba.core.codegen")
     return codegen is not None and getattr(codegen.CPUCodeLibrary, "_edgeinfer_lazy", False)
 
 
-class _AfterCodegen:
-    """A sys.meta_path finder that patches numba.core.codegen as soon as it is imported,
-    then leaves sys.meta_path."""
+_PATCHES = {"numba.core.codegen": _patch, "numba.core.runtime.nrtdynmod": _patch_nrt}
 
-    NAME = "numba.core.codegen"
+
+class _AfterImport:
+    """A sys.meta_path finder that patches numba's modules (_PATCHES) as soon as each is
+    imported, then leaves sys.meta_path."""
+
+    def __init__(self, waiting: set[str]):
+        self.waiting = waiting
 
     def find_spec(self, name, path, target=None):
-        if name != self.NAME:
+        if name not in self.waiting:
             return None
         import importlib.util
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.waiting.discard(name)
+        sys.meta_path.remove(self)      # the module's own spec, from the finders after this
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            if self.waiting:
+                sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader_exec = spec.loader.exec_module
+        loader_exec, patch = spec.loader.exec_module, _PATCHES[name]
 
         def exec_module(module):
             loader_exec(module)
-            _patch(module)
+            patch(module)
         spec.loader.exec_module = exec_module
         return spec
 
 
 def install() -> None:
-    """Patch now if numba's codegen is loaded, else when it is."""
-    codegen = sys.modules.get(_AfterCodegen.NAME)
-    if codegen is not None:
-        _patch(codegen)
-    elif not any(isinstance(f, _AfterCodegen) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterCodegen())
+    """Patch numba's modules that are loaded now, and each of the others when it is."""
+    waiting = set()
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            waiting.add(name)
+    if waiting and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(waiting))

@@ -103,3 +103,47 @@ def test_a_kernel_loaded_lazily_runs_and_links_into_a_new_compilation(tmp_path):
     assert loaded["first"] == compiled["first"] == 90.0
     assert loaded["twice"] == compiled["twice"] == 135.0
     assert loaded["lazy_left"] is False        # linking parsed it, once asked
+
+
+_NRT = r"""
+import json
+import edgeinfer
+import numba
+import numpy as np
+from numba.core.runtime import rtsys
+from edgeinfer import numba_cache
+
+@numba.njit
+def churn(n):            # arrays made and dropped: the runtime's reference counts at work
+    total = 0.0
+    for i in range(n):
+        a = np.arange(i + 1.0)
+        b = a * 2.0
+        total += b.sum()
+    return total
+
+value = churn(50)
+stats = rtsys.get_allocation_stats()
+print(json.dumps({"from_cache": numba_cache.nrt_from_cache, "value": value,
+                  "alloc": stats.alloc, "free": stats.free}))
+"""
+
+
+def test_the_runtime_module_is_compiled_once_then_loaded(tmp_path):
+    """numba's NRT module: compiled and kept by the first process, loaded by the next; its
+    allocations and frees balance either way (NUMBA_NRT_STATS)."""
+    import os
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_NRT_STATS="1")
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", _NRT], capture_output=True, text=True,
+                           timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    compiled, loaded = runs
+    assert compiled["from_cache"] is False and loaded["from_cache"] is True
+    assert list((tmp_path / "cache" / "edgeinfer-nrt").iterdir())
+    want = sum(2.0 * i * (i + 1) / 2 for i in range(50))
+    for run in runs:
+        assert run["value"] == want
+        assert run["alloc"] == run["free"] > 0, run
