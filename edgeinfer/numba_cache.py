@@ -57,11 +57,16 @@ def elf_defined_symbols(obj: bytes) -> set[str] | None:
     return names
 
 
+def _known() -> bool:
+    """The installed numba is one whose internals these patches were written against."""
+    import numba
+    return numba.__version__.startswith(KNOWN)
+
+
 def _patch(codegen) -> bool:
     """Patch numba.core.codegen's CPUCodeLibrary (see the module's docstring)."""
-    import numba
     lib = codegen.CPUCodeLibrary
-    if not numba.__version__.startswith(KNOWN) or getattr(lib, "_edgeinfer_lazy", False):
+    if not _known() or getattr(lib, "_edgeinfer_lazy", False):
         return False
     own_unserialize = lib._unserialize.__func__
     own_linking = lib._get_module_for_linking
@@ -102,7 +107,7 @@ def _nrt_path(ctx):
     import llvmlite
     import numba
     from numba.core import config
-    root = config.CACHE_DIR or os.environ.get("NUMBA_CACHE_DIR")
+    root = config.CACHE_DIR         # NUMBA_CACHE_DIR, as numba read it (edgeinfer sets it)
     if not root:
         return None
     key = repr((numba.__version__, llvmlite.__version__, ctx.codegen().magic_tuple()))
@@ -117,8 +122,7 @@ def _patch_nrt(nrtdynmod) -> bool:
     helpers) from IR in every process that runs a kernel (~17 ms, before the first one):
     keep its object code beside numba's cache, keyed by numba's and llvmlite's versions and
     the CPU (codegen.magic_tuple), and load it as numba loads a cached kernel."""
-    import numba
-    if not numba.__version__.startswith(KNOWN) or getattr(nrtdynmod, "_edgeinfer_cached", False):
+    if not _known() or getattr(nrtdynmod, "_edgeinfer_cached", False):
         return False
     import os
     import pickle
