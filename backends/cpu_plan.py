@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from gguf import GGMLQuantizationType as Q
+from edgeinfer.formats.ggml_types import GGMLQuantizationType as Q
 
 LANES = 16          # rows per repacked tile (the tile kernels, backends/cpu/_int8.py, use it)
 MXFP4 = int(Q.MXFP4)

@@ -84,8 +84,7 @@ def _dense(gf, name: str) -> np.ndarray | None:
     t = gf.tensors.get(name)
     if t is None:
         return None
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from edgeinfer.formats.ggml_types import GGMLQuantizationType, dequantize
     raw = gf.raw(name)
     if t.ggml_type == GGMLQuantizationType.F32:
         a = np.frombuffer(raw, np.float32)

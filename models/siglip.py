@@ -91,8 +91,7 @@ def attention_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
 
 def _dense(gf, name: str) -> np.ndarray:
     """A tensor as float32 numpy in numpy order (ggml shape reversed)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from edgeinfer.formats.ggml_types import GGMLQuantizationType, dequantize
     t = gf.tensors[name]
     raw = gf.raw(name)
     if t.ggml_type == GGMLQuantizationType.F32:

@@ -24,7 +24,7 @@ import threading
 import numba
 import numpy as np
 
-from gguf import GGMLQuantizationType
+from edgeinfer.formats.ggml_types import GGMLQuantizationType
 
 from . import _int8, _moe, _router
 from .matmul import QuantMatrix, matmul

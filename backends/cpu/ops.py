@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from edgeinfer.backends.base import ForwardBatch
 from edgeinfer.backends.cpu import attention as A
@@ -30,6 +28,7 @@ from edgeinfer.backends.cpu_plan import (MXFP4_NOTE, packed_size, repacked_bytes
                                          repacked_tensor)
 from edgeinfer.backends import cpu_plan
 from edgeinfer.backends.threads import ThreadGovernor
+from edgeinfer.formats.ggml_types import GGMLQuantizationType, dequantize
 from edgeinfer.formats.kv_cache_types import KV_BYTES_PER_VALUE, check_kv_cache_type
 
 

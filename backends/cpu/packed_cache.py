@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+
+from edgeinfer.formats.ggml_types import GGMLQuantizationType as Q
 
 from . import _stamp
 from .repack import PackedMatrix

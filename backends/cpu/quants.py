@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
+
+from edgeinfer.formats.ggml_types import GGMLQuantizationType
 
 from . import _decode as D
 from . import _kernels as _k

@@ -18,10 +18,10 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
 from edgeinfer.backends import cpu_plan
 from edgeinfer.backends.cpu_plan import REPACKABLE, packed_nbytes  # noqa: F401 (re-exported)
+from edgeinfer.formats.ggml_types import GGMLQuantizationType as Q
 
 from . import _int8
 from .quants import QuantMatrix

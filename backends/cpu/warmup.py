@@ -24,7 +24,8 @@ Step keys:
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
+
+from edgeinfer.formats.ggml_types import GGMLQuantizationType as Q
 
 from . import _int8
 from .repack import REPACKABLE

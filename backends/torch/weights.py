@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+
+from edgeinfer.formats.ggml_types import GGMLQuantizationType, dequantize
 
 _DIRECT = {
     GGMLQuantizationType.F32: np.float32,

@@ -44,11 +44,10 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
 from edgeinfer.engine.core import Engine, EngineConfig
+from edgeinfer.formats.ggml_types import GGMLQuantizationType as Q
 from edgeinfer.formats.gguf_file import read_gguf
-from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf
 from edgeinfer.runners.sampling_params import SamplingParams, with_vocabulary
 
 MODEL_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -358,6 +357,7 @@ def write_tiny_model(path: Path, arch: str) -> Path:
     """A random-weight model of `arch` (llama, qwen2, qwen3, gemma3): Q8_0 matrices, F32
     norms, the shared synthetic vocabulary (edgeinfer/formats/synthetic.py)."""
     from edgeinfer.backends.cpu.quants import random_quant_rows  # lazy: numba, warm-up child only
+    from edgeinfer.formats.synthetic import TinyShape, write_tiny_gguf  # lazy: the gguf writer
     rng = np.random.default_rng(0)
 
     def tensor(name: str, kind: str, dims: tuple, scale: float):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from edgeinfer.formats.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

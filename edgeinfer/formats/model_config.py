@@ -5,7 +5,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from gguf import LlamaFileType
+from edgeinfer.formats.ggml_types import LlamaFileType
 
 from edgeinfer.formats.gguf_file import GGUFError, GGUFFile
 

@@ -94,8 +94,8 @@ def sha256_file(path: Path) -> str:
 
 def gguf_summary(path: Path) -> dict[str, Any]:
     """Validate a GGUF file (raises GGUFError) and summarize it for the manifest."""
-    import gguf         # lazy, with the reader: every CLI command imports the store
-    from edgeinfer.formats.gguf_file import read_gguf
+    from edgeinfer.formats.ggml_types import LlamaFileType
+    from edgeinfer.formats.gguf_file import read_gguf  # lazy: every CLI command imports the store
     g = read_gguf(path)
     try:
         if g.metadata.get("general.architecture") == "clip":
@@ -105,7 +105,7 @@ def gguf_summary(path: Path) -> dict[str, Any]:
         file_type = None
         if isinstance(ft, int):
             try:
-                file_type = gguf.LlamaFileType(ft).name.removeprefix("MOSTLY_")
+                file_type = LlamaFileType(ft).name.removeprefix("MOSTLY_")
             except ValueError:
                 file_type = f"unknown({ft})"
         return {
