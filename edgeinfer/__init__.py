@@ -21,11 +21,12 @@ def _runtime_defaults() -> None:
 _runtime_defaults()
 
 
-def _numba_cache() -> None:
-    # kernels load from numba's cache without parsing their bitcode (numba_cache.py); the
-    # patch waits for numba's codegen module, which the daemon never imports
-    from edgeinfer import numba_cache
-    numba_cache.install()
+def _numba_hooks() -> None:
+    # kernels load from numba's cache without parsing their bitcode (numba_cache.py), and
+    # numba's import skips what we do not use (numba_start.py); the hooks wait for numba's
+    # own modules, which the daemon never imports
+    from edgeinfer import numba_hooks
+    numba_hooks.install()
 
 
-_numba_cache()
+_numba_hooks()

@@ -6,7 +6,7 @@ can link the kernel in and inline it. numba parses that bitcode on every load, t
 symbols the object defines: for our fused kernels, whose helpers are all inlined, ~20 of a
 load's ~27 ms (LLVMPY_ParseBitcode), and a first token loads about a dozen of them.
 
-`install()` makes the load read the defined symbols from the object file's ELF symbol table
+`patch_codegen` makes the load read the defined symbols from the object file's ELF symbol table
 instead (no LLVM call) and parse the bitcode only when something links against the kernel.
 The machine code, and so every result, is the one numba cached. It patches two methods of
 numba's CPUCodeLibrary, and only on numba versions whose code it was written against
@@ -15,17 +15,17 @@ Windows), loads go through numba's own path.
 
 The same for numba's runtime module (NRT), which numba compiles from IR in every process
 (~17 ms): its object code is kept beside numba's cache and loaded as a kernel is
-(_patch_nrt).
+(patch_nrt).
 
-It never imports numba: `edgeinfer/__init__` calls install() in every process, and it waits
-for numba's modules to be imported (the daemon never imports them).
+It never imports numba: edgeinfer/numba_hooks.py applies both patches as numba's modules
+load (the daemon never imports them).
 """
 from __future__ import annotations
 
 import struct
 import sys
 
-KNOWN = ("0.68.",)      # numba versions whose CPUCodeLibrary this patches (see _patch)
+KNOWN = ("0.68.",)      # numba versions whose CPUCodeLibrary this patches (see patch_codegen)
 
 _SYMBOL = [("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
            ("value", "<u8"), ("size", "<u8")]
@@ -63,7 +63,7 @@ def _known() -> bool:
     return numba.__version__.startswith(KNOWN)
 
 
-def _patch(codegen) -> bool:
+def patch_codegen(codegen) -> bool:
     """Patch numba.core.codegen's CPUCodeLibrary (see the module's docstring)."""
     lib = codegen.CPUCodeLibrary
     if not _known() or getattr(lib, "_edgeinfer_lazy", False):
@@ -117,7 +117,7 @@ def _nrt_path(ctx):
 nrt_from_cache: bool | None = None    # this process's NRT module: loaded (True) or compiled
 
 
-def _patch_nrt(nrtdynmod) -> bool:
+def patch_nrt(nrtdynmod) -> bool:
     """numba compiles its runtime's LLVM module (NRT: atomic reference counts, MemInfo
     helpers) from IR in every process that runs a kernel (~17 ms, before the first one):
     keep its object code beside numba's cache, keyed by numba's and llvmlite's versions and
@@ -163,48 +163,3 @@ def active() -> bool:
     """Whether loads in this process take the patched path (numba imported, version known)."""
     codegen = sys.modules.get("numba.core.codegen")
     return codegen is not None and getattr(codegen.CPUCodeLibrary, "_edgeinfer_lazy", False)
-
-
-_PATCHES = {"numba.core.codegen": _patch, "numba.core.runtime.nrtdynmod": _patch_nrt}
-
-
-class _AfterImport:
-    """A sys.meta_path finder that patches numba's modules (_PATCHES) as soon as each is
-    imported, then leaves sys.meta_path."""
-
-    def __init__(self, waiting: set[str]):
-        self.waiting = waiting
-
-    def find_spec(self, name, path, target=None):
-        if name not in self.waiting:
-            return None
-        import importlib.util
-        self.waiting.discard(name)
-        sys.meta_path.remove(self)      # the module's own spec, from the finders after this
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            if self.waiting:
-                sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader_exec, patch = spec.loader.exec_module, _PATCHES[name]
-
-        def exec_module(module):
-            loader_exec(module)
-            patch(module)
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def install() -> None:
-    """Patch numba's modules that are loaded now, and each of the others when it is."""
-    waiting = set()
-    for name, patch in _PATCHES.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            patch(module)
-        else:
-            waiting.add(name)
-    if waiting and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(waiting))

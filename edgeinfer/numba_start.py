@@ -1,0 +1,113 @@
+"""What numba's import does that our processes do not need, deferred until something does.
+
+`import numba` is ~0.15 s of every cold start. Two parts of it read nothing we use:
+- numba.core.config imports PyYAML (~11 ms), only to read a `.numba_config.yaml` in the
+  working directory if there is one;
+- numba.core.entrypoints imports importlib.metadata (~16 ms, with the email package) and, on
+  the first compile or cache load, scans every installed distribution's entry points for
+  `numba_extensions` plugins (~7 ms with the dev extras installed).
+
+`yaml_on_first_use` and `metadata_on_first_use` run numba's two modules with an
+_OnFirstUse in place of each (a stand-in that imports the real module when an attribute is
+first read), so numba reads the YAML file, or loads its plugins, exactly as before when
+there is one. `import yaml` is made to fail while numba.core.config runs (where no
+.numba_config.yaml is in the working directory at that moment; with one, numba imports
+PyYAML as always), and numba.core.entrypoints' `from importlib import metadata` finds the
+stand-in as importlib's attribute while it runs; nothing outside numba's two modules sees
+either. The wrapped init_all skips the scan where no distribution on sys.path declares a
+`numba_extensions` entry point (one read of each entry_points.txt, ~3 ms), so there is
+nothing to load; otherwise, or where distributions could come from elsewhere (a zip on
+sys.path, a meta-path finder with its own distributions), numba's own init_all runs.
+
+edgeinfer/numba_hooks.py runs these as numba's modules load; numba is never imported here.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+
+class _OnFirstUse:
+    """A module's stand-in: the module is imported when an attribute is first read."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def yaml_on_first_use(config, run) -> None:
+    """numba.core.config, run without importing PyYAML (see the module doc)."""
+    defer = ("yaml" not in sys.modules and not os.path.isfile(".numba_config.yaml")
+             and importlib.util.find_spec("yaml") is not None)
+    if not defer:
+        run()
+        return
+    sys.modules["yaml"] = None          # numba's `import yaml` raises ImportError
+    try:
+        run()
+    finally:
+        if "yaml" in sys.modules and sys.modules["yaml"] is None:
+            del sys.modules["yaml"]
+    if getattr(config, "_HAVE_YAML", None) is False:
+        config.yaml, config._HAVE_YAML = _OnFirstUse("yaml"), True
+
+
+def metadata_on_first_use(entrypoints, run) -> None:
+    """numba.core.entrypoints, run with importlib.metadata's stand-in, and its init_all
+    wrapped (see the module doc)."""
+    import importlib as package
+    stand_in = None
+    if "importlib.metadata" not in sys.modules and not hasattr(package, "metadata"):
+        stand_in = package.metadata = _OnFirstUse("importlib.metadata")
+    try:
+        run()
+    finally:
+        if stand_in is not None and getattr(package, "metadata", None) is stand_in:
+            del package.metadata
+    _wrap_init_all(entrypoints)
+
+
+def _may_have_plugins() -> bool:
+    """Whether any distribution importlib.metadata would find could declare a
+    `numba_extensions` entry point (True where this cannot tell)."""
+    from importlib.machinery import PathFinder
+    for finder in sys.meta_path:
+        if finder is not PathFinder and hasattr(finder, "find_distributions"):
+            return True
+    for entry in sys.path:
+        entry = entry or "."
+        if os.path.isfile(entry):       # a zip or egg: its metadata is not a plain file
+            return True
+        try:
+            it = os.scandir(entry)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                if not e.name.endswith((".dist-info", ".egg-info")):
+                    continue
+                try:
+                    with open(os.path.join(e.path, "entry_points.txt"), "rb") as f:
+                        if b"numba_extensions" in f.read():
+                            return True
+                except OSError:
+                    continue
+    return False
+
+
+def _wrap_init_all(entrypoints) -> None:
+    own = getattr(entrypoints, "init_all", None)
+    if own is None or getattr(own, "_edgeinfer", False) \
+            or not isinstance(getattr(entrypoints, "_already_initialized", None), bool):
+        return      # not the numba this was written against: its own init_all stays
+
+    def init_all():
+        if not entrypoints._already_initialized and not _may_have_plugins():
+            entrypoints._already_initialized = True
+        return own()
+    init_all._edgeinfer = True
+    entrypoints.init_all = init_all
