@@ -14,8 +14,6 @@ import threading
 import time
 from typing import Any
 
-from edgeinfer.cli.client import Client, ClientError
-
 
 class KernelBar:
     """A callable taking warmup.Progress events: one bar, steps done of total."""
@@ -96,6 +94,7 @@ class LoadWatcher:
 
     def _run(self) -> None:
         t0 = time.monotonic()
+        from edgeinfer.cli.client import Client, ClientError  # lazy: httpx, not for KernelBar
         with Client(self.base_url, timeout=5.0) as c:
             while not self._stop.wait(self.interval):
                 try:
