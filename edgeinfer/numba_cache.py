@@ -17,6 +17,11 @@ The same for numba's runtime module (NRT), which numba compiles from IR in every
 (~17 ms): its object code is kept beside numba's cache and loaded as a kernel is
 (patch_nrt).
 
+And a cache load no longer refreshes numba's contexts first (patch_cache_load): that
+refresh imports and installs every typing and lowering registry (~60-90 ms, and numba's
+array-math module with it), which only a compilation reads. A load needs the runtime
+initialized, which it still does; a miss refreshes before numba compiles, as before.
+
 It never imports numba: edgeinfer/numba_hooks.py applies both patches as numba's modules
 load (the daemon never imports them).
 """
@@ -163,3 +168,28 @@ def active() -> bool:
     """Whether loads in this process take the patched path (numba imported, version known)."""
     codegen = sys.modules.get("numba.core.codegen")
     return codegen is not None and getattr(codegen.CPUCodeLibrary, "_edgeinfer_lazy", False)
+
+
+def patch_cache_load(caching) -> bool:
+    """numba.core.caching.Cache.load_overload without the context refresh on a hit (see the
+    module's docstring): numba's own calls `target_context.refresh()` before every load, and
+    the first one in a process installs all of numba's registries. A loaded kernel is
+    machine code that calls the runtime (NRT) and nothing registered in Python; a
+    compilation refreshes the contexts itself (numba.core.compiler) and so does a function
+    lookup that misses (BaseContext.get_function), and a miss here refreshes before
+    returning, so a compile that follows starts where it did before."""
+    cls = caching.Cache
+    if not _known() or getattr(cls.load_overload, "_edgeinfer", False):
+        return False
+    from numba.core.runtime import rtsys
+
+    def load_overload(self, sig, target_context):
+        rtsys.initialize(target_context)        # what a loaded kernel needs of the refresh
+        with self._guard_against_spurious_io_errors():
+            cres = self._load_overload(sig, target_context)
+        if cres is None:
+            target_context.refresh()            # a miss: numba compiles next
+        return cres
+    load_overload._edgeinfer = True
+    cls.load_overload = load_overload
+    return True

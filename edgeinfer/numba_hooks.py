@@ -1,6 +1,6 @@
 """Code run around numba's modules as each is imported: numba_cache's patches (kernels and
-the runtime module loaded from the cache without LLVM work) and numba_start's deferrals
-(modules numba imports and we do not use). `install()` is called from edgeinfer/__init__
+the runtime module loaded from the cache without LLVM work or a registry refresh) and
+numba_start's deferrals (modules numba imports and we do not use). `install()` is called from edgeinfer/__init__
 in every process; it imports nothing of numba's, and the hooks wait for numba's own import
 (the daemon never makes one)."""
 from __future__ import annotations
@@ -25,6 +25,8 @@ HOOKS = {
     "numba.core.entrypoints": numba_start.metadata_on_first_use,
     "numba.core.codegen": _after(numba_cache.patch_codegen),
     "numba.core.runtime.nrtdynmod": _after(numba_cache.patch_nrt),
+    "numba.core.caching": _after(numba_cache.patch_cache_load),
+    "numba.np.arraymath": numba_start.without_scipy_blas_probe,
 }
 
 

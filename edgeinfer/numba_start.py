@@ -19,6 +19,13 @@ either. The wrapped init_all skips the scan where no distribution on sys.path de
 nothing to load; otherwise, or where distributions could come from elsewhere (a zip on
 sys.path, a meta-path finder with its own distributions), numba's own init_all runs.
 
+And numba.np.arraymath, which a compilation's registry refresh imports, probes for scipy's
+BLAS (`import scipy.linalg.cython_blas`) only to choose the inner product that np.correlate
+and np.convolve use in jitted code. Where scipy is installed (the dev extras pull it in)
+that import is ~0.15-0.4 s, and no kernel of ours calls those functions:
+`without_scipy_blas_probe` runs arraymath with the probe's module masked, so it takes its
+plain loop (np.dot and np.linalg are unaffected: they look BLAS up when typed).
+
 edgeinfer/numba_hooks.py runs these as numba's modules load; numba is never imported here.
 """
 from __future__ import annotations
@@ -111,3 +118,20 @@ def _wrap_init_all(entrypoints) -> None:
         return own()
     init_all._edgeinfer = True
     entrypoints.init_all = init_all
+
+
+_BLAS_PROBE = "scipy.linalg.cython_blas"
+
+
+def without_scipy_blas_probe(_arraymath, run) -> None:
+    """numba.np.arraymath, run with scipy's BLAS module masked (see the module doc); where
+    scipy.linalg is imported already the probe costs nothing and is left alone."""
+    if _BLAS_PROBE in sys.modules:
+        run()
+        return
+    sys.modules[_BLAS_PROBE] = None         # makes `import scipy.linalg.cython_blas` fail
+    try:
+        run()
+    finally:
+        if _BLAS_PROBE in sys.modules and sys.modules[_BLAS_PROBE] is None:
+            del sys.modules[_BLAS_PROBE]

@@ -58,12 +58,20 @@ def test_the_object_files_symbols_are_the_ones_numbas_load_lists():
 
 _KERNEL = """
 import numba
+import numpy as np
 @numba.njit(cache=True, nogil=True)
 def scaled_sum(x, k):
     s = 0.0
     for v in x:
         s += v * k
     return s
+
+@numba.njit(cache=True, nogil=True)
+def doubled(x):             # allocates and returns an array: the runtime (NRT) at work
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = 2.0 * x[i]
+    return out
 """
 
 _USE = r"""
@@ -76,6 +84,9 @@ import kern
 from edgeinfer import numba_cache
 x = np.arange(10, dtype=np.float64)
 first = kern.scaled_sum(x, 2.0)
+made = float(kern.doubled(x).sum())
+# a load from the cache does not refresh numba's registries (numba_cache.patch_cache_load)
+registries = "numba.np.arraymath" in sys.modules
 lib = next(iter(kern.scaled_sum.overloads.values())).library
 
 @numba.njit
@@ -83,12 +94,15 @@ def twice(x):           # compiled here: links the cached kernel's library in
     return kern.scaled_sum(x, 2.0) + kern.scaled_sum(x, 1.0)
 
 print(json.dumps({"active": numba_cache.active(), "first": first, "twice": twice(x),
+                  "made": made, "registries": registries,
                   "hits": sum(kern.scaled_sum.stats.cache_hits.values()),
                   "lazy_left": "_lazy_bitcode" in lib.__dict__}))
 """
 
 
 def test_a_kernel_loaded_lazily_runs_and_links_into_a_new_compilation(tmp_path):
+    """Loaded without its bitcode and without a registry refresh, a kernel runs (one that
+    allocates too), and a compilation after it links it in."""
     (tmp_path / "kern.py").write_text(textwrap.dedent(_KERNEL))
     env_cmd = [sys.executable, "-c", _USE, str(tmp_path)]
     import os
@@ -100,6 +114,8 @@ def test_a_kernel_loaded_lazily_runs_and_links_into_a_new_compilation(tmp_path):
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     compiled, loaded = runs
     assert compiled["hits"] == 0 and loaded["hits"] == 1 and loaded["active"]
+    assert compiled["registries"] and not loaded["registries"]
+    assert loaded["made"] == compiled["made"] == 90.0
     assert loaded["first"] == compiled["first"] == 90.0
     assert loaded["twice"] == compiled["twice"] == 135.0
     assert loaded["lazy_left"] is False        # linking parsed it, once asked

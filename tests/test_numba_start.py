@@ -63,3 +63,28 @@ def test_a_numba_extensions_plugin_is_still_loaded(tmp_path):
                                                "def init():\n    global CALLED\n    CALLED = True\n")
     out = _run(tmp_path, {"PYTHONPATH": str(site)})
     assert out["plugin"] is True and out["importlib.metadata"] == "loaded", out
+
+
+def test_numbas_array_math_loads_without_probing_scipys_blas(tmp_path):
+    """A compilation imports numba.np.arraymath, which would import scipy's BLAS (0.15-0.4 s
+    where scipy is installed) only for np.correlate / np.convolve: masked, and they still
+    compute."""
+    import pytest
+    pytest.importorskip("scipy.linalg")
+    code = textwrap.dedent("""
+        import json, sys
+        import edgeinfer
+        import numba
+        import numpy as np
+        @numba.njit
+        def conv(a):
+            return np.convolve(a, a).sum()
+        print(json.dumps({"conv": conv(np.ones(3)),
+                          "arraymath": "numba.np.arraymath" in sys.modules,
+                          "blas": "scipy.linalg.cython_blas" in sys.modules}))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"conv": 9.0, "arraymath": True, "blas": False}

@@ -1,7 +1,8 @@
 """numba's process-wide set-up, done before its first compile or cache load
-(`prepare_numba`): inter-process locks around its disk cache, and its scipy BLAS probe
-skipped. Here, at the bottom of the layers, because the GGUF reader's compiled string walk
-(_string_heads.py) can be the first numba call of a process, before any backend loads.
+(`prepare_numba`): inter-process locks around its disk cache. Here, at the bottom of the
+layers, because the GGUF reader's compiled string walk (_string_heads.py) can be the first
+numba call of a process, before any backend loads. (scipy's BLAS probe, which this skipped
+too, is skipped by edgeinfer/numba_start.py now, when numba imports the module probing.)
 
 Locks around the disk cache.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 try:
     import fcntl
@@ -90,28 +90,6 @@ def guard_numba_cache() -> None:
     cls.save, cls.load = guarded_save, guarded_load
 
 
-_PROBE = "scipy.linalg.cython_blas"
-
-
-def skip_scipy_blas_probe() -> None:
-    """On its first compile or cache load numba imports numba.np.arraymath, which probes for
-    scipy's BLAS (`import scipy.linalg.cython_blas`) only to choose the inner product that
-    np.correlate / np.convolve use in jitted code. Where scipy is installed (the dev extras
-    pull it in) that import is ~0.15-0.4 s of every cold start, and no kernel of ours calls
-    those functions. Importing arraymath with the probe's module masked makes it take its
-    plain loop; np.dot and np.linalg are unaffected (they look BLAS up when typed). A no-op
-    once arraymath or scipy.linalg is imported (then the probe costs nothing)."""
-    if "numba.np.arraymath" in sys.modules or _PROBE in sys.modules:
-        return
-    sys.modules[_PROBE] = None          # makes `import scipy.linalg.cython_blas` fail
-    try:
-        import numba.np.arraymath  # noqa: F401
-    finally:
-        if sys.modules.get(_PROBE, 0) is None:
-            del sys.modules[_PROBE]
-
-
 def prepare_numba() -> None:
-    """Both, once per process (each is a no-op the second time)."""
+    """Once per process (a no-op the second time)."""
     guard_numba_cache()
-    skip_scipy_blas_probe()
