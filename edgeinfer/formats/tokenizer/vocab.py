@@ -154,7 +154,8 @@ class Tokenizer:
         if not isinstance(tokens, list) or not tokens:
             raise TokenizerError("tokenizer.ggml.tokens is not a non-empty list of strings")
         n = len(tokens)
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        if "" in tokens:        # one C-level scan; the rebuild only for such vocabularies
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         scores = np.asarray(metadata.get("tokenizer.ggml.scores", np.zeros(n, np.float32)))
         types = np.asarray(metadata.get("tokenizer.ggml.token_type",
                                         np.full(n, TokenType.NORMAL, np.int32)))
