@@ -53,6 +53,9 @@ def yaml_on_first_use(config, run) -> None:
     if not defer:
         run()
         return
+    # the mask is process-wide: keep its window to config's own code, which imports
+    # llvmlite's binding (its shared library: the slow part) first
+    import llvmlite.binding  # noqa: F401
     sys.modules["yaml"] = None          # numba's `import yaml` raises ImportError
     try:
         run()
