@@ -1,8 +1,8 @@
 """Code run around numba's modules as each is imported: numba_cache's patches (kernels and
 the runtime module loaded from the cache without LLVM work or a registry refresh) and
-numba_start's deferrals (modules numba imports and we do not use). `install()` is called from edgeinfer/__init__
-in every process; it imports nothing of numba's, and the hooks wait for numba's own import
-(the daemon never makes one)."""
+numba_start's deferrals (modules numba imports and we do not use). `install()` is called
+from edgeinfer/__init__ in every process; it imports nothing of numba's, and the hooks wait
+for numba's own import (the daemon never makes one)."""
 from __future__ import annotations
 
 import sys

@@ -1,6 +1,6 @@
 """What numba's import does that our processes do not need, deferred until something does.
 
-`import numba` is ~0.15 s of every cold start. Two parts of it read nothing we use:
+`import numba` is ~0.15 s of every cold start, and two parts of it serve nothing we use:
 - numba.core.config imports PyYAML (~11 ms), only to read a `.numba_config.yaml` in the
   working directory if there is one;
 - numba.core.entrypoints imports importlib.metadata (~16 ms, with the email package) and, on
@@ -110,6 +110,7 @@ def _may_have_plugins() -> bool:
 
 
 def _wrap_init_all(entrypoints) -> None:
+    """numba's init_all, preceded by the check for plugins (see the module doc)."""
     own = getattr(entrypoints, "init_all", None)
     if own is None or getattr(own, "_edgeinfer", False) \
             or not isinstance(getattr(entrypoints, "_already_initialized", None), bool):
