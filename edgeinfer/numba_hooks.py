@@ -1,6 +1,7 @@
 """Code run around numba's modules as each is imported: numba_cache's patches (kernels and
-the runtime module loaded from the cache without LLVM work or a registry refresh) and
-numba_start's deferrals (modules numba imports and we do not use). `install()` is called
+the runtime module loaded from the cache without LLVM work or a registry refresh),
+numba_setup's lock around the cache's index, and numba_start's deferrals (modules numba
+imports and we do not use). `install()` is called
 from edgeinfer/__init__ in every process; it imports nothing of numba's, and the hooks wait
 for numba's own import (the daemon never makes one)."""
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from edgeinfer import numba_cache, numba_start
+from edgeinfer.formats import numba_setup
 
 
 def _after(patch):
@@ -19,13 +21,18 @@ def _after(patch):
     return hook
 
 
+def _caching(caching) -> None:
+    numba_cache.patch_cache_load(caching)       # a hit without the registry refresh
+    numba_setup.guard_numba_cache(caching)      # index saves and loads under a file lock
+
+
 # module -> hook(module, run): `run()` executes the module's code
 HOOKS = {
     "numba.core.config": numba_start.yaml_on_first_use,
     "numba.core.entrypoints": numba_start.metadata_on_first_use,
     "numba.core.codegen": _after(numba_cache.patch_codegen),
     "numba.core.runtime.nrtdynmod": _after(numba_cache.patch_nrt),
-    "numba.core.caching": _after(numba_cache.patch_cache_load),
+    "numba.core.caching": _after(_caching),
     "numba.np.arraymath": numba_start.without_scipy_blas_probe,
 }
 

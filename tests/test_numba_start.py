@@ -88,3 +88,15 @@ def test_numbas_array_math_loads_without_probing_scipys_blas(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {"conv": 9.0, "arraymath": True, "blas": False}
+
+
+def test_the_cache_index_lock_is_on_once_numba_caching_loads(tmp_path):
+    """numba_setup's directory lock around the cache index is an import hook now (no call
+    site has to remember it): on in a process that imported nothing but numba."""
+    code = ("import edgeinfer, numba\n"
+            "from numba.core import caching\n"
+            "print(getattr(caching.IndexDataCacheFile.save, '_edgeinfer_guarded', False))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "True"

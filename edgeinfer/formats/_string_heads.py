@@ -9,10 +9,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from edgeinfer.formats.numba_setup import prepare_numba
-
-prepare_numba()         # before this module's first cache load: it can be the process's first
-
 
 @njit(nogil=True, cache=True)
 def string_heads(buf, pos, count, max_len, heads):

@@ -1,10 +1,6 @@
-"""numba's process-wide set-up, done before its first compile or cache load
-(`prepare_numba`): inter-process locks around its disk cache. Here, at the bottom of the
-layers, because the GGUF reader's compiled string walk (_string_heads.py) can be the first
-numba call of a process, before any backend loads. (scipy's BLAS probe, which this skipped
-too, is skipped by edgeinfer/numba_start.py now, when numba imports the module probing.)
-
-Locks around the disk cache.
+"""Inter-process locks around numba's disk cache. `guard_numba_cache` is applied by
+edgeinfer/numba_hooks.py as soon as numba's caching module loads, in every process, before
+its first compile or cache load; `cache_lock` is taken by the kernels that need it.
 
 numba's disk cache keeps every compiled specialization of a function in one index file and
 numbers its data files 1, 2, ... in the order they were saved. Two processes that compile
@@ -68,12 +64,11 @@ def _dir_lock(directory: str, exclusive: bool):
         os.close(fd)
 
 
-def guard_numba_cache() -> None:
-    """Put numba's cache index saves and loads under the directory lock (see the module
-    doc); once per process, a no-op without fcntl."""
+def guard_numba_cache(caching) -> None:
+    """Put the saves and loads of numba.core.caching's index under the directory lock (see
+    the module doc); once per process, a no-op without fcntl."""
     if fcntl is None:
         return
-    from numba.core import caching
     cls = caching.IndexDataCacheFile
     if getattr(cls.save, "_edgeinfer_guarded", False):
         return
@@ -88,8 +83,3 @@ def guard_numba_cache() -> None:
             return load(self, key)
     guarded_save._edgeinfer_guarded = True
     cls.save, cls.load = guarded_save, guarded_load
-
-
-def prepare_numba() -> None:
-    """Once per process (a no-op the second time)."""
-    guard_numba_cache()
