@@ -115,3 +115,36 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     out = [f"\n{title}\n", line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in cells]
     return "\n".join(out)
+
+
+def read_rate(threads: int = 2, mib: int = 256, tries: int = 3) -> float:
+    """GB/s this machine's memory gives `threads` threads reading `mib` MiB (numpy's xor
+    reduction over a part each; numpy releases the GIL), best of `tries`: the roof of a
+    decode step that streams its weights. This VM moves between ~28 and ~50 GB/s for two
+    threads within minutes, so a decode rate means little without the roof beside it."""
+    import threading
+
+    import numpy as np
+    a = np.ones(mib << 17, np.uint64)
+    parts = np.array_split(a, threads)
+    best = 0.0
+    for _ in range(tries):
+        ts = [threading.Thread(target=np.bitwise_xor.reduce, args=(p,)) for p in parts]
+        t = time.perf_counter()
+        for x in ts:
+            x.start()
+        for x in ts:
+            x.join()
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def read_rate_apart(threads: int = 2) -> float:
+    """read_rate in a process of its own: a worker measuring its peak RSS asks this."""
+    out = subprocess.run([sys.executable, __file__, "read-rate", str(threads)], check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["read-rate"]:
+    print(read_rate(int(sys.argv[2])))

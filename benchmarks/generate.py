@@ -13,7 +13,12 @@ the range, and the ratio of the medians. A worker measures, llama-bench style:
 - prefill tok/s of a 512-token chunk (pp512) after `depth` tokens already in the context
   (ours: a prefix-cache hit; llama.cpp: the same tokens evaluated just before);
 - decode tok/s of 128 greedy tokens (tg128) at that depth;
-- peak RSS of the process after its deepest context.
+- peak RSS of the process after its deepest context;
+- the memory's read rate for the same threads just before and after the first depth's decode
+  (common.read_rate, in a process of its own), and the decode's weights read per second (the
+  file's size times tok/s) as a share of it: a decode at the memory roof reads ~0.9 of it,
+  and on a VM whose memory moves between phases the ratio of two engines at the roof says
+  little about their kernels.
 Prompts are the same random token ids for both engines (ordinary vocabulary, no specials).
 Prompt-lookup speculation is off for the pp/tg rows (plain decoding on both sides); the
 "decode, speculation on" row repeats tg128 with our default speculation on (llama.cpp's column
@@ -69,6 +74,20 @@ def _kv_budget(model: str, ctx: int) -> int:
     return ctx * cfg.kv_bytes_per_token(2)
 
 
+def _read_rate(first: bool) -> float:
+    """The memory's read rate for two threads now (common.read_rate, in a process of its
+    own so that this worker's peak RSS stays its own), around the first depth's decode."""
+    if not first:
+        return 0.0
+    from common import read_rate_apart
+    return read_rate_apart(int(os.environ.get("NUMBA_NUM_THREADS", "2")))
+
+
+def _roof_around(res: dict, before: float, first: bool) -> None:
+    if first:
+        res["read_gbs"] = (before + _read_rate(True)) / 2
+
+
 def worker_native(model: str, depths: list[int], ctx: int) -> dict:
     from edgeinfer import startup_gc
     startup_gc.hold()       # as an engine process loads (edgeinfer/engine/remote.py serve)
@@ -94,8 +113,10 @@ def worker_native(model: str, depths: list[int], ctx: int) -> dict:
         t = time.perf_counter()
         engine.generate(ids, greedy)
         res[f"pp{PP}@{d}"] = PP / (time.perf_counter() - t)
+        roof = _read_rate(d == depths[0])
         out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG, ignore_eos=True))
         res[f"tg{TG}@{d}"] = (out.num_output_tokens - 1) / (out.finish_time - out.first_token_time)
+        _roof_around(res, roof, d == depths[0])
         plain = engine.config
         engine.config = dataclasses.replace(plain, speculative=True)   # read at every step
         out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG, ignore_eos=True))
@@ -131,11 +152,13 @@ def worker_llamacpp(model: str, depths: list[int], ctx: int, threads: int, fa: b
         llm.eval(ids[d:])
         res[f"pp{PP}@{d}"] = PP / (time.perf_counter() - t)
         tok = last_argmax()
+        roof = _read_rate(d == depths[0])
         t = time.perf_counter()
         for _ in range(TG - 1):
             llm.eval([tok])
             tok = last_argmax()
         res[f"tg{TG}@{d}"] = (TG - 1) / (time.perf_counter() - t)
+        _roof_around(res, roof, d == depths[0])
         res[f"tgspec@{d}"] = res[f"tg{TG}@{d}"]       # no prompt-lookup here: plain decode
     res["peak_rss_mb"] = _rss_mb()
     return res
@@ -191,6 +214,11 @@ def _fmt(values: list[float]) -> str:
     if len(values) == 1:
         return f"{m:.1f}"
     return f"{m:.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def _fmt2(values: list[float]) -> str:
+    m = statistics.median(values)
+    return f"{m:.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> None:
@@ -250,6 +278,19 @@ def main() -> None:
         b = [x[k] for x in runs["llamacpp"]]
         ratio = statistics.median(a) / statistics.median(b)
         print(f"| {labels[k]:34} | {_fmt(a):>22} | {_fmt(b):>22} | {ratio:5.2f} |")
+    # a decode token streams about the whole file (its weights; a tied output matrix is the
+    # embedding table): its rate against what the memory gave around it
+    size = os.path.getsize(args.model) / 1e9
+    d0 = f"tg{TG}@{depths[0]}"
+    cells = []
+    for e in ("native", "llamacpp"):
+        gbs = [x["read_gbs"] for x in runs[e]]
+        share = [x[d0] * size / x["read_gbs"] for x in runs[e]]
+        cells.append((gbs, share))
+    print(f"| {'memory read GB/s, decode depth ' + str(depths[0]):34} | {_fmt(cells[0][0]):>22} "
+          f"| {_fmt(cells[1][0]):>22} | {'':5} |")
+    print(f"| {'decode: weights read / memory rate':34} | {_fmt2(cells[0][1]):>22} "
+          f"| {_fmt2(cells[1][1]):>22} | {'':5} |")
     if args.rss_context:
         n = args.rss_context
         fill = {e: run_worker(args, f"fill-{e}", ["--fill", str(n)]) for e in ("native", "llamacpp")}
