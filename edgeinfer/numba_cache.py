@@ -22,7 +22,12 @@ refresh imports and installs every typing and lowering registry (~60-90 ms, and 
 array-math module with it), which only a compilation reads. A load needs the runtime
 initialized, which it still does; a miss refreshes before numba compiles, as before.
 
-It never imports numba: edgeinfer/numba_hooks.py applies both patches as numba's modules
+A loaded kernel's environment no longer imports the numba module that defined it
+(patch_env_rebuild): unpickling an environment imported its module for the module's globals,
+which only object-mode code reads; for numba.np.arrayobj and numba.np.npyimpl, whose
+functions our kernels inline, that was ~30 ms of a first step's imports.
+
+It never imports numba: edgeinfer/numba_hooks.py applies the patches as numba's modules
 load (the daemon never imports them).
 """
 from __future__ import annotations
@@ -192,4 +197,33 @@ def patch_cache_load(caching) -> bool:
         return cres
     load_overload._edgeinfer = True
     cls.load_overload = load_overload
+    return True
+
+
+def patch_env_rebuild(environment) -> bool:
+    """numba.core.environment._rebuild_env (what unpickling a cached kernel's Environment
+    calls) without importing the defining module when it is one of numba's own that this
+    process has not imported: the environment gets {"__name__": module} for globals. Only
+    object-mode code reads an environment's globals (numba.core.pylowering); nopython code
+    reads its constants, which are restored as before. A module that is already imported, or
+    is not numba's, gives its own globals, as numba does."""
+    if not _known() or getattr(environment._rebuild_env, "_edgeinfer", False):
+        return False
+    import importlib
+    Environment, lookup = environment.Environment, environment.lookup_environment
+
+    def _rebuild_env(modname, consts, env_name):
+        env = lookup(env_name)
+        if env is not None:
+            return env
+        mod = sys.modules.get(modname)
+        if mod is None and not modname.startswith("numba."):
+            mod = importlib.import_module(modname)
+        env = Environment(mod.__dict__ if mod is not None else {"__name__": modname})
+        env.consts[:] = consts
+        env.env_name = env_name
+        Environment._memo[env_name] = env
+        return env
+    _rebuild_env._edgeinfer = True
+    environment._rebuild_env = _rebuild_env
     return True

@@ -33,6 +33,7 @@ HOOKS = {
     "numba.core.codegen": _after(numba_cache.patch_codegen),
     "numba.core.runtime.nrtdynmod": _after(numba_cache.patch_nrt),
     "numba.core.caching": _after(_caching),
+    "numba.core.environment": _after(numba_cache.patch_env_rebuild),
     "numba.np.arraymath": numba_start.without_scipy_blas_probe,
 }
 

@@ -163,3 +163,59 @@ def test_the_runtime_module_is_compiled_once_then_loaded(tmp_path):
     for run in runs:
         assert run["value"] == want
         assert run["alloc"] == run["free"] > 0, run
+
+
+_ENV_KERNEL = """
+import numba
+import numpy as np
+
+@numba.njit(cache=True, nogil=True)
+def ramp(n):                # np.empty's implementation comes from numba.np.arrayobj
+    if n < 0:
+        raise ValueError("ramp: n must be >= 0")
+    out = np.empty(n, np.float64)
+    for i in range(n):
+        out[i] = 0.5 * i
+    return out
+"""
+
+_ENV_USE = r"""
+import json, sys
+if sys.argv[2] == "ours":
+    import edgeinfer
+import numba
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import env_kern
+total = float(env_kern.ramp(8).sum())
+try:
+    env_kern.ramp(-1)
+    raised = None
+except ValueError as e:
+    raised = str(e)
+print(json.dumps({"total": total, "raised": raised,
+                  "hits": sum(env_kern.ramp.stats.cache_hits.values()),
+                  "arrayobj": "numba.np.arrayobj" in sys.modules}))
+"""
+
+
+def test_a_loaded_kernels_environment_does_not_import_numbas_array_module(tmp_path):
+    """Unpickling a cached kernel's environments imported each one's defining module for its
+    globals (numba.np.arrayobj for np.empty's, ~25 ms with what it imports); with
+    numba_cache.patch_env_rebuild a load leaves it unimported, and the kernel still computes
+    and raises its own error. Stock numba, loading the same cache, does import it."""
+    (tmp_path / "env_kern.py").write_text(textwrap.dedent(_ENV_KERNEL))
+    import os
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run(who: str) -> dict:
+        p = subprocess.run([sys.executable, "-c", _ENV_USE, str(tmp_path), who],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    compiled, loaded, stock = run("ours"), run("ours"), run("stock")
+    assert compiled["hits"] == 0 and loaded["hits"] == 1 and stock["hits"] == 1
+    for out in (compiled, loaded, stock):
+        assert out["total"] == 14.0 and out["raised"] == "ramp: n must be >= 0", out
+    assert loaded["arrayobj"] is False
+    assert stock["arrayobj"] is True          # what the patch saves
