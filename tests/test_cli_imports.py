@@ -35,3 +35,21 @@ def test_the_daemon_runs_without_numba():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()[-1]
     assert out == "[false, true, true]"
+
+
+def test_an_engine_loads_jinja_only_to_render():
+    """Chat templates' Jinja side (edgeinfer/formats/chat_sandbox.py, ~15 ms of imports)
+    loads with the first compile or render: an engine process, which renders none, and a raw
+    completion never load it; the first render does, and gives the template's text."""
+    code = (
+        "import sys\n"
+        "import edgeinfer.engine.core, edgeinfer.engine.remote\n"
+        "from edgeinfer.formats import chat_template\n"
+        "before = 'jinja2' in sys.modules\n"
+        "text = chat_template.render_chat(chat_template.builtin_template('chatml'),\n"
+        "                                 [{'role': 'user', 'content': 'hi'}])\n"
+        "print(before, 'jinja2' in sys.modules, text.replace(chr(10), '|'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out.startswith("False True "), out
+    assert out.endswith("<|im_start|>user|hi<|im_end|>|<|im_start|>assistant|"), out
