@@ -11,11 +11,17 @@ HEAVY = ("numpy", "gguf", "numba", "torch", "textual", "edgeinfer.formats.gguf_f
          "rich", "edgeinfer.store.pull")
 
 
+def _last_line(code: str) -> str:
+    """What a fresh interpreter running `code` prints last."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()
+    return out[-1] if out else ""
+
+
 def test_the_cli_imports_no_heavy_module():
     code = ("import sys, edgeinfer.cli.main, edgeinfer.runners.sampling_params;"
             "print(','.join(m for m in %r if m in sys.modules))" % (HEAVY,))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    out = _last_line(code)
     assert out == "", f"imported at CLI start: {out}"
 
 
@@ -32,9 +38,7 @@ def test_the_daemon_runs_without_numba():
         "before = 'numba' in sys.modules\n"
         "from edgeinfer.backends.cpu import _int8\n"
         "print(json.dumps([before, isa == _int8.BEST_ISA, cpu_plan.LANES == _int8.LANES]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip().splitlines()[-1]
-    assert out == "[false, true, true]"
+    assert _last_line(code) == "[false, true, true]"
 
 
 def test_an_engine_loads_jinja_only_to_render():
@@ -49,7 +53,6 @@ def test_an_engine_loads_jinja_only_to_render():
         "text = chat_template.render_chat(chat_template.builtin_template('chatml'),\n"
         "                                 [{'role': 'user', 'content': 'hi'}])\n"
         "print(before, 'jinja2' in sys.modules, text.replace(chr(10), '|'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip().splitlines()[-1]
+    out = _last_line(code)
     assert out.startswith("False True "), out
     assert out.endswith("<|im_start|>user|hi<|im_end|>|<|im_start|>assistant|"), out

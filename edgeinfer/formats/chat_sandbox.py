@@ -20,8 +20,12 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .chat_template import (MAX_OUTPUT_CHARS, MAX_RENDER_SECONDS, MAX_REPEAT, MAX_VALUE_CHARS,
-                            ChatTemplateError, ChatTemplateSecurityError)
+from .chat_errors import ChatTemplateError, ChatTemplateSecurityError
+
+MAX_OUTPUT_CHARS = 4_000_000     # a prompt far larger than any context window
+MAX_REPEAT = 1_000_000           # 'x' * n, [..] * n, widths
+MAX_VALUE_CHARS = 16_000_000     # any one string or list the template builds
+MAX_RENDER_SECONDS = 2.0         # real templates render in milliseconds
 
 
 class _TemplateRaised(Exception):

@@ -16,18 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-MAX_OUTPUT_CHARS = 4_000_000     # a prompt far larger than any context window
-MAX_REPEAT = 1_000_000           # 'x' * n, [..] * n, widths
-MAX_VALUE_CHARS = 16_000_000     # any one string or list the template builds
-MAX_RENDER_SECONDS = 2.0         # real templates render in milliseconds
-
-
-class ChatTemplateError(ValueError):
-    """A template that cannot be rendered; the message says why, for a person."""
-
-
-class ChatTemplateSecurityError(ChatTemplateError):
-    """A template that tried to escape the sandbox or exhaust resources."""
+# the errors, for this module's users too (they raise from the sandbox as well)
+from .chat_errors import ChatTemplateError, ChatTemplateSecurityError  # noqa: F401
 
 
 def _flatten(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
