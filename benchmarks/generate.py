@@ -16,7 +16,8 @@ the range, and the ratio of the medians. A worker measures, llama-bench style:
 - peak RSS of the process after its deepest context;
 - the memory's read rate for the same threads just before and after the first depth's decode
   (common.read_rate, in a process of its own), and the decode's weights read per second (the
-  file's size times tok/s) as a share of it: a decode at the memory roof reads ~0.9 of it,
+  file's size times tok/s; at depth the KV cache's reads come on top, uncounted) as a share
+  of it: a decode at the memory roof reads ~0.9 of it,
   and on a VM whose memory moves between phases the ratio of two engines at the roof says
   little about their kernels.
 Prompts are the same random token ids for both engines (ordinary vocabulary, no specials).
@@ -287,7 +288,7 @@ def main() -> None:
         gbs = [x["read_gbs"] for x in runs[e]]
         share = [x[d0] * size / x["read_gbs"] for x in runs[e]]
         cells.append((gbs, share))
-    print(f"| {'memory read GB/s, decode depth ' + str(depths[0]):34} | {_fmt(cells[0][0]):>22} "
+    print(f"| {'read GB/s around tg, depth ' + str(depths[0]):34} | {_fmt(cells[0][0]):>22} "
           f"| {_fmt(cells[1][0]):>22} | {'':5} |")
     print(f"| {'decode: weights read / memory rate':34} | {_fmt2(cells[0][1]):>22} "
           f"| {_fmt2(cells[1][1]):>22} | {'':5} |")
