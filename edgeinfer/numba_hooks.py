@@ -35,6 +35,7 @@ HOOKS = {
     "numba.core.caching": _after(_caching),
     "numba.core.environment": _after(numba_cache.patch_env_rebuild),
     "numba.np.arraymath": numba_start.without_scipy_blas_probe,
+    "numba.core.typing.typeof": _after(numba_start.masked_arrays_on_first_use),
 }
 
 

@@ -26,6 +26,12 @@ that import is ~0.15-0.4 s, and no kernel of ours calls those functions:
 `without_scipy_blas_probe` runs arraymath with the probe's module masked, so it takes its
 plain loop (np.dot and np.linalg are unaffected: they look BLAS up when typed).
 
+And numba.core.typing.typeof checks every array it types for `np.ma.MaskedArray`, and
+numpy imports numpy.ma (~7 ms) on that first attribute access, at a process's first call of a
+kernel. `masked_arrays_on_first_use` gives the module a view of numpy whose `ma` is the real
+one once numpy.ma is imported, and before that a stand-in whose MaskedArray nothing is an
+instance of: no masked array can exist before its module is imported.
+
 edgeinfer/numba_hooks.py runs these as numba's modules load; numba is never imported here.
 """
 from __future__ import annotations
@@ -34,6 +40,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 
 
 class _OnFirstUse:
@@ -139,3 +146,27 @@ def without_scipy_blas_probe(_arraymath, run) -> None:
     finally:
         if _BLAS_PROBE in sys.modules and sys.modules[_BLAS_PROBE] is None:
             del sys.modules[_BLAS_PROBE]
+
+
+class _NoMaskedArrays:
+    """numpy.ma as numba's typeof sees it before numpy.ma is imported."""
+
+    class MaskedArray:
+        """Of which nothing is an instance: a masked array needs numpy.ma imported."""
+
+
+class _NumpyView(types.ModuleType):
+    """numpy, except that `ma` is _NoMaskedArrays until numpy.ma is imported."""
+
+    def __getattr__(self, name: str):
+        import numpy
+        if name == "ma" and "numpy.ma" not in sys.modules:
+            return _NoMaskedArrays
+        return getattr(numpy, name)
+
+
+def masked_arrays_on_first_use(typeof) -> None:
+    """numba.core.typing.typeof's functions see numpy through _NumpyView (see the module doc);
+    their registrations, made as the module ran, hold numpy's own types."""
+    if not isinstance(typeof.np, _NumpyView):
+        typeof.np = _NumpyView("numpy")

@@ -100,3 +100,33 @@ def test_the_cache_index_lock_is_on_once_numba_caching_loads(tmp_path):
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == "True"
+
+
+def test_typing_an_array_does_not_import_numpy_ma(tmp_path):
+    """numba's typeof asks every array it types whether it is a np.ma.MaskedArray, which
+    imported numpy.ma (~7 ms) at a process's first kernel call; through numba_start's view
+    of numpy it does not, and a masked array, once numpy.ma is imported, is still refused
+    where numba refuses it (a function's first typing of an array)."""
+    code = textwrap.dedent("""
+        import json, sys
+        import edgeinfer
+        import numba
+        import numpy as np
+        from edgeinfer.formats._string_heads import string_heads   # a kernel from the cache
+        buf = np.array([2, 0, 0, 0, 0, 0, 0, 0, 104, 105], dtype=np.uint8)
+        end = int(string_heads(buf, 0, 1, 16, np.zeros(1, dtype=np.int64)))
+        before = "numpy.ma" in sys.modules
+        import numpy.ma
+        try:        # a function's first call types its array in Python (later ones in C)
+            numba.njit(lambda a: a.sum())(np.ma.masked_array(buf))
+            refused = ""
+        except Exception as e:
+            refused = str(e)
+        print(json.dumps({"end": end, "ma_before": before, "refused": refused}))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["end"] == 10 and out["ma_before"] is False, out
+    assert "MaskedArray" in out["refused"], out

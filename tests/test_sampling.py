@@ -726,3 +726,15 @@ def test_a_chat_models_first_request_does_not_wait_for_drys_breakers(monkeypatch
         gen.lm = SimpleNamespace(engine=engine)
         assert asyncio.run(gen.encode(lambda e: [1, 2, 3])) == [1, 2, 3]
         assert len(looked_up) == expected, own_template
+
+
+def test_distinct_is_np_unique():
+    """The repeat window's distinct ids (sampling._distinct, which leaves numpy.ma
+    unimported) are np.unique's: sorted, each once, the same dtype."""
+    from edgeinfer.runners.sampling import _distinct
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 7, 64, 4096):
+        for dtype in (np.int32, np.int64):
+            a = rng.integers(0, max(1, n // 3), n).astype(dtype)
+            got, want = _distinct(a), np.unique(a)
+            assert got.dtype == want.dtype and np.array_equal(got, want), (n, dtype)
