@@ -102,6 +102,7 @@ def _distinct(a: np.ndarray) -> np.ndarray:
     np.not_equal(s[1:], s[:-1], out=keep[1:])
     return s[keep]
 
+
 class SeqSamplingState:
     """Everything sampling needs to remember about one sequence (one choice of a request).
 

@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
-from edgeinfer.formats import chat_sandbox  # noqa: F401 - the daemon renders every chat
-# prompt: Jinja loads as it starts, not in its first chat request (engines never load it)
+# the daemon renders every chat prompt: Jinja's sandbox loads as it starts, not in its first
+# chat request (engine processes, which render none, never load it)
+from edgeinfer.formats import chat_sandbox  # noqa: F401
 
 from . import anthropic_api, embeddings_api, ollama_api, openai_api, responses_api
 from .errors import APIError
