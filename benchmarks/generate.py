@@ -31,6 +31,7 @@ each engine's peak RSS (slow: N tokens of prefill on each engine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -75,18 +76,19 @@ def _kv_budget(model: str, ctx: int) -> int:
     return ctx * cfg.kv_bytes_per_token(2)
 
 
-def _read_rate(first: bool) -> float:
-    """The memory's read rate for two threads now (common.read_rate, in a process of its
-    own so that this worker's peak RSS stays its own), around the first depth's decode."""
-    if not first:
-        return 0.0
+@contextlib.contextmanager
+def _read_rate_around(res: dict, measure: bool):
+    """res["read_gbs"]: the memory's read rate for this worker's threads just before and
+    after the block (common.read_rate, in a process of its own so that this worker's peak
+    RSS stays its own), averaged; nothing when not `measure` (the depths after the first)."""
+    if not measure:
+        yield
+        return
     from common import read_rate_apart
-    return read_rate_apart(int(os.environ.get("NUMBA_NUM_THREADS", "2")))
-
-
-def _roof_around(res: dict, before: float, first: bool) -> None:
-    if first:
-        res["read_gbs"] = (before + _read_rate(True)) / 2
+    threads = int(os.environ.get("NUMBA_NUM_THREADS", "2"))
+    before = read_rate_apart(threads)
+    yield
+    res["read_gbs"] = (before + read_rate_apart(threads)) / 2
 
 
 def worker_native(model: str, depths: list[int], ctx: int) -> dict:
@@ -114,10 +116,10 @@ def worker_native(model: str, depths: list[int], ctx: int) -> dict:
         t = time.perf_counter()
         engine.generate(ids, greedy)
         res[f"pp{PP}@{d}"] = PP / (time.perf_counter() - t)
-        roof = _read_rate(d == depths[0])
-        out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG, ignore_eos=True))
+        with _read_rate_around(res, d == depths[0]):
+            out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG,
+                                                      ignore_eos=True))
         res[f"tg{TG}@{d}"] = (out.num_output_tokens - 1) / (out.finish_time - out.first_token_time)
-        _roof_around(res, roof, d == depths[0])
         plain = engine.config
         engine.config = dataclasses.replace(plain, speculative=True)   # read at every step
         out = engine.generate(ids, SamplingParams(temperature=0, max_tokens=TG, ignore_eos=True))
@@ -153,13 +155,12 @@ def worker_llamacpp(model: str, depths: list[int], ctx: int, threads: int, fa: b
         llm.eval(ids[d:])
         res[f"pp{PP}@{d}"] = PP / (time.perf_counter() - t)
         tok = last_argmax()
-        roof = _read_rate(d == depths[0])
-        t = time.perf_counter()
-        for _ in range(TG - 1):
-            llm.eval([tok])
-            tok = last_argmax()
-        res[f"tg{TG}@{d}"] = (TG - 1) / (time.perf_counter() - t)
-        _roof_around(res, roof, d == depths[0])
+        with _read_rate_around(res, d == depths[0]):
+            t = time.perf_counter()
+            for _ in range(TG - 1):
+                llm.eval([tok])
+                tok = last_argmax()
+            res[f"tg{TG}@{d}"] = (TG - 1) / (time.perf_counter() - t)
         res[f"tgspec@{d}"] = res[f"tg{TG}@{d}"]       # no prompt-lookup here: plain decode
     res["peak_rss_mb"] = _rss_mb()
     return res
@@ -210,16 +211,11 @@ def run_worker(args: argparse.Namespace, engine: str, extra: list[str] = ()) -> 
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _fmt(values: list[float]) -> str:
+def _fmt(values: list[float], digits: int = 1) -> str:
     m = statistics.median(values)
     if len(values) == 1:
-        return f"{m:.1f}"
-    return f"{m:.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
-def _fmt2(values: list[float]) -> str:
-    m = statistics.median(values)
-    return f"{m:.2f} ({min(values):.2f}-{max(values):.2f})"
+        return f"{m:.{digits}f}"
+    return f"{m:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def main() -> None:
@@ -290,8 +286,8 @@ def main() -> None:
         cells.append((gbs, share))
     print(f"| {'read GB/s around tg, depth ' + str(depths[0]):34} | {_fmt(cells[0][0]):>22} "
           f"| {_fmt(cells[1][0]):>22} | {'':5} |")
-    print(f"| {'decode: weights read / memory rate':34} | {_fmt2(cells[0][1]):>22} "
-          f"| {_fmt2(cells[1][1]):>22} | {'':5} |")
+    print(f"| {'decode: weights read / memory rate':34} | {_fmt(cells[0][1], 2):>22} "
+          f"| {_fmt(cells[1][1], 2):>22} | {'':5} |")
     if args.rss_context:
         n = args.rss_context
         fill = {e: run_worker(args, f"fill-{e}", ["--fill", str(n)]) for e in ("native", "llamacpp")}
