@@ -36,6 +36,7 @@ edgeinfer/numba_hooks.py runs these as numba's modules load; numba is never impo
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -53,6 +54,18 @@ class _OnFirstUse:
         return getattr(importlib.import_module(self._name), attr)
 
 
+@contextlib.contextmanager
+def _masked(name: str):
+    """`import name` raises ImportError inside the block (sys.modules[name] = None); the
+    mask goes after it, unless the block put the real module there."""
+    sys.modules[name] = None
+    try:
+        yield
+    finally:
+        if name in sys.modules and sys.modules[name] is None:
+            del sys.modules[name]
+
+
 def yaml_on_first_use(config, run) -> None:
     """numba.core.config, run without importing PyYAML (see the module doc)."""
     defer = ("yaml" not in sys.modules and not os.path.isfile(".numba_config.yaml")
@@ -63,12 +76,8 @@ def yaml_on_first_use(config, run) -> None:
     # the mask is process-wide: keep its window to config's own code, which imports
     # llvmlite's binding (its shared library: the slow part) first
     import llvmlite.binding  # noqa: F401
-    sys.modules["yaml"] = None          # numba's `import yaml` raises ImportError
-    try:
+    with _masked("yaml"):               # numba's `import yaml` raises ImportError
         run()
-    finally:
-        if "yaml" in sys.modules and sys.modules["yaml"] is None:
-            del sys.modules["yaml"]
     if getattr(config, "_HAVE_YAML", None) is False:
         config.yaml, config._HAVE_YAML = _OnFirstUse("yaml"), True
 
@@ -140,12 +149,8 @@ def without_scipy_blas_probe(_arraymath, run) -> None:
     if _BLAS_PROBE in sys.modules:
         run()
         return
-    sys.modules[_BLAS_PROBE] = None         # makes `import scipy.linalg.cython_blas` fail
-    try:
+    with _masked(_BLAS_PROBE):              # `import scipy.linalg.cython_blas` fails
         run()
-    finally:
-        if _BLAS_PROBE in sys.modules and sys.modules[_BLAS_PROBE] is None:
-            del sys.modules[_BLAS_PROBE]
 
 
 class _NoMaskedArrays:
